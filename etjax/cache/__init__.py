@@ -1,0 +1,1 @@
+"""The paged KV cache: device page pool and host-side page allocation."""

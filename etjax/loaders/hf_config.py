@@ -1,0 +1,104 @@
+"""Translate a Hugging Face `config.json` into a `ModelConfig`, refusing what etjax can't run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from etjax.errors import ModelLoadError
+from etjax.model.config import Llama3RopeScaling, ModelConfig
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+def read_hf_config(path: Path, dtype: str) -> ModelConfig:
+    """Parse `path` (a config.json) into a `ModelConfig` with the given compute dtype."""
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: config.json not found") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return hf_config_to_model_config(raw, dtype, source=str(path))
+
+
+def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> ModelConfig:
+    """Map config.json fields to a `ModelConfig`; errors name `source` and the field."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{source}: model_type={model_type!r} is not supported; etjax runs the Llama family "
+            f"{SUPPORTED_MODEL_TYPES}"
+        )
+
+    def field(name: str, default: Any = ...) -> Any:
+        if name in raw and raw[name] is not None:
+            return raw[name]
+        if default is ...:
+            raise ModelLoadError(f"{source}: required field {name!r} is missing")
+        return default
+
+    act = field("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
+    if field("mlp_bias", False):
+        raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
+
+    num_heads = int(field("num_attention_heads"))
+    hidden = int(field("hidden_size"))
+    rope_params = raw.get("rope_parameters") or {}
+    rope_theta = float(rope_params.get("rope_theta", field("rope_theta", 10000.0)))
+    max_positions = int(field("max_position_embeddings", 4096))
+    max_positions = min(max_positions, _sliding_window_limit(raw, model_type) or max_positions)
+
+    return ModelConfig(
+        vocab_size=int(field("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(field("intermediate_size")),
+        num_layers=int(field("num_hidden_layers")),
+        num_heads=num_heads,
+        num_kv_heads=int(field("num_key_value_heads", num_heads)),
+        head_dim=int(field("head_dim", hidden // num_heads)),
+        rope_theta=rope_theta,
+        rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(field("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(field("attention_bias", False)),
+        rope_scaling=_rope_scaling(raw, rope_params, source),
+        dtype=dtype,
+    )
+
+
+def _rope_scaling(raw: dict, rope_params: dict, source: str) -> Llama3RopeScaling | None:
+    # transformers 4 writes `rope_scaling`; transformers 5 folds it into `rope_parameters`.
+    scaling = raw.get("rope_scaling") or rope_params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ModelLoadError(
+            f"{source}: rope_scaling type {rope_type!r} is not supported; allowed: default, llama3"
+        )
+    try:
+        return Llama3RopeScaling(
+            factor=float(scaling["factor"]),
+            low_freq_factor=float(scaling["low_freq_factor"]),
+            high_freq_factor=float(scaling["high_freq_factor"]),
+            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{source}: llama3 rope_scaling lacks the field {e.args[0]!r}") from None
+
+
+def _sliding_window_limit(raw: dict, model_type: str) -> int | None:
+    # etjax attends to the whole context. Within a sliding window that is exact, so a model with
+    # one is served with its context capped at the window rather than silently approximated.
+    window = raw.get("sliding_window")
+    if window is None:
+        return None
+    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        return None
+    return int(window)

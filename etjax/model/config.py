@@ -1,0 +1,84 @@
+"""Model configuration: the hyper-parameters of a Llama-family decoder, frozen and hashable.
+
+A `ModelConfig` is passed to jitted functions as a static argument, so it must be hashable and
+must never hold arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama-3.1 style frequency-dependent RoPE scaling (`rope_type: "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM).
+
+    `dtype` is the dtype of weights, activations and the KV cache; norms, softmax and logits are
+    always accumulated in float32.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 adds a bias to the q, k and v projections.
+    rope_scaling: Llama3RopeScaling | None = None
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"ModelConfig.dtype={self.dtype!r}; allowed: {SUPPORTED_DTYPES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (grouped-query attention)."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def qkv_size(self) -> int:
+        """Width of the fused q|k|v projection."""
+        return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def with_dtype(self, dtype: str) -> ModelConfig:
+        return dataclasses.replace(self, dtype=dtype)
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameter count (tied embeddings counted once)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * self.qkv_size + self.num_heads * hd * d
+        if self.attention_bias:
+            attn += self.qkv_size
+        per_layer = attn + 3 * d * f + 2 * d
+        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + d

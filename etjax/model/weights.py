@@ -1,0 +1,147 @@
+"""The weights pytree of a Llama-family decoder.
+
+Layers are a tuple of per-layer pytrees rather than arrays stacked on a layer axis: the decode
+step unrolls its layer loop, and a static slice of a stacked array would be materialised as a
+copy before each matrix product on XLA:CPU, doubling the bytes read per step.
+
+Projections are stored input-major (`x @ w`) and fused where they share an input: q|k|v in one
+matrix and gate|up in another, so each layer runs two large products instead of five small ones.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from etjax.model.config import ModelConfig
+
+
+@flax.struct.dataclass
+class LayerWeights:
+    """One decoder layer. D = hidden, F = intermediate, Q = qkv width, A = heads * head_dim."""
+
+    attn_norm: jax.Array  # [D]
+    wqkv: jax.Array  # [D, Q]  columns: q heads | k heads | v heads, Hugging Face (half-split) RoPE layout
+    bqkv: jax.Array | None  # [Q] or None (only Qwen2-style attention_bias)
+    wo: jax.Array  # [A, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate_up: jax.Array  # [D, 2F]  columns: gate | up
+    w_down: jax.Array  # [F, D]
+
+
+@flax.struct.dataclass
+class Weights:
+    """All weights of a decoder. V = vocabulary."""
+
+    embed: jax.Array  # [V, D]
+    layers: tuple[LayerWeights, ...]
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [D, V], or None when tied to `embed`
+
+
+def layer_from_projections(
+    *,
+    attn_norm: np.ndarray,
+    wq: np.ndarray,
+    wk: np.ndarray,
+    wv: np.ndarray,
+    wo: np.ndarray,
+    mlp_norm: np.ndarray,
+    w_gate: np.ndarray,
+    w_up: np.ndarray,
+    w_down: np.ndarray,
+    bq: np.ndarray | None = None,
+    bk: np.ndarray | None = None,
+    bv: np.ndarray | None = None,
+) -> dict[str, np.ndarray | None]:
+    """Fuse Hugging Face-layout projections (out-major, `[out, in]`) into `LayerWeights` fields.
+
+    Returns host arrays; `weights_to_device` casts and places them.
+    """
+    bias = None if bq is None else np.concatenate([bq, bk, bv], axis=0)
+    return dict(
+        attn_norm=attn_norm,
+        wqkv=np.concatenate([wq, wk, wv], axis=0).T,
+        bqkv=bias,
+        wo=wo.T,
+        mlp_norm=mlp_norm,
+        w_gate_up=np.concatenate([w_gate, w_up], axis=0).T,
+        w_down=w_down.T,
+    )
+
+
+def weights_to_device(
+    *,
+    embed: np.ndarray,
+    layers: list[dict[str, np.ndarray | None]],
+    final_norm: np.ndarray,
+    lm_head: np.ndarray | None,
+    cfg: ModelConfig,
+) -> Weights:
+    """Cast host arrays to the config dtype and place them on the default device.
+
+    Norm scales stay float32: they are tiny and RMSNorm runs in float32 anyway.
+    `lm_head` is given Hugging Face-layout (`[V, D]`) and stored input-major.
+    """
+    dtype = cfg.jnp_dtype
+
+    def put(a: np.ndarray | None, keep_f32: bool = False) -> jax.Array | None:
+        if a is None:
+            return None
+        return jnp.asarray(np.ascontiguousarray(a), dtype=jnp.float32 if keep_f32 else dtype)
+
+    layer_trees = tuple(
+        LayerWeights(
+            attn_norm=put(layer["attn_norm"], keep_f32=True),
+            wqkv=put(layer["wqkv"]),
+            bqkv=put(layer["bqkv"]),
+            wo=put(layer["wo"]),
+            mlp_norm=put(layer["mlp_norm"], keep_f32=True),
+            w_gate_up=put(layer["w_gate_up"]),
+            w_down=put(layer["w_down"]),
+        )
+        for layer in layers
+    )
+    return Weights(
+        embed=put(embed),
+        layers=layer_trees,
+        final_norm=put(final_norm, keep_f32=True),
+        lm_head=None if lm_head is None else put(lm_head.T),
+    )
+
+
+def check_weights_shapes(weights: Weights, cfg: ModelConfig, source: str) -> None:
+    """Raise ValueError naming `source` and the field if any weight has the wrong shape."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    a = cfg.num_heads * cfg.head_dim
+    expected = {
+        "embed": (cfg.vocab_size, d),
+        "final_norm": (d,),
+    }
+    if weights.lm_head is not None:
+        expected["lm_head"] = (d, cfg.vocab_size)
+    for name, shape in expected.items():
+        got = getattr(weights, name).shape
+        if got != shape:
+            raise ValueError(f"{source}: {name} has shape {got}, expected {shape} from the config")
+    if len(weights.layers) != cfg.num_layers:
+        raise ValueError(
+            f"{source}: found {len(weights.layers)} layers, config says {cfg.num_layers}"
+        )
+    layer_expected = {
+        "attn_norm": (d,),
+        "wqkv": (d, cfg.qkv_size),
+        "wo": (a, d),
+        "mlp_norm": (d,),
+        "w_gate_up": (d, 2 * f),
+        "w_down": (f, d),
+    }
+    for i, layer in enumerate(weights.layers):
+        for name, shape in layer_expected.items():
+            got = getattr(layer, name).shape
+            if got != shape:
+                raise ValueError(
+                    f"{source}: layer {i} {name} has shape {got}, expected {shape} from the config"
+                )
