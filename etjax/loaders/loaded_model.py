@@ -1,0 +1,28 @@
+"""A model ready to run: its config, device weights and tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from etjax.model.config import ModelConfig
+from etjax.model.weights import Weights
+from etjax.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, eq=False)
+class Model:
+    """What `etjax.load_model` returns; pass it to `etjax.decode(model=...)`."""
+
+    config: ModelConfig
+    weights: Weights
+    tokenizer: Tokenizer
+    name: str
+    source: Path
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Model({self.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, "
+            f"vocab={c.vocab_size}, dtype={c.dtype}, params={c.num_parameters / 1e6:.1f}M)"
+        )

@@ -1,0 +1,75 @@
+"""`load_model`: turn a name or a path into a `Model`, whatever format it is stored in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from etjax.errors import ModelLoadError
+from etjax.loaders import checkpoint
+from etjax.loaders.embedded import EMBEDDED_MODEL_NAME, smollm2_gguf_path
+from etjax.loaders.gguf_weights import gguf_model_config, load_gguf_weights, open_gguf
+from etjax.loaders.hf_config import read_hf_config
+from etjax.loaders.loaded_model import Model
+from etjax.loaders.safetensors_weights import load_safetensors_weights
+from etjax.model.config import SUPPORTED_DTYPES
+from etjax.tokenizer import Tokenizer
+
+_EMBEDDED_ALIASES = {EMBEDDED_MODEL_NAME, "smollm2", "smollm2-135m"}
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_PICKLE_REFUSAL = (
+    "is a pickle checkpoint, which etjax refuses to load: unpickling runs arbitrary code from the "
+    "file. Convert it to safetensors (e.g. transformers' `model.save_pretrained(dir, "
+    "safe_serialization=True)`) or use a GGUF file"
+)
+
+
+def load_model(name_or_path: str | Path | None = None, *, dtype: str = "float32") -> Model:
+    """Load a model by name or path.
+
+    Accepts None or "smollm2-135m-instruct" (the embedded default), a `.gguf` file, a Hugging
+    Face directory (config.json, *.safetensors, tokenizer.json) or a directory written by
+    `etjax convert`. `dtype` is "float32" or "bfloat16". Never downloads anything.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ModelLoadError(f"dtype={dtype!r} is not supported; allowed: {SUPPORTED_DTYPES}")
+    if name_or_path is None or str(name_or_path).lower() in _EMBEDDED_ALIASES:
+        return _load_gguf(smollm2_gguf_path(), dtype, name=EMBEDDED_MODEL_NAME)
+    path = Path(name_or_path).expanduser()
+    if path.suffix in _PICKLE_SUFFIXES:
+        raise ModelLoadError(f"{path} {_PICKLE_REFUSAL}")
+    if path.suffix == ".gguf" and not path.is_file():
+        raise ModelLoadError(f"{path}: GGUF file not found")
+    if path.is_file():
+        if path.suffix == ".gguf":
+            return _load_gguf(path, dtype, name=path.stem)
+        raise ModelLoadError(
+            f"{path}: unrecognised model file; expected a .gguf file or a model directory"
+        )
+    if path.is_dir():
+        if checkpoint.is_etjax_checkpoint(path):
+            return checkpoint.restore_model(path, dtype)
+        if (path / "config.json").is_file():
+            return _load_hf_dir(path, dtype)
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelLoadError(f"{path / pickles[0]} {_PICKLE_REFUSAL}")
+        raise ModelLoadError(
+            f"{path}: no config.json (Hugging Face directory) or etjax checkpoint found"
+        )
+    raise ModelLoadError(
+        f"'{name_or_path}' is neither a known model name ({sorted(_EMBEDDED_ALIASES)}) nor an "
+        "existing file or directory; etjax never downloads weights, so pass a local path"
+    )
+
+
+def _load_gguf(path: Path, dtype: str, name: str) -> Model:
+    reader = open_gguf(path)
+    cfg = gguf_model_config(reader, dtype)
+    weights = load_gguf_weights(reader, cfg)
+    return Model(cfg, weights, Tokenizer.from_gguf(path), name=name, source=path)
+
+
+def _load_hf_dir(path: Path, dtype: str) -> Model:
+    cfg = read_hf_config(path / "config.json", dtype)
+    weights = load_safetensors_weights(path, cfg)
+    return Model(cfg, weights, Tokenizer.from_hf_dir(path), name=path.name, source=path)

@@ -1,0 +1,1 @@
+"""The Llama-family decoder: config, weights pytree, layers and forward pass."""

@@ -1,0 +1,1 @@
+"""Running a model: jitted prefill and decode steps, sampling, and the host generation loop."""

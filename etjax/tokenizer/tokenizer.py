@@ -1,0 +1,698 @@
+"""Text <-> token ids for etjax, built on the Hugging Face ``tokenizers`` library.
+
+Two sources are supported:
+
+* a GGUF file (``Tokenizer.from_gguf``) whose ``tokenizer.ggml.model`` is ``"gpt2"`` (byte-level
+  BPE: GPT-2, Llama 3, Qwen 2, SmolLM, ...). The tokenizer is rebuilt from the GGUF metadata so
+  that it produces exactly the ids transformers 5 produces for
+  ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``.
+* a Hugging Face model folder (``Tokenizer.from_hf_dir``) holding ``tokenizer.json``, loaded the
+  way transformers' generic ``TokenizersBackend`` loads it.
+
+Special-token rules (documented here once, used by both loaders):
+
+* ``bos_token_id`` is the declared BOS (GGUF ``tokenizer.ggml.bos_token_id``; HF
+  ``tokenizer_config.json``/``special_tokens_map.json`` ``bos_token``, else
+  ``generation_config.json`` ``bos_token_id``). ``encode`` prepends it only when the tokenizer
+  says so (``add_bos_token``; GGUF ``tokenizer.ggml.add_bos_token``, default False for gpt2
+  vocabularies as in transformers; HF: only the ``tokenizer.json`` post-processor, because
+  transformers 5 ignores ``add_bos_token``/``add_eos_token`` in ``tokenizer_config.json`` when
+  ``tokenizer.json`` exists).
+* ``eos_token_ids`` are all ids that end generation: the declared EOS first, then, in ascending
+  id order, (a) GGUF ``tokenizer.ggml.eot_token_id``/``eom_token_id`` and HF
+  ``generation_config.json`` ``eos_token_id`` (an int or a list), and (b) every token of
+  ``END_OF_TURN_TOKENS`` that is in the vocabulary *and registered as a special token*. A chat
+  model declares one EOS but ends its turns with ``<|im_end|>``/``<|eot_id|>``, and a base model
+  ends documents with ``<|endoftext|>``; stopping on any of them is always right, while requiring
+  "special" keeps ordinary text that happens to spell such a string from stopping generation.
+  ``<|end|>`` is deliberately not in the list: gpt-oss emits it between channels mid-answer
+  (Phi-3, which ends turns with it, declares it through eot/generation_config instead).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from gguf import GGUFReader
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from etjax.errors import TokenizerError
+from etjax.tokenizer.chat_template import ChatTemplate
+
+# Tokens that end a turn or a document in common chat/base models; see the module docstring.
+END_OF_TURN_TOKENS: tuple[str, ...] = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<end_of_turn>",
+)
+
+# Named special tokens, as transformers passes them to chat templates.
+_SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+# llama.cpp's token types (enum llama_token_type) that matter for matching text.
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Pre-tokenizer split patterns by GGUF ``tokenizer.ggml.pre`` name (these are llama.cpp's names
+# and the public regexes of each model family). transformers 5 knows exactly these; any other
+# name (``gpt2``, ``smollm``, ``starcoder``, ...) gets plain GPT-2 byte-level splitting, and we
+# must do the same to produce the same ids.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_PRE_SPLITS: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "llama3",
+            "llama-v3",
+            "llama-bpe",
+            "falcon3",
+            "falcon-h1",
+            "pixtral",
+            "midm-2.0",
+            "lfm2",
+            "jina-v5-nano",
+            "dbrx",
+            "smaug-bpe",
+        ),
+        _LLAMA3_SPLIT,
+    ),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
+    "qwen35": _QWEN35_SPLIT,
+    "tekken": _TEKKEN_SPLIT,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
+}
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies.
+
+    Bytes that are printable Latin-1 stand for themselves; the rest (controls, space, ...) are
+    shifted to U+0100 and up, in byte order.
+    """
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(0x100 + shifted)
+            shifted += 1
+    return table
+
+
+_BYTE_TO_CHAR = _byte_to_char()
+_BYTE_ALPHABET = frozenset(_BYTE_TO_CHAR.values())
+
+
+def _byte_level_spelling(token: str) -> str:
+    """How a byte-level vocabulary spells ``token``.
+
+    GGUF files store byte-level tokens already spelled in the byte alphabet, except some added
+    tokens that llama.cpp stored as raw text; those are re-spelled from their UTF-8 bytes (the
+    same rule transformers applies).
+    """
+    if set(token) <= _BYTE_ALPHABET:
+        return token
+    return "".join(_BYTE_TO_CHAR[b] for b in token.encode("utf-8"))
+
+
+def _template_processor(
+    bos: tuple[str, int] | None, eos: tuple[str, int] | None
+) -> processors.TemplateProcessing:
+    """Post-processor that wraps each sequence in the given BOS/EOS (either may be None)."""
+    head = f"{bos[0]}:0 " if bos else ""
+    tail = f" {eos[0]}:0" if eos else ""
+    single = f"{head}$A:0{tail}"
+    pair = (
+        f"{single}{(' ' + bos[0] + ':1') if bos else ''} $B:1{(' ' + eos[0] + ':1') if eos else ''}"
+    )
+    special = [t for t in (bos, eos) if t is not None]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+
+
+def _mark_special(backend: tokenizers.Tokenizer, texts: Iterable[str]) -> None:
+    """Register existing vocabulary entries as special added tokens.
+
+    transformers registers every named special token (and GPT2Tokenizer's default
+    ``<|endoftext|>``) this way, which makes it match whole in text and drop out of
+    ``decode(skip_special_tokens=True)``. Unlike transformers we never *create* a token here:
+    a text absent from the vocabulary would get an id past the model's embedding table.
+    """
+    added = {t.content for t in backend.get_added_tokens_decoder().values()}
+    vocab = backend.get_vocab(with_added_tokens=False)
+    new = []
+    for text in texts:
+        if text in vocab and text not in added:
+            new.append(AddedToken(text, special=True, normalized=False))
+            added.add(text)
+    if new:
+        backend.add_special_tokens(new)
+
+
+class Tokenizer:
+    """A text tokenizer with special-token, chat-template and stop-token knowledge.
+
+    Build one with ``from_gguf`` or ``from_hf_dir``; the constructor takes an already configured
+    ``tokenizers.Tokenizer`` (``backend``). See the module docstring for the BOS/EOS rules.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        extra_eos_token_ids: Iterable[int] = (),
+        chat_template: str | None = None,
+        chat_template_origin: str = "chat_template",
+        special_tokens: Mapping[str, str] | None = None,
+        source: str = "<memory>",
+    ) -> None:
+        self._backend = backend
+        self._source = source
+        self._bos_token_id = bos_token_id
+        self._eos_token_id = eos_token_id
+        self._special_tokens = dict(special_tokens or {})
+        self._chat_template = (
+            ChatTemplate(chat_template, chat_template_origin) if chat_template is not None else None
+        )
+        self._special_ids = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
+        self._eos_token_ids = self._stop_ids(eos_token_id, extra_eos_token_ids)
+        probe = backend.encode("", add_special_tokens=True).ids
+        self._add_bos_token = bos_token_id is not None and probe[:1] == [bos_token_id]
+
+    # ----------------------------------------------------------------------------- loaders
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str] | GGUFReader) -> Tokenizer:
+        """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
+
+        Accepts a path or an open ``gguf.GGUFReader``. Only byte-level BPE vocabularies
+        (``tokenizer.ggml.model == "gpt2"``) are supported. Returns a Tokenizer whose ids match
+        transformers' for the same file; raises TokenizerError naming the file and the field at
+        fault.
+        """
+        if isinstance(path, GGUFReader):
+            reader = path
+            where = str(getattr(getattr(path, "data", None), "filename", None) or "GGUF file")
+        else:
+            where = os.fspath(path)
+            if not Path(where).is_file():
+                raise TokenizerError(f"GGUF file {where} does not exist")
+            try:
+                reader = GGUFReader(where)
+            except Exception as exc:  # gguf raises ValueError/struct.error/... on corrupt files
+                raise TokenizerError(f"{where} is not a readable GGUF file: {exc}") from exc
+        metadata = {}
+        for key, field in reader.fields.items():
+            if key.startswith("tokenizer."):
+                try:
+                    metadata[key] = field.contents()
+                except Exception as exc:  # undecodable strings or malformed arrays
+                    raise TokenizerError(f"{where}: GGUF field {key} is unreadable: {exc}") from exc
+        return cls.from_gguf_metadata(metadata, source=where)
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], source: str = "GGUF") -> Tokenizer:
+        """Build the tokenizer from already-read GGUF ``tokenizer.*`` metadata (key -> value).
+
+        ``source`` names the file in error messages. Returns a Tokenizer; raises TokenizerError.
+        """
+        model = metadata.get("tokenizer.ggml.model")
+        if model is None:
+            raise TokenizerError(f"{source}: GGUF metadata has no tokenizer.ggml.model field")
+        if model != "gpt2":
+            raise TokenizerError(
+                f"{source}: tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) "
+                "vocabularies are supported"
+            )
+        tokens = _string_list(metadata, "tokenizer.ggml.tokens", source)
+        merge_lines = _string_list(metadata, "tokenizer.ggml.merges", source)
+        types = metadata.get("tokenizer.ggml.token_type")
+        if types is not None and (
+            not isinstance(types, Sequence)
+            or len(types) != len(tokens)
+            or not all(isinstance(t, int) for t in types)
+        ):
+            raise TokenizerError(
+                f"{source}: tokenizer.ggml.token_type must be a list of {len(tokens)} integers, "
+                "one per token in tokenizer.ggml.tokens"
+            )
+        types = list(types or ())
+
+        # Later duplicates win, as in a dict built from the list (what transformers does).
+        vocab = {_byte_level_spelling(token): index for index, token in enumerate(tokens)}
+        merges = []
+        for index, line in enumerate(merge_lines):
+            pair = line.split(" ")
+            if len(pair) != 2:
+                raise TokenizerError(
+                    f"{source}: tokenizer.ggml.merges[{index}] is {line!r}; each merge must be "
+                    "two tokens separated by one space"
+                )
+            merges.append((pair[0], pair[1]))
+        try:
+            model_obj = BPE(
+                vocab=vocab,
+                merges=merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
+        except Exception as exc:  # tokenizers raises a bare Exception for unknown merge parts
+            raise TokenizerError(
+                f"{source}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {exc}"
+            ) from exc
+        backend = tokenizers.Tokenizer(model_obj)
+        pre = metadata.get("tokenizer.ggml.pre")
+        split = _GGUF_PRE_SPLITS.get(pre) if isinstance(pre, str) else None
+        if split is None:
+            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        else:
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+        backend.decoder = decoders.ByteLevel()
+
+        # Control tokens become special added tokens so they match whole and can be skipped on
+        # decode. One spelled outside the byte alphabet is a llama.cpp mislabel whose vocabulary
+        # entry is its byte spelling; adding the raw text would mint an id past the vocabulary,
+        # so (like transformers) it is left alone.
+        backend.add_special_tokens(
+            [
+                AddedToken(token, special=True, normalized=False)
+                for token, kind in zip(tokens, types, strict=False)
+                if kind == _TOKEN_TYPE_CONTROL and set(token) <= _BYTE_ALPHABET
+            ]
+        )
+        # User-defined tokens (e.g. <think>) are matched whole by llama.cpp but are not special.
+        known = backend.get_vocab(with_added_tokens=True)
+        backend.add_tokens(
+            [
+                AddedToken(token, special=False, normalized=False)
+                for token, kind in zip(tokens, types, strict=False)
+                if kind == _TOKEN_TYPE_USER_DEFINED and token in known
+            ]
+        )
+
+        ids = {
+            name: _gguf_token_id(metadata, f"tokenizer.ggml.{key}", len(tokens), source)
+            for name, key in (
+                ("bos_token", "bos_token_id"),
+                ("eos_token", "eos_token_id"),
+                ("unk_token", "unknown_token_id"),
+                ("pad_token", "padding_token_id"),
+            )
+        }
+        special_tokens = {name: tokens[i] for name, i in ids.items() if i is not None}
+        # transformers' GPT2Tokenizer also registers its default "<|endoftext|>" as special.
+        _mark_special(backend, [*special_tokens.values(), "<|endoftext|>"])
+
+        bos_id, eos_id = ids["bos_token"], ids["eos_token"]
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
+        backend.post_processor = _template_processor(
+            (tokens[bos_id], bos_id) if add_bos else None,
+            (tokens[eos_id], eos_id) if add_eos else None,
+        )
+
+        extra_eos = [
+            i
+            for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+            if (i := _gguf_token_id(metadata, key, len(tokens), source)) is not None
+        ]
+        template = metadata.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise TokenizerError(f"{source}: tokenizer.chat_template must be a string")
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            extra_eos_token_ids=extra_eos,
+            chat_template=template,
+            chat_template_origin=f"{source}: tokenizer.chat_template",
+            special_tokens=special_tokens,
+            source=source,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load a Hugging Face tokenizer folder: ``tokenizer.json`` plus optional configs.
+
+        Reads ``tokenizer_config.json`` (special tokens, ``chat_template``), ``chat_template.jinja``
+        (preferred over the config's template, as in transformers), ``special_tokens_map.json``
+        and ``generation_config.json`` when present.
+        Returns a Tokenizer; raises TokenizerError naming the missing or corrupt file.
+        """
+        root = Path(path)
+        if not root.is_dir():
+            raise TokenizerError(
+                f"{root} is not a directory; from_hf_dir needs a folder holding tokenizer.json"
+            )
+        tokenizer_file = root / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise TokenizerError(
+                f"{tokenizer_file} is missing; from_hf_dir needs the Hugging Face fast-tokenizer "
+                "file tokenizer.json (slow-only tokenizers such as a lone tokenizer.model are "
+                "not supported)"
+            )
+        raw = _read_json(tokenizer_file)
+        if not isinstance(raw, dict) or "model" not in raw:
+            raise TokenizerError(f"{tokenizer_file} is not a tokenizers file: it has no 'model'")
+        try:
+            backend = tokenizers.Tokenizer.from_str(json.dumps(raw))
+        except Exception as exc:  # tokenizers raises a bare Exception on schema errors
+            raise TokenizerError(
+                f"{tokenizer_file} cannot be loaded by the tokenizers library: {exc}"
+            ) from exc
+
+        config = _optional_json_object(root / "tokenizer_config.json")
+        special_map = _optional_json_object(root / "special_tokens_map.json")
+        generation = _optional_json_object(root / "generation_config.json")
+
+        special_tokens: dict[str, str] = {}
+        for name in _SPECIAL_TOKEN_NAMES:
+            for file_name, table in (
+                ("tokenizer_config.json", config),
+                ("special_tokens_map.json", special_map),
+            ):
+                if table.get(name) is not None:
+                    special_tokens[name] = _token_text(table[name], root / file_name, name)
+                    break
+        _mark_special(backend, special_tokens.values())
+
+        def named_id(name: str) -> int | None:
+            text = special_tokens.get(name)
+            if text is None:
+                return None
+            token_id = backend.token_to_id(text)
+            if token_id is None and name in ("bos_token", "eos_token"):
+                raise TokenizerError(
+                    f"{root}: {name} {text!r} (tokenizer_config.json/special_tokens_map.json) is "
+                    "not in the vocabulary of tokenizer.json"
+                )
+            return token_id
+
+        gen_file = root / "generation_config.json"
+        gen_bos = _id_list(generation.get("bos_token_id"), gen_file, "bos_token_id")
+        gen_eos = _id_list(generation.get("eos_token_id"), gen_file, "eos_token_id")
+        bos_id = named_id("bos_token")
+        if bos_id is None and gen_bos:
+            bos_id = gen_bos[0]
+        eos_id = named_id("eos_token")
+        if eos_id is None and gen_eos:
+            eos_id = gen_eos[0]
+
+        # Whether BOS/EOS are added is left to tokenizer.json's post-processor: transformers 5
+        # drops add_bos_token/add_eos_token from tokenizer_config.json whenever tokenizer.json
+        # exists (save_pretrained bakes them into the post-processor).
+        template, origin = _hf_chat_template(root, config)
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            extra_eos_token_ids=gen_eos,
+            chat_template=template,
+            chat_template_origin=origin,
+            special_tokens=special_tokens,
+            source=str(root),
+        )
+
+    # ----------------------------------------------------------------------------- properties
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (do not mutate it)."""
+        return self._backend
+
+    @property
+    def source(self) -> str:
+        """Where this tokenizer was loaded from (a file or folder path)."""
+        return self._source
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (ids are ``0 .. vocab_size - 1``)."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The declared beginning-of-sequence id, or None when the tokenizer declares none."""
+        return self._bos_token_id
+
+    @property
+    def add_bos_token(self) -> bool:
+        """Whether ``encode(..., add_special_tokens=True)`` prepends ``bos_token_id``."""
+        return self._add_bos_token
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The single declared end-of-sequence id, or None."""
+        return self._eos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """All ids that should stop generation: declared EOS first (rule in module docstring)."""
+        return self._eos_token_ids
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """Named special tokens (``bos_token``, ``eos_token``, ...) mapped to their text."""
+        return dict(self._special_tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template source, or None when the model ships none."""
+        return self._chat_template.source if self._chat_template else None
+
+    # ----------------------------------------------------------------------------- encode/decode
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize ``text``; with ``add_special_tokens`` the BOS/EOS the tokenizer asks for are
+        added. Special-token text such as ``"<|im_start|>"`` maps to its single id. Returns ids.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() takes a str, got {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(
+        self, texts: Sequence[str], add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """Tokenize several texts (in parallel in the Rust backend). Returns one id list each."""
+        encodings = self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Turn ids back into text (invalid UTF-8 becomes U+FFFD). Returns the text.
+
+        Ids the vocabulary does not know (e.g. padding rows of a model's embedding) are skipped.
+        """
+        return self._backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of ``token_id`` (byte-level spelling), or None if unknown."""
+        return self._backend.id_to_token(int(token_id))
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary string ``token``, or None if it is not a token."""
+        return self._backend.token_to_id(token)
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a registered special (control) token."""
+        return int(token_id) in self._special_ids
+
+    # ----------------------------------------------------------------------------- chat
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) with the chat template.
+
+        Output equals transformers' ``apply_chat_template(..., tokenize=False)``. Returns the
+        prompt text; raises TokenizerError if the model has no chat template.
+        """
+        if self._chat_template is None:
+            raise TokenizerError(
+                f"{self._source} has no chat template (GGUF tokenizer.chat_template, or "
+                "chat_template.jinja / tokenizer_config.json chat_template); use encode() on "
+                "plain text instead"
+            )
+        return self._chat_template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            documents=documents,
+            special_tokens=self._special_tokens,
+            **template_kwargs,
+        )
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Render ``messages`` with the chat template and tokenize the result. Returns ids.
+
+        Like transformers, no BOS/EOS is added: the template writes the special tokens it wants.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+    # ----------------------------------------------------------------------------- internals
+
+    def _stop_ids(self, declared: int | None, extra: Iterable[int]) -> tuple[int, ...]:
+        others = set(int(i) for i in extra)
+        for text in END_OF_TURN_TOKENS:
+            token_id = self._backend.token_to_id(text)
+            if token_id is not None and self.is_special(token_id):
+                others.add(token_id)
+        head = [declared] if declared is not None else []
+        return tuple(head + sorted(others - set(head)))
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(source={self._source!r}, vocab_size={self.vocab_size}, "
+            f"bos_token_id={self._bos_token_id}, eos_token_ids={self._eos_token_ids})"
+        )
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+def _string_list(metadata: Mapping[str, Any], key: str, source: str) -> list[str]:
+    value = metadata.get(key)
+    if value is None:
+        raise TokenizerError(f"{source}: GGUF metadata has no {key} field")
+    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
+        raise TokenizerError(f"{source}: {key} must be an array of strings")
+    return list(value)
+
+
+def _gguf_token_id(metadata: Mapping[str, Any], key: str, count: int, source: str) -> int | None:
+    value = metadata.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
+        raise TokenizerError(
+            f"{source}: {key} is {value!r}; it must be a token id in 0..{count - 1}"
+        )
+    return value
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TokenizerError(f"{path} is not UTF-8 text: {exc}") from None
+    except OSError as exc:
+        raise TokenizerError(f"{path} cannot be read: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TokenizerError(
+            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}"
+        ) from None
+
+
+def _optional_json_object(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    value = _read_json(path)
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{path} must hold a JSON object, not {type(value).__name__}")
+    return value
+
+
+def _token_text(value: Any, path: Path, field: str) -> str:
+    # Older files store special tokens as serialized AddedToken objects.
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise TokenizerError(
+            f"{path}: {field} must be a string or an object with a 'content' string"
+        )
+    return value
+
+
+def _id_list(value: Any, path: Path, field: str) -> list[int]:
+    if value is None:
+        return []
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+        raise TokenizerError(f"{path}: {field} must be a token id or a list of token ids")
+    return items
+
+
+def _hf_chat_template(root: Path, config: Mapping[str, Any]) -> tuple[str | None, str]:
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise TokenizerError(f"{jinja_file} cannot be read as UTF-8 text: {exc}") from None
+    origin = f"{root / 'tokenizer_config.json'}: chat_template"
+    template = config.get("chat_template")
+    if template is None or isinstance(template, str):
+        return template, origin
+    # A list of named templates: the one transformers uses by default is "default".
+    if isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("name"), str) for t in template
+    ):
+        named = {t["name"]: t.get("template") for t in template}
+        if isinstance(named.get("default"), str):
+            return named["default"], f"{origin}[default]"
+        raise TokenizerError(
+            f"{origin} lists templates {sorted(named)} but none named 'default' holding a string"
+        )
+    raise TokenizerError(f"{origin} must be a string or a list of {{name, template}} objects")

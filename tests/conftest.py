@@ -1,0 +1,123 @@
+"""Shared fixtures: the real SmolLM2 model (etjax and transformers) and tiny random HF models."""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def lee_articles() -> list[str]:
+    """The 300 news articles of gensim's Lee background corpus, one per line."""
+    path = importlib.resources.files("gensim") / "test" / "test_data" / "lee_background.cor"
+    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def lee() -> list[str]:
+    return lee_articles()
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from etjax.loaders.embedded import smollm2_gguf_path
+
+    return smollm2_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """etjax's float32 SmolLM2-135M-Instruct."""
+    import etjax
+
+    return etjax.load_model(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_path):
+    """transformers' float32 SmolLM2 built from the same GGUF (the numerical reference)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        smollm2_path.parent, gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name)
+
+
+TINY_VOCAB = 49152  # SmolLM2's, so the tiny models can reuse its real tokenizer
+
+
+def _tiny_config(kind: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        # Larger than the default 0.02 so logits are far from uniform and errors would show.
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if kind == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if kind == "llama3":
+        return LlamaConfig(
+            **common,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+        )
+    if kind == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=False)
+    raise ValueError(kind)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory, hf_smollm2_tokenizer):
+    """Build (once) and return a directory holding a tiny random model of the given kind."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    made: dict[str, Path] = {}
+
+    def make(kind: str) -> Path:
+        if kind not in made:
+            torch.manual_seed({"llama": 0, "llama3": 1, "qwen2": 2}[kind])
+            model = AutoModelForCausalLM.from_config(_tiny_config(kind), dtype=torch.float32)
+            directory = tmp_path_factory.mktemp(f"tiny-{kind}")
+            model.save_pretrained(directory)
+            hf_smollm2_tokenizer.save_pretrained(directory)
+            made[kind] = directory
+        return made[kind]
+
+    return make
+
+
+def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
+    """max |ours - reference| over max |reference|: the scale-free error of a logit tensor."""
+    return float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))

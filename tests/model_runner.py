@@ -1,0 +1,29 @@
+"""Test helpers that run etjax's forward pass directly, with a fresh cache per call."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from etjax.cache.kv_cache import init_kv_cache
+from etjax.model.config import ModelConfig
+from etjax.model.transformer import forward, logits_from_hidden
+from etjax.model.weights import Weights
+
+
+def full_logits(weights: Weights, cfg: ModelConfig, ids: np.ndarray, page_size: int = 16):
+    """Logits [B, S, V] of a whole padded batch `ids` [B, S] run as one prefill."""
+    b, s = ids.shape
+    pages_per_row = -(-s // page_size)
+    cache = init_kv_cache(cfg, 1 + b * pages_per_row, page_size)
+    table = 1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row)
+    positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+    hidden, _ = _forward(
+        weights, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(positions),
+        jnp.ones((b, s), bool), jnp.asarray(table), cfg,
+    )
+    return np.asarray(logits_from_hidden(weights, hidden))
+
+
+_forward = jax.jit(forward, static_argnames="cfg")

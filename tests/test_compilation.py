@@ -1,0 +1,45 @@
+"""Static shapes: after warm-up, prompts of new lengths must not trigger recompilation."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+import etjax
+from etjax.runtime.generate import SamplingSettings, generate_ids
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture
+def backend_compiles():
+    """A counter of XLA backend compilations, read through jax.monitoring."""
+    count = [0]
+
+    def listener(event: str, duration: float, **_: object) -> None:
+        if event == _BACKEND_COMPILE:
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield count
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_no_recompilation_after_warmup(tiny_hf_dir, backend_compiles):
+    model = etjax.load_model(tiny_hf_dir("llama"))
+    rng = np.random.default_rng(0)
+
+    def run(lengths: list[int], max_new: int) -> None:
+        prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in lengths]
+        settings = [SamplingSettings(max_new_tokens=max_new, temperature=0.7)] * len(prompts)
+        generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
+
+    # Warm-up: two prompts in the 16-token prefill bucket, two in the 32-token one.
+    run([9, 20, 14, 30], max_new=20)
+    warm = backend_compiles[0]
+    assert warm > 0
+    # New lengths, new order, other token budgets: every shape falls in a warmed bucket.
+    run([27, 5, 18, 11], max_new=24)
+    run([12, 25, 31, 3], max_new=13)
+    assert backend_compiles[0] == warm
