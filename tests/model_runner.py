@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.model.config import ModelConfig
@@ -20,8 +20,13 @@ def full_logits(weights: Weights, cfg: ModelConfig, ids: np.ndarray, page_size: 
     table = 1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row)
     positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
     hidden, _ = _forward(
-        weights, cache, jnp.asarray(ids, jnp.int32), jnp.asarray(positions),
-        jnp.ones((b, s), bool), jnp.asarray(table), cfg,
+        weights,
+        cache,
+        jnp.asarray(ids, jnp.int32),
+        jnp.asarray(positions),
+        jnp.ones((b, s), bool),
+        jnp.asarray(table),
+        cfg,
     )
     return np.asarray(logits_from_hidden(weights, hidden))
 

@@ -28,20 +28,20 @@ def test_missing_gguf_file(tmp_path):
 def test_corrupt_gguf_file(tmp_path):
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF" + b"\x00" * 64)
-    with pytest.raises(ModelLoadError, match="broken.gguf"):
+    with pytest.raises(ModelLoadError, match=r"broken\.gguf"):
         etjax.load_model(path)
 
 
 def test_truncated_real_gguf(tmp_path, smollm2_path):
     path = tmp_path / "truncated.gguf"
-    path.write_bytes(smollm2_path.read_bytes()[: 5_000_000])
-    with pytest.raises(ModelLoadError, match="truncated.gguf"):
+    path.write_bytes(smollm2_path.read_bytes()[:5_000_000])
+    with pytest.raises(ModelLoadError, match=r"truncated\.gguf"):
         etjax.load_model(path)
 
 
 def test_pickle_checkpoint_is_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
-    with pytest.raises(ModelLoadError, match="pickle.*safetensors"):
+    with pytest.raises(ModelLoadError, match=r"pickle.*safetensors"):
         etjax.load_model(tmp_path)
     with pytest.raises(ModelLoadError, match="pickle"):
         etjax.load_model(tmp_path / "pytorch_model.bin")
@@ -68,7 +68,7 @@ def test_corrupt_config_and_missing_weights(tiny_hf_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="safetensors"):
         etjax.load_model(directory)
     (directory / "config.json").write_text("{not json")
-    with pytest.raises(ModelLoadError, match="config.json"):
+    with pytest.raises(ModelLoadError, match=r"config\.json"):
         etjax.load_model(directory)
 
 
@@ -78,7 +78,7 @@ def test_corrupt_safetensors(tiny_hf_dir, tmp_path):
     directory = tmp_path / "corrupt"
     shutil.copytree(tiny_hf_dir("llama"), directory)
     (directory / "model.safetensors").write_bytes(b"\x10\x00\x00\x00garbage")
-    with pytest.raises(ModelLoadError, match="model.safetensors"):
+    with pytest.raises(ModelLoadError, match=r"model\.safetensors"):
         etjax.load_model(directory)
 
 

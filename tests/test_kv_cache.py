@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.loaders.hf_config import read_hf_config
-from etjax.loaders.safetensors_weights import load_safetensors_weights
 from etjax.runtime.generate import RuntimeOptions, SamplingSettings, generate_ids
 from tests.model_runner import full_logits
 
@@ -32,9 +30,7 @@ def test_cached_steps_equal_full_sequence_logits(tiny, page_size, prompt_len):
     prompt = rng.integers(3, tiny.config.vocab_size, size=prompt_len).tolist()
     settings = SamplingSettings(max_new_tokens=12, ignore_eos=True)
     options = RuntimeOptions(page_size=page_size, steps_per_sync=5, prefill_chunk=8)
-    (out,) = generate_ids(
-        tiny.weights, tiny.config, tiny.tokenizer, [prompt], [settings], options
-    )
+    (out,) = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, [prompt], [settings], options)
     assert len(out.token_ids) == 12
     sequence = np.array([prompt + out.token_ids], dtype=np.int32)
     logits = full_logits(tiny.weights, tiny.config, sequence, page_size=page_size)
@@ -53,8 +49,12 @@ def test_chunked_prefill_equals_single_pass(tiny):
     prompt = rng.integers(3, tiny.config.vocab_size, size=40).tolist()
     options = RuntimeOptions(page_size=4, prefill_chunk=16)
     (out,) = generate_ids(
-        tiny.weights, tiny.config, tiny.tokenizer, [prompt],
-        [SamplingSettings(max_new_tokens=1)], options,
+        tiny.weights,
+        tiny.config,
+        tiny.tokenizer,
+        [prompt],
+        [SamplingSettings(max_new_tokens=1)],
+        options,
     )
     logits = full_logits(tiny.weights, tiny.config, np.array([prompt], np.int32))[0, -1]
     assert out.token_ids == [int(logits.argmax())]
@@ -83,4 +83,3 @@ def test_sampled_sequence_is_the_same_alone_and_batched(tiny):
     alone = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts[1:2], settings[1:2])
     assert alone[0].token_ids == batched[1].token_ids
     assert batched[0].token_ids != batched[2].token_ids  # different seeds, different draws
-

@@ -70,9 +70,7 @@ def restore_model(path: Path, dtype: str) -> Model:
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{manifest_path}: malformed etjax manifest ({e})") from None
     try:
-        weights = ocp.StandardCheckpointer().restore(
-            path / "weights", abstract_weights(saved_cfg)
-        )
+        weights = ocp.StandardCheckpointer().restore(path / "weights", abstract_weights(saved_cfg))
     except Exception as e:  # orbax raises many types for missing or damaged files
         raise ModelLoadError(f"{path / 'weights'}: cannot restore weights ({e})") from None
     cfg = saved_cfg.with_dtype(dtype)

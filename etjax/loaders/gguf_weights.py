@@ -26,7 +26,9 @@ def open_gguf(path: Path) -> GGUFReader:
     try:
         return GGUFReader(path)
     except Exception as e:  # the reader raises ValueError, struct.error, IndexError, ...
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file ({type(e).__name__}: {e})"
+        ) from None
 
 
 def gguf_field(reader: GGUFReader, key: str, default: Any = ...) -> Any:

@@ -90,7 +90,9 @@ def _rope_scaling(raw: dict, rope_params: dict, source: str) -> Llama3RopeScalin
             original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
         )
     except KeyError as e:
-        raise ModelLoadError(f"{source}: llama3 rope_scaling lacks the field {e.args[0]!r}") from None
+        raise ModelLoadError(
+            f"{source}: llama3 rope_scaling lacks the field {e.args[0]!r}"
+        ) from None
 
 
 def _sliding_window_limit(raw: dict, model_type: str) -> int | None:

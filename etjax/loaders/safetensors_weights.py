@@ -88,7 +88,7 @@ def _read_all(files: list[Path]) -> dict[str, np.ndarray]:
         try:
             # The flax framework reads bfloat16, which plain numpy cannot represent.
             with safe_open(str(path), framework="flax") as f:
-                for name in f.keys():
+                for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                     tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
         except Exception as e:  # safetensors raises its own untyped errors for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors file ({e})") from None

@@ -23,7 +23,9 @@ class LayerWeights:
     """One decoder layer. D = hidden, F = intermediate, Q = qkv width, A = heads * head_dim."""
 
     attn_norm: jax.Array  # [D]
-    wqkv: jax.Array  # [D, Q]  columns: q heads | k heads | v heads, Hugging Face (half-split) RoPE layout
+    wqkv: (
+        jax.Array
+    )  # [D, Q]  columns: q heads | k heads | v heads, Hugging Face (half-split) RoPE layout
     bqkv: jax.Array | None  # [Q] or None (only Qwen2-style attention_bias)
     wo: jax.Array  # [A, D]
     mlp_norm: jax.Array  # [D]

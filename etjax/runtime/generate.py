@@ -157,9 +157,11 @@ class _Wave:
             )
             stopped = []
             for k, row in zip(*np.nonzero(emitted), strict=True):
-                if row < n and not self._accept(row, int(tokens[k, row]), float(entropy[k, row])):
-                    if active[row]:  # a stop string ended it before the device knew
-                        stopped.append(row)
+                finished = row < n and not self._accept(
+                    row, int(tokens[k, row]), float(entropy[k, row])
+                )
+                if finished and active[row]:  # a stop string ended it before the device knew
+                    stopped.append(row)
             if stopped:
                 active = active.copy()
                 active[stopped] = False
@@ -264,4 +266,3 @@ class _Wave:
             self._emit(row, self.detokenizers[row].flush())
         if not result.finish_reason:
             result.finish_reason = "length"
-

@@ -81,7 +81,9 @@ def decode_steps(
         num_generated = state.num_generated + state.active
         hit_eos = state.stop_on_eos & jnp.any(next_tokens[:, None] == state.eos_ids, axis=-1)
         done = hit_eos | (num_generated >= state.max_new_tokens)
-        outputs = StepOutputs(tokens=next_tokens, entropy=model_entropy(logits), emitted=state.active)
+        outputs = StepOutputs(
+            tokens=next_tokens, entropy=model_entropy(logits), emitted=state.active
+        )
         state = state.replace(
             tokens=jnp.where(state.active, next_tokens, state.tokens),
             lengths=state.lengths + state.active,

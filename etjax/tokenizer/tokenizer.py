@@ -509,6 +509,24 @@ class Tokenizer:
         """The Jinja chat template source, or None when the model ships none."""
         return self._chat_template.source if self._chat_template else None
 
+    def save(self, directory: str | os.PathLike[str]) -> None:
+        """Write this tokenizer as a Hugging Face folder that ``from_hf_dir`` reads back.
+
+        Writes tokenizer.json, tokenizer_config.json (named special tokens, chat template) and
+        generation_config.json (every stop id, so ``eos_token_ids`` survives the round trip).
+        """
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(root / "tokenizer.json"))
+        config: dict[str, Any] = dict(self._special_tokens)
+        if self._chat_template is not None:
+            config["chat_template"] = self._chat_template.source
+        (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        generation: dict[str, Any] = {"eos_token_id": list(self._eos_token_ids)}
+        if self._bos_token_id is not None:
+            generation["bos_token_id"] = self._bos_token_id
+        (root / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
     # ----------------------------------------------------------------------------- encode/decode
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

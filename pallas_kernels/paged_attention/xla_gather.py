@@ -48,7 +48,9 @@ def paged_attention_xla(
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum(
-        "bkgst,btkd->bskgd", probs.astype(values.dtype), values,
+        "bkgst,btkd->bskgd",
+        probs.astype(values.dtype),
+        values,
         preferred_element_type=jnp.float32,
     )
     return out.reshape(b, s, h, hd).astype(q.dtype)
