@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def next_power_of_two(n: int, minimum: int = 1) -> int:
     """The smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum, 1)
+    n = int(max(n, minimum, 1))
     return 1 << (n - 1).bit_length()
 
 

@@ -139,7 +139,7 @@ class _Wave:
         state = DecodeState(
             tokens=jnp.asarray(first, jnp.int32),
             lengths=jnp.asarray(lengths),
-            page_table=jnp.asarray(table),
+            page_table=jnp.asarray(table[:, :1]),  # narrowed to the live context below
             active=jnp.asarray(active),
             num_generated=jnp.asarray((np.arange(num_rows) < n).astype(np.int32)),
             max_new_tokens=jnp.asarray(max_new),
@@ -148,7 +148,9 @@ class _Wave:
             stop_on_eos=jnp.asarray(stop_on_eos),
             eos_ids=jnp.asarray(self.eos_ids or (-1,), jnp.int32),
         )
+        prompt_lengths = lengths[:n].copy()
         while active.any():
+            state = self._fit_page_table(state, table, prompt_lengths, active)
             state, cache, out = decode_steps(
                 self.weights, cache, state, self.cfg, opts.steps_per_sync
             )
@@ -169,6 +171,21 @@ class _Wave:
         for i in range(n):
             self._finish(i)
         return self.results
+
+    def _fit_page_table(
+        self, state: DecodeState, table: np.ndarray, prompt_lengths: np.ndarray, active: np.ndarray
+    ) -> DecodeState:
+        # Attention reads every page in the table, so pass only as many columns as the longest
+        # active sequence can reach in the coming burst, rounded up to a bucket: the cost then
+        # follows the live context, not the reservation for max_new_tokens.
+        reach = max(
+            prompt_lengths[i] + len(self.results[i].token_ids) + self.options.steps_per_sync
+            for i in np.nonzero(active[: len(prompt_lengths)])[0]
+        )
+        width = min(pages_bucket(pages_needed(reach, self.options.page_size)), table.shape[1])
+        if state.page_table.shape[1] == width:
+            return state
+        return state.replace(page_table=jnp.asarray(table[:, :width]))
 
     def _prefill(
         self,

@@ -33,11 +33,17 @@ def sample_tokens(
     int32, the index among generated tokens of the one being drawn. Returns [B] int32.
     """
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
-    def draw(row_logits: jax.Array, seed: jax.Array, index: jax.Array) -> jax.Array:
-        key = jax.random.fold_in(jax.random.key(seed), index)
-        return jax.random.categorical(key, row_logits).astype(jnp.int32)
+    def with_sampling() -> jax.Array:
+        safe_t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
-    sampled = jax.vmap(draw)(logits / safe_t, seeds, token_index)
-    return jnp.where(temperature > 0, sampled, greedy)
+        def draw(row_logits: jax.Array, seed: jax.Array, index: jax.Array) -> jax.Array:
+            key = jax.random.fold_in(jax.random.key(seed), index)
+            return jax.random.categorical(key, row_logits).astype(jnp.int32)
+
+        sampled = jax.vmap(draw)(logits / safe_t, seeds, token_index)
+        return jnp.where(temperature > 0, sampled, greedy)
+
+    # Drawing Gumbel noise for a whole vocabulary costs more than the argmax on CPU; an all-greedy
+    # batch (benchmarks, most evaluation) skips it at run time without a second compiled program.
+    return jax.lax.cond(jnp.any(temperature > 0), with_sampling, lambda: greedy)
