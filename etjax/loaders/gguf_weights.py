@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from etjax.errors import ModelLoadError
@@ -14,9 +14,8 @@ from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights, layer_from_projections, weights_to_device
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-SUPPORTED_TENSOR_TYPES = tuple(
-    GGMLQuantizationType[name] for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
-)
+# Tensor types are whatever `gguf.quants.dequantize` implements (F32, F16, BF16, the legacy
+# Q4/Q5/Q8 blocks and the K-quants); the rest (Q8_1, Q8_K, integer tensors) are refused by name.
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -97,13 +96,16 @@ def load_gguf_weights(reader: GGUFReader, cfg: ModelConfig) -> Weights:
         tensor = tensors.get(name)
         if tensor is None:
             raise ModelLoadError(f"{source}: tensor {name!r} is missing")
-        if tensor.tensor_type not in SUPPORTED_TENSOR_TYPES:
-            allowed = [t.name for t in SUPPORTED_TENSOR_TYPES]
-            raise ModelLoadError(
-                f"{source}: tensor {name!r} has type {tensor.tensor_type.name}; allowed: {allowed}"
-            )
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest axis first
-        return dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)
+        try:
+            values = dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(
+                f"{source}: tensor {name!r} has type {tensor.tensor_type.name}, which the gguf "
+                "package cannot dequantize; allowed: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 "
+                "and the K-quants (Q2_K..Q6_K)"
+            ) from None
+        return values.reshape(shape).astype(np.float32)
 
     def optional(name: str) -> np.ndarray | None:
         return take(name) if name in tensors else None

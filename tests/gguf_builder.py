@@ -1,0 +1,109 @@
+"""Write small GGUF files from tiny Hugging Face models, the way llama.cpp's converter does.
+
+Used to test etjax's GGUF reader against transformers' on quantization types the embedded
+model does not use. The tokenizer metadata is copied from the real SmolLM2 GGUF.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf.quants import quantize
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's q/k row order for adjacent-pair RoPE (the inverse of what etjax undoes)."""
+    head_dim = w.shape[0] // num_heads
+    return w.reshape(num_heads, 2, head_dim // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(
+    hf_model, path: Path, tokenizer_source: Path, matrix_type: gguf.GGMLQuantizationType
+) -> None:
+    """Write `hf_model` (a transformers LlamaForCausalLM) to `path`.
+
+    Norms stay F32 as in llama.cpp; every matrix is stored as `matrix_type`.
+    """
+    cfg = hf_model.config
+    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(cfg.vocab_size)
+    _copy_tokenizer_metadata(writer, tokenizer_source)
+
+    def matrix(name: str, w: np.ndarray) -> None:
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if matrix_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, w)
+        elif matrix_type == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, w.astype(np.float16))
+        elif matrix_type == gguf.GGMLQuantizationType.Q8_1:
+            # No quantizer exists for Q8_1; zero blocks of the right size stand in for the bytes.
+            block, size = gguf.GGML_QUANT_SIZES[matrix_type]
+            raw = np.zeros((w.shape[0], w.shape[1] // block * size), np.uint8)
+            writer.add_tensor(name, raw, raw_dtype=matrix_type)
+        else:
+            writer.add_tensor(name, quantize(w, matrix_type), raw_dtype=matrix_type)
+
+    matrix("token_embd.weight", state["model.embed_tokens.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        writer.add_tensor(b + "attn_norm.weight", state[p + "input_layernorm.weight"])
+        writer.add_tensor(b + "ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
+        q = llama_cpp_permute(state[p + "self_attn.q_proj.weight"], cfg.num_attention_heads)
+        k = llama_cpp_permute(state[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads)
+        matrix(b + "attn_q.weight", q)
+        matrix(b + "attn_k.weight", k)
+        matrix(b + "attn_v.weight", state[p + "self_attn.v_proj.weight"])
+        matrix(b + "attn_output.weight", state[p + "self_attn.o_proj.weight"])
+        matrix(b + "ffn_gate.weight", state[p + "mlp.gate_proj.weight"])
+        matrix(b + "ffn_up.weight", state[p + "mlp.up_proj.weight"])
+        matrix(b + "ffn_down.weight", state[p + "mlp.down_proj.weight"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        matrix("output.weight", state["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+_TOKENIZER_KEYS = (
+    "tokenizer.ggml.model",
+    "tokenizer.ggml.pre",
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+    "tokenizer.ggml.bos_token_id",
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.chat_template",
+)
+
+
+@functools.cache
+def _tokenizer_metadata(source: Path) -> dict:
+    reader = gguf.GGUFReader(source)
+    return {key: reader.fields[key].contents() for key in _TOKENIZER_KEYS}
+
+
+def _copy_tokenizer_metadata(writer: gguf.GGUFWriter, source: Path) -> None:
+    value = _tokenizer_metadata(source).__getitem__
+    writer.add_tokenizer_model(value("tokenizer.ggml.model"))
+    writer.add_tokenizer_pre(value("tokenizer.ggml.pre"))
+    writer.add_token_list(value("tokenizer.ggml.tokens"))
+    writer.add_token_types(value("tokenizer.ggml.token_type"))
+    writer.add_token_merges(value("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(value("tokenizer.ggml.bos_token_id"))
+    writer.add_eos_token_id(value("tokenizer.ggml.eos_token_id"))
+    writer.add_chat_template(value("tokenizer.chat_template"))
