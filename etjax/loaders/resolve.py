@@ -66,7 +66,7 @@ def _load_gguf(path: Path, dtype: str, name: str) -> Model:
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, dtype)
     weights = load_gguf_weights(reader, cfg)
-    return Model(cfg, weights, Tokenizer.from_gguf(path), name=name, source=path)
+    return Model(cfg, weights, Tokenizer.from_gguf(reader), name=name, source=path)
 
 
 def _load_hf_dir(path: Path, dtype: str) -> Model:

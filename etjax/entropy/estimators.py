@@ -1,0 +1,91 @@
+"""Next-token entropy estimators over a batch of logits, jittable, float32 accumulation.
+
+All take logits [B, V] (any float dtype; `-inf` marks excluded tokens) and return [B] float32
+nats. Conventions: 0 log 0 = 0; a row whose logits are all `-inf` has no distribution and is
+given entropy 0.
+
+The top-k family trades the O(V) p log p pass for a top-k selection: `topk_entropy` counts only
+the k most likely tokens (a lower bound), and `tail_bounds` brackets the entropy of the tail mass
+m = 1 - sum(top-k p) using only that each tail probability is at most p_k, the k-th largest:
+  packed:  -m log p_k          (as few tokens as allowed hold the mass)  <= tail entropy
+  spread:  -m log(m / (V - k)) (the mass spread uniformly)              >= tail entropy
+so `lower <= exact <= upper` holds for every distribution. The normaliser (log-sum-exp) is
+still one O(V) reduction, but a cheaper one than the entropy's exp-multiply-add, and it shards
+across a vocabulary axis as a partial reduction.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_TINY = 1e-30  # keeps log() finite where a mass underflows to 0; the products vanish anyway
+
+
+def _log_normaliser(logits: jax.Array) -> jax.Array:
+    # [B, V] -> [B, 1] float32 log-sum-exp, finite even for all -inf rows.
+    z = logits.astype(jnp.float32)
+    peak = jnp.max(z, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    total = jnp.sum(jnp.exp(z - peak), axis=-1, keepdims=True)
+    return peak + jnp.log(jnp.maximum(total, _TINY))
+
+
+def _xlogx(p: jax.Array, log_p: jax.Array) -> jax.Array:
+    return jnp.where(p > 0, p * log_p, 0.0)
+
+
+def exact_entropy(logits: jax.Array) -> jax.Array:
+    """Exact entropy H = -sum p log p of softmax(logits), [B, V] -> [B]."""
+    log_p = logits.astype(jnp.float32) - _log_normaliser(logits)
+    return -jnp.sum(_xlogx(jnp.exp(log_p), log_p), axis=-1)
+
+
+def entropy_and_varentropy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Entropy and varentropy Var[-log p] (nats^2) of softmax(logits), each [B].
+
+    The varentropy is the slope of entropy in log-temperature, dH/dlog T, which is what the
+    temperature controller's gain condition is stated in (docs/STABILITY.md).
+    """
+    log_p = logits.astype(jnp.float32) - _log_normaliser(logits)
+    p = jnp.exp(log_p)
+    entropy = -jnp.sum(_xlogx(p, log_p), axis=-1)
+    centred = jnp.where(p > 0, log_p + entropy[:, None], 0.0)
+    varentropy = jnp.sum(p * centred * centred, axis=-1)
+    return entropy, varentropy
+
+
+def topk_entropy(logits: jax.Array, k: int) -> jax.Array:
+    """Entropy counted over the k most likely tokens only (normalised over all V): a lower bound."""
+    top, log_z = _top_k(logits, k)
+    log_p = top - log_z
+    return -jnp.sum(_xlogx(jnp.exp(log_p), log_p), axis=-1)
+
+
+def tail_bounds(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Lower and upper bounds on the entropy from the top-k probabilities, each [B].
+
+    With k >= V both equal the exact entropy. The upper bound is the conservative estimate the
+    pruning budget reads: it never understates uncertainty.
+    """
+    vocab = logits.shape[-1]
+    top, log_z = _top_k(logits, k)
+    log_p = top - log_z
+    p = jnp.exp(log_p)
+    head = -jnp.sum(_xlogx(p, log_p), axis=-1)
+    if k >= vocab:
+        return head, head
+    tail_mass = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)
+    log_p_k = log_p[:, -1]  # the k-th largest probability bounds every tail probability
+    lower = head - tail_mass * jnp.where(jnp.isfinite(log_p_k), log_p_k, 0.0)
+    upper = head - tail_mass * (jnp.log(jnp.maximum(tail_mass, _TINY)) - jnp.log(vocab - k))
+    # Rounding in 1 - sum(p) can put a vanishing tail a hair outside the bracket; the packed
+    # bound can never exceed the spread one, so order them explicitly.
+    return jnp.minimum(lower, upper), jnp.maximum(lower, upper)
+
+
+def _top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    # -> top-k logits [B, k'] float32 sorted descending (k' = min(k, V)), log-normaliser [B, 1].
+    z = logits.astype(jnp.float32)
+    top, _ = jax.lax.top_k(z, min(k, z.shape[-1]))
+    return top, _log_normaliser(z)
