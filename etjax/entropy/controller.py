@@ -56,7 +56,7 @@ def controller_step(
     finite: the entropies are computed with 0 log 0 = 0 and u is always clipped.
     """
     temperature = jnp.exp(log_temperature)
-    sampled_entropy = exact_entropy(logits.astype(jnp.float32) / temperature[:, None])
+    sampled_entropy = exact_entropy(logits, temperature)
     error = p.target_entropy - sampled_entropy
     step = jnp.clip(p.gain * error, -p.max_step, p.max_step)
     updated = jnp.clip(log_temperature + step, p.log_t_min, p.log_t_max)

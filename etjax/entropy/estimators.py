@@ -22,6 +22,29 @@ import jax.numpy as jnp
 _TINY = 1e-30  # keeps log() finite where a mass underflows to 0; the products vanish anyway
 
 
+def _shifted(logits: jax.Array, temperature: jax.Array | None = None) -> jax.Array:
+    # [B, V] -> x = (z - max z) / T in float32: the largest entry is exactly 0 and every other is
+    # <= 0 or -inf. Shifting before dividing keeps huge logits and tiny temperatures from
+    # overflowing, and makes every term of the entropy below non-negative.
+    z = logits.astype(jnp.float32)
+    peak = jnp.max(z, axis=-1, keepdims=True)
+    x = z - jnp.where(jnp.isfinite(peak), peak, 0.0)
+    if temperature is not None:
+        x = x / temperature.astype(jnp.float32)[:, None]
+    return jnp.where(jnp.isnan(x), -jnp.inf, x)
+
+
+def _entropy_parts(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    # x from _shifted -> (weights e^x [B, V], their sum S [B, 1], entropy [B]).
+    # H = log S - sum(e^x x) / S: both terms are >= 0 because S >= 1 and x <= 0.
+    w = jnp.exp(x)
+    total = jnp.sum(w, axis=-1, keepdims=True)
+    safe_total = jnp.maximum(total, _TINY)
+    weighted = jnp.sum(jnp.where(w > 0, w * x, 0.0), axis=-1, keepdims=True)
+    entropy = jnp.log(safe_total) - weighted / safe_total
+    return w, safe_total, jnp.where(total[:, 0] > 0, entropy[:, 0], 0.0)
+
+
 def _log_normaliser(logits: jax.Array) -> jax.Array:
     # [B, V] -> [B, 1] float32 log-sum-exp, finite even for all -inf rows.
     z = logits.astype(jnp.float32)
@@ -35,10 +58,9 @@ def _xlogx(p: jax.Array, log_p: jax.Array) -> jax.Array:
     return jnp.where(p > 0, p * log_p, 0.0)
 
 
-def exact_entropy(logits: jax.Array) -> jax.Array:
-    """Exact entropy H = -sum p log p of softmax(logits), [B, V] -> [B]."""
-    log_p = logits.astype(jnp.float32) - _log_normaliser(logits)
-    return -jnp.sum(_xlogx(jnp.exp(log_p), log_p), axis=-1)
+def exact_entropy(logits: jax.Array, temperature: jax.Array | None = None) -> jax.Array:
+    """Exact entropy H = -sum p log p of softmax(logits / T), [B, V] -> [B] (T = 1 if None)."""
+    return _entropy_parts(_shifted(logits, temperature))[2]
 
 
 def entropy_and_varentropy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -47,12 +69,11 @@ def entropy_and_varentropy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     The varentropy is the slope of entropy in log-temperature, dH/dlog T, which is what the
     temperature controller's gain condition is stated in (docs/STABILITY.md).
     """
-    log_p = logits.astype(jnp.float32) - _log_normaliser(logits)
-    p = jnp.exp(log_p)
-    entropy = -jnp.sum(_xlogx(p, log_p), axis=-1)
-    centred = jnp.where(p > 0, log_p + entropy[:, None], 0.0)
-    varentropy = jnp.sum(p * centred * centred, axis=-1)
-    return entropy, varentropy
+    x = _shifted(logits)
+    w, total, entropy = _entropy_parts(x)
+    p = w / total
+    centred = jnp.where(p > 0, x - jnp.log(total) + entropy[:, None], 0.0)
+    return entropy, jnp.sum(p * centred * centred, axis=-1)
 
 
 def topk_entropy(logits: jax.Array, k: int) -> jax.Array:
