@@ -96,9 +96,9 @@ class _Engines:
         self.torch = torch
 
     def run_etjax(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        from etjax.runtime.generate import SamplingSettings, generate_ids
+        from etjax.runtime.generate import RequestSettings, generate_ids
 
-        settings = [SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
+        settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
         outs = generate_ids(
             self.model.weights, self.model.config, self.model.tokenizer, prompts, settings
         )
@@ -122,10 +122,10 @@ class _Engines:
         return time.perf_counter() - started
 
     def prefill_rates(self, lee: list[str], repeats: int) -> dict:
-        from etjax.runtime.generate import SamplingSettings, generate_ids
+        from etjax.runtime.generate import RequestSettings, generate_ids
 
         tokens = self.model.tokenizer.encode(" ".join(lee[:20]))[:PREFILL_TOKENS]
-        settings = [SamplingSettings(max_new_tokens=1, ignore_eos=True)]
+        settings = [RequestSettings(max_new_tokens=1, ignore_eos=True)]
         m = self.model
         generate_ids(m.weights, m.config, m.tokenizer, [tokens], settings)  # compile
         rates: dict[str, list[float]] = {"etjax": [], "transformers": []}
@@ -207,10 +207,10 @@ def _memory_probe(engine: str, new_tokens: int) -> None:
     prompts = [tokenizer.encode(lee[i])[:PROMPT_TOKENS] for i in range(8)]
     if engine == "etjax":
         import etjax
-        from etjax.runtime.generate import SamplingSettings, generate_ids
+        from etjax.runtime.generate import RequestSettings, generate_ids
 
         model = etjax.load_model(path)
-        settings = [SamplingSettings(max_new_tokens=new_tokens, ignore_eos=True)] * 8
+        settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * 8
         generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
     else:
         import torch

@@ -11,7 +11,8 @@ from pathlib import Path
 from etjax.errors import RequestError
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
-from etjax.runtime.generate import RuntimeOptions, SamplingSettings, generate_ids
+from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
+from etjax.sampling.settings import SamplerSettings
 
 __all__ = ["Result", "decode", "load_model"]
 
@@ -20,15 +21,24 @@ __all__ = ["Result", "decode", "load_model"]
 class Result:
     """The outcome of one prompt.
 
-    `entropy[i]` is the model's next-token entropy in nats (temperature 1) of the distribution
-    `token_ids[i]` was drawn from. `finish_reason` is "eos", "stop", "length", or None when the
-    prompt was rejected, in which case `error` says why and nothing was generated.
+    Per generated token i (the trace): `entropy[i]` is the model's next-token entropy in nats at
+    temperature 1 of the distribution `token_ids[i]` was drawn from; `sampled_entropy[i]` the
+    entropy of the distribution actually sampled (after penalties, temperature and filters; 0
+    when greedy); `temperature[i]` the temperature used; `tau[i]` entropic time so far;
+    `cost_flops[i]` and `cost_bytes[i]` the cumulative cost, prompt included
+    (`etjax.entropy.cost`). `finish_reason` is "eos", "stop", "length", or None when the prompt
+    was rejected, in which case `error` says why and nothing was generated.
     """
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    sampled_entropy: list[float] = field(default_factory=list)
+    temperature: list[float] = field(default_factory=list)
+    tau: list[float] = field(default_factory=list)
+    cost_flops: list[float] = field(default_factory=list)
+    cost_bytes: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -44,6 +54,7 @@ def decode(
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     seed: int = 0,
+    sampler: str = "standard",
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
     chat: bool = False,
@@ -52,6 +63,7 @@ def decode(
     max_batch_size: int = 32,
     page_size: int = 16,
     on_text: Callable[[int, str], None] | None = None,
+    **sampler_options: float,
 ) -> list[Result]:
     """Generate a continuation of each prompt.
 
@@ -62,6 +74,7 @@ def decode(
       max_new_tokens: tokens to generate at most (>= 1).
       temperature: 0 for greedy decoding, else the softmax temperature.
       seed: sampling seed; a prompt samples the same tokens alone or in a batch.
+      sampler: "standard", "mirostat_v2", "edt" or "entropic" (see `SamplerSettings`).
       stop: strings that end generation; the text is cut before them.
       ignore_eos: keep generating past end-of-sequence tokens (exactly `max_new_tokens`).
       chat: wrap each prompt as a user turn in the model's chat template.
@@ -69,17 +82,19 @@ def decode(
       raise_on_invalid: raise `RequestError` for an invalid prompt instead of returning a
         `Result` with `error` set (the other prompts are generated either way otherwise).
       on_text: called as `on_text(prompt_index, text_piece)` while text is produced.
+      **sampler_options: any other `etjax.sampling.SamplerSettings` field (top_k, top_p, min_p,
+        typical_p, repetition_penalty, presence_penalty, frequency_penalty, target_entropy,
+        t_min, t_max, gain, entropy_floor, mirostat_tau, edt_theta, ...).
 
     Returns:
       One `Result` per prompt, in order.
     """
     prompt_list = _prompt_list(prompts)
-    settings = SamplingSettings(
+    settings = RequestSettings(
         max_new_tokens=_positive_int("max_new_tokens", max_new_tokens),
-        temperature=_temperature(temperature),
-        seed=_seed(seed),
         ignore_eos=bool(ignore_eos),
         stop=_stop_strings(stop),
+        sampler=_sampler_settings(sampler, temperature, seed, sampler_options),
     )
     options = RuntimeOptions(
         page_size=_positive_int("page_size", page_size),
@@ -111,13 +126,26 @@ def decode(
     )
     for i, out in zip(valid, outputs, strict=True):
         r = results[i]
-        r.text, r.token_ids, r.entropy, r.finish_reason = (
-            out.text,
-            out.token_ids,
+        r.text, r.token_ids, r.finish_reason = out.text, out.token_ids, out.finish_reason
+        r.entropy, r.sampled_entropy, r.temperature = (
             out.entropy,
-            out.finish_reason,
+            out.sampled_entropy,
+            out.temperature,
         )
+        r.tau, r.cost_flops, r.cost_bytes = out.tau, out.cost_flops, out.cost_bytes
     return results
+
+
+def _sampler_settings(
+    sampler: str, temperature: object, seed: object, options: dict[str, float]
+) -> SamplerSettings:
+    known = set(SamplerSettings.__dataclass_fields__) - {"sampler", "temperature", "seed"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise RequestError(f"unknown sampler option {unknown[0]!r}; allowed: {sorted(known)}")
+    return SamplerSettings(
+        sampler=sampler, temperature=_temperature(temperature), seed=_seed(seed), **options
+    )
 
 
 @functools.lru_cache(maxsize=2)

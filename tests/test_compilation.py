@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.runtime.generate import SamplingSettings, generate_ids
+from etjax.runtime.generate import RequestSettings, generate_ids
+from etjax.sampling import SamplerSettings
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
@@ -32,7 +33,9 @@ def test_no_recompilation_after_warmup(tiny_hf_dir, backend_compiles):
 
     def run(lengths: list[int], max_new: int) -> None:
         prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in lengths]
-        settings = [SamplingSettings(max_new_tokens=max_new, temperature=0.7)] * len(prompts)
+        settings = [
+            RequestSettings(max_new_tokens=max_new, sampler=SamplerSettings(temperature=0.7))
+        ] * len(prompts)
         generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
 
     # Warm-up: two prompts in the 16-token prefill bucket, two in the 32-token one.

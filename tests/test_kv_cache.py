@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.runtime.generate import RuntimeOptions, SamplingSettings, generate_ids
+from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
+from etjax.sampling import SamplerSettings
 from tests.model_runner import full_logits
 
 
@@ -24,11 +25,11 @@ def test_cached_steps_equal_full_sequence_logits(tiny, page_size, prompt_len):
     comparing it to the entropy of the full pass's logits at the same positions checks every
     cached step; the greedy tokens must also equal the full pass's argmax.
     """
-    from etjax.runtime.sampling import model_entropy
+    from etjax.entropy.estimators import exact_entropy as model_entropy
 
     rng = np.random.default_rng(prompt_len)
     prompt = rng.integers(3, tiny.config.vocab_size, size=prompt_len).tolist()
-    settings = SamplingSettings(max_new_tokens=12, ignore_eos=True)
+    settings = RequestSettings(max_new_tokens=12, ignore_eos=True)
     options = RuntimeOptions(page_size=page_size, steps_per_sync=5, prefill_chunk=8)
     (out,) = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, [prompt], [settings], options)
     assert len(out.token_ids) == 12
@@ -43,7 +44,7 @@ def test_cached_steps_equal_full_sequence_logits(tiny, page_size, prompt_len):
 def test_chunked_prefill_equals_single_pass(tiny):
     # A 40-token prompt prefilled in chunks of 16 must leave the same next-token distribution as
     # one pass: the first sampled token and its entropy are compared with the full logits.
-    from etjax.runtime.sampling import model_entropy
+    from etjax.entropy.estimators import exact_entropy as model_entropy
 
     rng = np.random.default_rng(7)
     prompt = rng.integers(3, tiny.config.vocab_size, size=40).tolist()
@@ -53,7 +54,7 @@ def test_chunked_prefill_equals_single_pass(tiny):
         tiny.config,
         tiny.tokenizer,
         [prompt],
-        [SamplingSettings(max_new_tokens=1)],
+        [RequestSettings(max_new_tokens=1)],
         options,
     )
     logits = full_logits(tiny.weights, tiny.config, np.array([prompt], np.int32))[0, -1]
@@ -64,7 +65,7 @@ def test_chunked_prefill_equals_single_pass(tiny):
 def test_sequence_alone_equals_batched_with_other_lengths(tiny):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (5, 17, 2, 33)]
-    settings = [SamplingSettings(max_new_tokens=10, ignore_eos=True)] * 4
+    settings = [RequestSettings(max_new_tokens=10, ignore_eos=True)] * 4
     options = RuntimeOptions(page_size=8, steps_per_sync=3)
     batched = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts, settings, options)
     for prompt, together in zip(prompts, batched, strict=True):
@@ -78,7 +79,10 @@ def test_sequence_alone_equals_batched_with_other_lengths(tiny):
 def test_sampled_sequence_is_the_same_alone_and_batched(tiny):
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (6, 11, 23)]
-    settings = [SamplingSettings(max_new_tokens=8, temperature=1.0, seed=s) for s in (5, 6, 7)]
+    settings = [
+        RequestSettings(max_new_tokens=8, sampler=SamplerSettings(temperature=1.0, seed=s))
+        for s in (5, 6, 7)
+    ]
     batched = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts, settings)
     alone = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts[1:2], settings[1:2])
     assert alone[0].token_ids == batched[1].token_ids

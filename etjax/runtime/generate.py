@@ -16,23 +16,26 @@ import numpy as np
 
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.cache.page_allocator import PageAllocator, page_table_rows, pages_needed
+from etjax.entropy.cost import CostModel
+from etjax.entropy.state import initial_entropy_state
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.runtime.buckets import batch_bucket, pages_bucket, prompt_bucket
-from etjax.runtime.state import DecodeState
+from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.steps import decode_steps, prefill_chunk
+from etjax.sampling.sampler import initial_sampler_state
+from etjax.sampling.settings import SamplerSettings, pack_sampler_params
 from etjax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
-    """How one request is sampled and when it stops."""
+class RequestSettings:
+    """How long one request runs, when it stops, and how it samples."""
 
     max_new_tokens: int
-    temperature: float = 0.0
-    seed: int = 0
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
 
 
 @dataclass(frozen=True)
@@ -48,10 +51,15 @@ class RuntimeOptions:
 
 @dataclass
 class SequenceOutput:
-    """What one prompt produced."""
+    """What one prompt produced, with the per-token trace of the entropy signal."""
 
     token_ids: list[int] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)  # model entropy, T = 1, nats
+    sampled_entropy: list[float] = field(default_factory=list)  # of the distribution sampled
+    temperature: list[float] = field(default_factory=list)  # 0 = greedy
+    tau: list[float] = field(default_factory=list)  # entropic time after each token
+    cost_flops: list[float] = field(default_factory=list)  # cumulative, prefill included
+    cost_bytes: list[float] = field(default_factory=list)  # cumulative, prefill included
     text: str = ""
     finish_reason: str = ""  # "eos", "stop" (a stop string) or "length"
 
@@ -64,7 +72,7 @@ def generate_ids(
     cfg: ModelConfig,
     tokenizer: Tokenizer,
     prompts: Sequence[Sequence[int]],
-    settings: Sequence[SamplingSettings],
+    settings: Sequence[RequestSettings],
     options: RuntimeOptions = RuntimeOptions(),
     on_text: TextCallback | None = None,
 ) -> list[SequenceOutput]:
@@ -101,12 +109,12 @@ class _Wave:
         self.weights, self.cfg, self.tokenizer, self.options = weights, cfg, tokenizer, options
         self.on_text = on_text
         self.eos_ids = tuple(tokenizer.eos_token_ids)
+        self.cost = CostModel.for_model(cfg, options.page_size)
 
     def run(
-        self, prompts: Sequence[Sequence[int]], settings: Sequence[SamplingSettings]
+        self, prompts: Sequence[Sequence[int]], settings: Sequence[RequestSettings]
     ) -> list[SequenceOutput]:
-        opts = self.options
-        n = len(prompts)
+        opts, n = self.options, len(prompts)
         page_counts = [
             pages_needed(len(p) + s.max_new_tokens, opts.page_size)
             for p, s in zip(prompts, settings, strict=True)
@@ -116,54 +124,21 @@ class _Wave:
         num_rows = batch_bucket(n)
         table = page_table_rows(page_lists + [[]] * (num_rows - n), pages_bucket(max(page_counts)))
         cache = init_kv_cache(self.cfg, allocator.num_pages, opts.page_size)
-
-        temperature = np.zeros(num_rows, np.float32)
-        seeds = np.zeros(num_rows, np.uint32)
-        for i, s in enumerate(settings):
-            temperature[i], seeds[i] = s.temperature, s.seed
-        first, first_entropy, cache = self._prefill(cache, prompts, table, temperature, seeds)
+        logits, prefill_flops, prefill_bytes, cache = self._prefill(cache, prompts, table)
 
         self.results = [SequenceOutput() for _ in range(n)]
         self.detokenizers = [IncrementalDetokenizer(self.tokenizer) for _ in range(n)]
         self.settings = settings
-        active = np.zeros(num_rows, bool)
-        for i in range(n):
-            active[i] = self._accept(i, int(first[i]), float(first_entropy[i]))
-
-        lengths = np.zeros(num_rows, np.int32)
-        lengths[:n] = [len(p) for p in prompts]
-        max_new = np.zeros(num_rows, np.int32)
-        max_new[:n] = [s.max_new_tokens for s in settings]
-        stop_on_eos = np.zeros(num_rows, bool)
-        stop_on_eos[:n] = [not s.ignore_eos for s in settings]
-        state = DecodeState(
-            tokens=jnp.asarray(first, jnp.int32),
-            lengths=jnp.asarray(lengths),
-            page_table=jnp.asarray(table[:, :1]),  # narrowed to the live context below
-            active=jnp.asarray(active),
-            num_generated=jnp.asarray((np.arange(num_rows) < n).astype(np.int32)),
-            max_new_tokens=jnp.asarray(max_new),
-            temperature=jnp.asarray(temperature),
-            seeds=jnp.asarray(seeds),
-            stop_on_eos=jnp.asarray(stop_on_eos),
-            eos_ids=jnp.asarray(self.eos_ids or (-1,), jnp.int32),
-        )
-        prompt_lengths = lengths[:n].copy()
+        state = self._initial_state(prompts, settings, table, logits, prefill_flops, prefill_bytes)
+        prompt_lengths = np.array([len(p) for p in prompts])
+        active = np.asarray(state.active)
         while active.any():
             state = self._fit_page_table(state, table, prompt_lengths, active)
             state, cache, out = decode_steps(
-                self.weights, cache, state, self.cfg, opts.steps_per_sync
+                self.weights, cache, state, self.cfg, self.cost, opts.steps_per_sync
             )
-            tokens, entropy, emitted, active = jax.device_get(
-                (out.tokens, out.entropy, out.emitted, state.active)
-            )
-            stopped = []
-            for k, row in zip(*np.nonzero(emitted), strict=True):
-                finished = row < n and not self._accept(
-                    row, int(tokens[k, row]), float(entropy[k, row])
-                )
-                if finished and active[row]:  # a stop string ended it before the device knew
-                    stopped.append(row)
+            out, active = jax.device_get((out, state.active))
+            stopped = self._collect(out, active, n)
             if stopped:
                 active = active.copy()
                 active[stopped] = False
@@ -171,6 +146,56 @@ class _Wave:
         for i in range(n):
             self._finish(i)
         return self.results
+
+    def _initial_state(self, prompts, settings, table, logits, prefill_flops, prefill_bytes):
+        n, num_rows, vocab = len(prompts), table.shape[0], self.cfg.vocab_size
+        real = np.arange(num_rows) < n
+        in_prompt = np.zeros((num_rows, vocab), bool)
+        for i, p in enumerate(prompts):
+            in_prompt[i, np.asarray(p, np.int64)] = True
+
+        def column(values, dtype, fill=0):
+            out = np.full(num_rows, fill, dtype)
+            out[:n] = values
+            return jnp.asarray(out)
+
+        params = pack_sampler_params([s.sampler for s in settings], num_rows)
+        return DecodeState(
+            logits=logits,
+            lengths=column([len(p) for p in prompts], np.int32),
+            page_table=jnp.asarray(table[:, :1]),  # narrowed to the live context before each burst
+            active=jnp.asarray(real),
+            num_generated=jnp.zeros(num_rows, jnp.int32),
+            max_new_tokens=column([s.max_new_tokens for s in settings], np.int32),
+            stop_on_eos=column([not s.ignore_eos for s in settings], bool),
+            eos_ids=jnp.asarray(self.eos_ids or (-1,), jnp.int32),
+            token_counts=jnp.zeros((num_rows, vocab), jnp.int32),
+            in_prompt=jnp.asarray(in_prompt),
+            sampler=params,
+            entropy=initial_entropy_state(
+                initial_sampler_state(params),
+                jnp.asarray(prefill_flops),
+                jnp.asarray(prefill_bytes),
+            ),
+        )
+
+    def _collect(self, out: StepOutputs, active: np.ndarray, n: int) -> list[int]:
+        """Record every emitted token; return rows a stop string ended before the device knew."""
+        stopped = []
+        for k, row in zip(*np.nonzero(out.emitted), strict=True):
+            if row >= n:
+                continue
+            trace = (
+                float(out.model_entropy[k, row]),
+                float(out.sampled_entropy[k, row]),
+                float(out.temperature[k, row]),
+                float(out.tau[k, row]),
+                float(out.cost_flops[k, row]),
+                float(out.cost_bytes[k, row]),
+            )
+            if not self._accept(row, int(out.tokens[k, row]), trace) and active[row]:
+                stopped.append(row)
+        return stopped
 
     def _fit_page_table(
         self, state: DecodeState, table: np.ndarray, prompt_lengths: np.ndarray, active: np.ndarray
@@ -187,22 +212,16 @@ class _Wave:
             return state
         return state.replace(page_table=jnp.asarray(table[:, :width]))
 
-    def _prefill(
-        self,
-        cache,
-        prompts: Sequence[Sequence[int]],
-        table: np.ndarray,
-        temperature: np.ndarray,
-        seeds: np.ndarray,
-    ):
+    def _prefill(self, cache, prompts: Sequence[Sequence[int]], table: np.ndarray):
         # Long prompts are cut into chunks; round r prefills chunk r of every prompt that has one,
-        # grouping rows whose chunks pad to the same length.
-        opts = self.options
+        # grouping rows whose chunks pad to the same length. Returns the logits of each row's
+        # next token [rows, V], the prompt cost per row, and the cache.
+        opts, cost = self.options, self.cost
+        num_rows = table.shape[0]
+        logits = jnp.zeros((num_rows, self.cfg.vocab_size), jnp.float32)
+        flops, nbytes = np.zeros(num_rows, np.float32), np.zeros(num_rows, np.float32)
         chunk = opts.prefill_chunk
-        first = np.zeros(table.shape[0], np.int32)
-        first_entropy = np.zeros(table.shape[0], np.float32)
-        longest = max(len(p) for p in prompts)
-        for r in range(0, longest, chunk):
+        for r in range(0, max(len(p) for p in prompts), chunk):
             by_bucket: dict[int, list[int]] = {}
             for i, p in enumerate(prompts):
                 if len(p) > r:
@@ -210,49 +229,62 @@ class _Wave:
             for bucket, rows in by_bucket.items():
                 for g in range(0, len(rows), opts.max_prefill_rows):
                     group = rows[g : g + opts.max_prefill_rows]
-                    width = pages_bucket(pages_needed(r + bucket, opts.page_size))
-                    width = min(width, table.shape[1])
+                    width = min(
+                        pages_bucket(pages_needed(r + bucket, opts.page_size)), table.shape[1]
+                    )
                     num = batch_bucket(len(group))
                     tokens = np.zeros((num, bucket), np.int32)
                     num_valid = np.zeros(num, np.int32)
                     group_table = np.zeros((num, width), np.int32)
-                    group_t = np.zeros(num, np.float32)
-                    group_seeds = np.zeros(num, np.uint32)
                     for j, i in enumerate(group):
                         piece = prompts[i][r : r + bucket]
                         tokens[j, : len(piece)] = piece
                         num_valid[j] = len(piece)
                         group_table[j] = table[i, :width]
-                        group_t[j], group_seeds[j] = temperature[i], seeds[i]
-                    sampled, entropy, cache = prefill_chunk(
+                        keys = np.asarray(cost.keys_read(np.arange(r + 1, r + len(piece) + 1)))
+                        flops[i] += len(piece) * cost.matmul_flops_per_token + (
+                            cost.attention_flops_per_key * keys.sum()
+                        )
+                        nbytes[i] += cost.weight_bytes / len(group) + cost.kv_bytes_per_key * (
+                            keys.sum()
+                        )
+                    group_logits, cache = prefill_chunk(
                         self.weights,
                         cache,
                         jnp.asarray(tokens),
                         jnp.full((num,), r, jnp.int32),
                         jnp.asarray(num_valid),
                         jnp.asarray(group_table),
-                        jnp.asarray(group_t),
-                        jnp.asarray(group_seeds),
                         cfg=self.cfg,
                     )
-                    sampled, entropy = jax.device_get((sampled, entropy))
-                    for j, i in enumerate(group):
-                        if r + bucket >= len(prompts[i]):  # this chunk ended the prompt
-                            first[i], first_entropy[i] = sampled[j], entropy[j]
-        return first, first_entropy, cache
+                    # Rows whose prompt ends in this chunk take its logits; a later chunk of a
+                    # longer prompt overwrites the row again.
+                    logits = logits.at[jnp.asarray(group)].set(group_logits[: len(group)])
+        return logits, flops, nbytes, cache
 
-    def _accept(self, row: int, token: int, entropy: float) -> bool:
-        """Record a sampled token; return whether the sequence continues."""
+    def _accept(self, row: int, token: int, trace: tuple[float, ...]) -> bool:
+        """Record a sampled token and its trace; return whether the sequence continues."""
         result, s = self.results[row], self.settings[row]
         if result.finish_reason:
             return False
         result.token_ids.append(token)
-        result.entropy.append(entropy)
+        for values, value in zip(
+            (
+                result.entropy,
+                result.sampled_entropy,
+                result.temperature,
+                result.tau,
+                result.cost_flops,
+                result.cost_bytes,
+            ),
+            trace,
+            strict=True,
+        ):
+            values.append(value)
         if not s.ignore_eos and token in self.eos_ids:
             result.finish_reason = "eos"
             return False
-        piece = self.detokenizers[row].push(token)
-        if self._emit(row, piece):
+        if self._emit(row, self.detokenizers[row].push(token)):
             return False
         if len(result.token_ids) >= s.max_new_tokens:
             result.finish_reason = "length"

@@ -5,31 +5,43 @@ from __future__ import annotations
 import flax.struct
 import jax
 
+from etjax.entropy.state import EntropyState
+from etjax.sampling.settings import SamplerParams
+
 
 @flax.struct.dataclass
 class DecodeState:
-    """Per-slot decode state. B = batch slots, P = page-table width, E = eos ids.
+    """Per-slot decode state. B = batch slots, P = page-table width, V = vocabulary, E = eos ids.
 
-    Everything that varies between requests or steps is an array, never a Python value baked
-    into the trace, so a new mix of requests reuses the compiled step.
+    The state holds the logits of each row's next token rather than its last token: a step
+    samples from them, then runs the model on the sampled token. Everything that varies between
+    requests or steps is an array, never a Python value baked into the trace, so a new mix of
+    requests reuses the compiled step.
     """
 
-    tokens: jax.Array  # [B] int32 the last sampled token, fed at the next step
-    lengths: jax.Array  # [B] int32 tokens already in the cache (= position of `tokens`)
+    logits: jax.Array  # [B, V] float32 distribution of the next token
+    lengths: jax.Array  # [B] int32 tokens already in the cache
     page_table: jax.Array  # [B, P] int32
     active: jax.Array  # [B] bool still generating
-    num_generated: jax.Array  # [B] int32 tokens sampled so far, including the prefill's
+    num_generated: jax.Array  # [B] int32 tokens sampled so far
     max_new_tokens: jax.Array  # [B] int32
-    temperature: jax.Array  # [B] float32, 0 = greedy
-    seeds: jax.Array  # [B] uint32
     stop_on_eos: jax.Array  # [B] bool (False with ignore_eos)
     eos_ids: jax.Array  # [E] int32, shared by all rows
+    token_counts: jax.Array  # [B, V] int32 occurrences of each token in the output
+    in_prompt: jax.Array  # [B, V] bool token occurs in the prompt (repetition penalty)
+    sampler: SamplerParams
+    entropy: EntropyState
 
 
 @flax.struct.dataclass
 class StepOutputs:
-    """What `decode_steps` produced over K steps, for the host to collect."""
+    """What `decode_steps` produced over K steps, for the host to collect. All [K, B]."""
 
-    tokens: jax.Array  # [K, B] int32 sampled tokens
-    entropy: jax.Array  # [K, B] float32 model entropy (T = 1) of the distribution sampled from
-    emitted: jax.Array  # [K, B] bool the row was active, so tokens[k, b] is real output
+    tokens: jax.Array  # int32 sampled tokens
+    model_entropy: jax.Array  # float32 entropy at T = 1 of the distribution sampled from
+    sampled_entropy: jax.Array  # float32 entropy of the distribution actually sampled
+    temperature: jax.Array  # float32 temperature used (0 = greedy)
+    tau: jax.Array  # float32 entropic time after the step
+    cost_flops: jax.Array  # float32 cumulative FLOPs after the step
+    cost_bytes: jax.Array  # float32 cumulative bytes after the step
+    emitted: jax.Array  # bool the row was active, so tokens[k, b] is real output

@@ -12,11 +12,13 @@ import jax
 import jax.numpy as jnp
 
 from etjax.cache.kv_cache import KVCache
+from etjax.entropy.cost import CostModel
+from etjax.entropy.state import advance_tau
 from etjax.model.config import ModelConfig
 from etjax.model.transformer import forward, logits_from_hidden
 from etjax.model.weights import Weights
-from etjax.runtime.sampling import model_entropy, sample_tokens
 from etjax.runtime.state import DecodeState, StepOutputs
+from etjax.sampling.sampler import sample_next
 
 
 @functools.partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
@@ -27,16 +29,13 @@ def prefill_chunk(
     starts: jax.Array,
     num_valid: jax.Array,
     page_table: jax.Array,
-    temperature: jax.Array,
-    seeds: jax.Array,
     cfg: ModelConfig,
-) -> tuple[jax.Array, jax.Array, KVCache]:
-    """Append a chunk of prompt tokens per row and sample from the chunk's last position.
+) -> tuple[jax.Array, KVCache]:
+    """Append a chunk of prompt tokens per row; return the logits after its last token.
 
     tokens: [B, S] int32 (padded); starts: [B] int32 position of tokens[:, 0]; num_valid: [B]
     int32 real tokens in the chunk (0 for padding rows); page_table: [B, P].
-    Returns the sampled token [B] int32 and its model entropy [B] float32 (meaningful only for
-    rows whose chunk ends their prompt), and the updated cache.
+    Returns float32 logits [B, V] at each row's last real position, and the updated cache.
     """
     s = tokens.shape[1]
     offsets = jnp.arange(s, dtype=jnp.int32)[None, :]
@@ -44,51 +43,80 @@ def prefill_chunk(
     valid = offsets < num_valid[:, None]
     hidden, cache = forward(weights, cache, tokens, positions, valid, page_table, cfg)
     last = jnp.clip(num_valid - 1, 0, s - 1)
-    logits = logits_from_hidden(weights, jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0])
-    first_index = jnp.zeros_like(num_valid)
-    return (
-        sample_tokens(logits, temperature, seeds, first_index),
-        model_entropy(logits),
-        cache,
-    )
+    return logits_from_hidden(
+        weights, jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0]
+    ), cache
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "num_steps"), donate_argnames=("cache", "state")
+    jax.jit, static_argnames=("cfg", "cost", "num_steps"), donate_argnames=("cache", "state")
 )
 def decode_steps(
-    weights: Weights, cache: KVCache, state: DecodeState, cfg: ModelConfig, num_steps: int
+    weights: Weights,
+    cache: KVCache,
+    state: DecodeState,
+    cfg: ModelConfig,
+    cost: CostModel,
+    num_steps: int,
 ) -> tuple[DecodeState, KVCache, StepOutputs]:
-    """Run `num_steps` decode steps for every active row; finished rows idle in place.
+    """Run `num_steps` steps of: sample from each active row's logits, then run the model on it.
 
     A row finishes when it samples an eos id (unless `stop_on_eos` is off) or reaches its
-    `max_new_tokens`. Returns the new state, the cache, and per-step outputs [num_steps, B].
+    `max_new_tokens`; a finished row is not run again. Returns the new state, the cache, and
+    per-step outputs [num_steps, B].
     """
 
     def step(carry: tuple[DecodeState, KVCache], _: None):
         state, cache = carry
+        active = state.active
+        tokens, info, sampler_state = sample_next(
+            state.logits,
+            state.sampler,
+            state.entropy.sampler,
+            state.token_counts,
+            state.in_prompt,
+            state.num_generated,
+        )
+        num_generated = state.num_generated + active
+        hit_eos = state.stop_on_eos & jnp.any(tokens[:, None] == state.eos_ids, axis=-1)
+        runs = active & ~(hit_eos | (num_generated >= state.max_new_tokens))
+
         hidden, cache = forward(
             weights,
             cache,
-            state.tokens[:, None],
+            tokens[:, None],
             state.lengths[:, None],
-            state.active[:, None],
+            runs[:, None],
             state.page_table,
             cfg,
         )
-        logits = logits_from_hidden(weights, hidden[:, 0])
-        next_tokens = sample_tokens(logits, state.temperature, state.seeds, state.num_generated)
-        num_generated = state.num_generated + state.active
-        hit_eos = state.stop_on_eos & jnp.any(next_tokens[:, None] == state.eos_ids, axis=-1)
-        done = hit_eos | (num_generated >= state.max_new_tokens)
-        outputs = StepOutputs(
-            tokens=next_tokens, entropy=model_entropy(logits), emitted=state.active
+        flops, nbytes = cost.token_cost(cost.keys_read(state.lengths + 1), runs)
+        entropy = advance_tau(state.entropy, info.model_entropy, active)
+        entropy = entropy.replace(
+            sampled_entropy=jnp.where(active, info.sampled_entropy, entropy.sampled_entropy),
+            temperature=jnp.where(active, info.temperature, entropy.temperature),
+            cost_flops=entropy.cost_flops + flops,
+            cost_bytes=entropy.cost_bytes + nbytes,
+            sampler=sampler_state,
         )
+        rows = jnp.arange(tokens.shape[0])
         state = state.replace(
-            tokens=jnp.where(state.active, next_tokens, state.tokens),
-            lengths=state.lengths + state.active,
+            logits=logits_from_hidden(weights, hidden[:, 0]),
+            lengths=state.lengths + runs,
             num_generated=num_generated,
-            active=state.active & ~done,
+            active=runs,
+            token_counts=state.token_counts.at[rows, tokens].add(active.astype(jnp.int32)),
+            entropy=entropy,
+        )
+        outputs = StepOutputs(
+            tokens=tokens,
+            model_entropy=info.model_entropy,
+            sampled_entropy=info.sampled_entropy,
+            temperature=info.temperature,
+            tau=entropy.tau,
+            cost_flops=entropy.cost_flops,
+            cost_bytes=entropy.cost_bytes,
+            emitted=active,
         )
         return (state, cache), outputs
 

@@ -1,0 +1,109 @@
+"""One sampling step: from a row's logits to its next token, under its own sampler.
+
+Order of operations per row: model entropy (T = 1, the engine's control signal) -> penalties ->
+temperature (fixed, EDT, or the entropic controller) -> truncation filters -> draw -> the
+entropy of the distribution actually drawn from -> Mirostat's mu update.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from etjax.entropy.controller import controller_step
+from etjax.entropy.estimators import exact_entropy
+from etjax.sampling.filters import apply_penalties, truncate
+from etjax.sampling.settings import EDT, ENTROPIC, MIROSTAT_V2, SamplerParams
+
+_LOG2 = 0.6931471805599453
+
+
+@flax.struct.dataclass
+class SamplerState:
+    """Per-row state of the adaptive samplers. B = batch."""
+
+    log_temperature: jax.Array  # [B] the entropic controller's state, log T
+    mirostat_mu: jax.Array  # [B] Mirostat v2's truncation bound, bits
+
+
+@flax.struct.dataclass
+class SampleInfo:
+    """What one sampling step observed. B = batch."""
+
+    model_entropy: jax.Array  # [B] H of softmax(logits), T = 1, before penalties
+    sampled_entropy: jax.Array  # [B] H of the distribution the token was drawn from (0: greedy)
+    temperature: jax.Array  # [B] temperature used (0 = greedy)
+
+
+def initial_sampler_state(p: SamplerParams) -> SamplerState:
+    """Controller starts at the request's temperature (clipped); Mirostat's mu at 2 * tau."""
+    start = jnp.where(p.temperature > 0, p.temperature, 1.0)
+    c = p.controller
+    return SamplerState(
+        log_temperature=jnp.clip(jnp.log(start), c.log_t_min, c.log_t_max),
+        mirostat_mu=2.0 * p.mirostat_tau,
+    )
+
+
+def sample_next(
+    logits: jax.Array,
+    p: SamplerParams,
+    state: SamplerState,
+    counts: jax.Array,
+    in_prompt: jax.Array,
+    token_index: jax.Array,
+) -> tuple[jax.Array, SampleInfo, SamplerState]:
+    """Draw one token per row.
+
+    logits: [B, V]; counts: [B, V] int32 output-token counts; in_prompt: [B, V] bool;
+    token_index: [B] int32 index of the token being drawn (keys the row's random stream).
+    Returns tokens [B] int32, what was observed, and the updated sampler state.
+    """
+    logits = logits.astype(jnp.float32)
+    model_entropy = exact_entropy(logits)
+    z = apply_penalties(logits, p, counts, in_prompt)
+
+    control = controller_step(z, model_entropy, state.log_temperature, p.controller)
+    entropic = p.kind == ENTROPIC
+    # EDT: T = T0 * N^(theta / H). As H -> 0 the power vanishes (N < 1): greedy when certain.
+    edt_t = p.edt_t0 * jnp.power(p.edt_base, p.edt_theta / jnp.maximum(model_entropy, 1e-6))
+    temperature = jnp.where(entropic, control.temperature, p.temperature)
+    temperature = jnp.where(p.kind == EDT, edt_t, temperature)
+    greedy = temperature <= 1e-6
+
+    x = z / jnp.where(greedy, 1.0, temperature)[:, None]
+    x = truncate(x, p, state.mirostat_mu)
+    best = jnp.argmax(z, axis=-1).astype(jnp.int32)
+
+    def draw() -> jax.Array:
+        def one(row: jax.Array, seed: jax.Array, index: jax.Array) -> jax.Array:
+            key = jax.random.fold_in(jax.random.key(seed), index)
+            return jax.random.categorical(key, row).astype(jnp.int32)
+
+        return jnp.where(greedy, best, jax.vmap(one)(x, p.seed, token_index))
+
+    # Gumbel noise over the whole vocabulary costs more than the argmax; all-greedy batches skip
+    # it at run time, without a second compiled program.
+    tokens = jax.lax.cond(jnp.any(~greedy), draw, lambda: best)
+    sampled_entropy = jnp.where(greedy, 0.0, exact_entropy(x))
+
+    mirostat = (p.kind == MIROSTAT_V2) & ~greedy
+
+    def update_mu() -> jax.Array:
+        # Observed surprise of the drawn token under the truncated distribution, in bits.
+        log_probs = jax.nn.log_softmax(x, axis=-1)
+        surprise = -jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0] / _LOG2
+        mu = state.mirostat_mu - p.mirostat_eta * (surprise - p.mirostat_tau)
+        return jnp.where(mirostat, mu, state.mirostat_mu)
+
+    new_state = SamplerState(
+        log_temperature=jnp.where(entropic, control.log_temperature, state.log_temperature),
+        mirostat_mu=jax.lax.cond(jnp.any(mirostat), update_mu, lambda: state.mirostat_mu),
+    )
+    info = SampleInfo(
+        model_entropy=model_entropy,
+        sampled_entropy=sampled_entropy,
+        temperature=jnp.where(greedy, 0.0, temperature),
+    )
+    return tokens, info, new_state
