@@ -41,8 +41,8 @@ def apply_penalties(
 def truncate(x: jax.Array, p: SamplerParams, mirostat_mu: jax.Array) -> jax.Array:
     """Mask tokens outside top-k, top-p, min-p, typical-p and Mirostat's surprise bound.
 
-    x: [B, V] temperature-scaled logits. Returns x with excluded tokens set to -inf; the most
-    likely token always survives.
+    x: [B, V] temperature-scaled logits. Returns x with excluded tokens set to -inf; at least
+    one token survives (the most likely one, or with typical-p the most typical one).
     """
     mirostat = p.kind == MIROSTAT_V2
     sorted_used = (
@@ -62,7 +62,7 @@ def _sorted_filters(x: jax.Array, p: SamplerParams, mu: jax.Array) -> jax.Array:
     keep = (p.top_k[:, None] == 0) | (rank < p.top_k[:, None])
     s = jnp.where(keep, s, -jnp.inf)
     probs = jax.nn.softmax(s, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly ahead of each token
+    before = _mass_ahead(probs)
     keep &= (p.top_p[:, None] >= 1) | (before < p.top_p[:, None])
     keep &= probs >= p.min_p[:, None] * probs[:, :1]
     surprise_bits = -jnp.log(jnp.maximum(probs, 1e-38)) / _LOG2
@@ -82,8 +82,15 @@ def _typical_filter(x: jax.Array, p: SamplerParams) -> jax.Array:
     deviation = jnp.where(probs > 0, jnp.abs(-log_p - entropy), jnp.inf)
     order = jnp.argsort(deviation, axis=-1)
     sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
+    before = _mass_ahead(sorted_p)
     keep = (p.typical_p[:, None] >= 1) | (before < p.typical_p[:, None])
     keep |= jnp.arange(v)[None, :] == 0
     unsorted = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order].set(keep)
-    return jnp.where(unsorted | (x == jnp.max(x, axis=-1, keepdims=True)), x, -jnp.inf)
+    return jnp.where(unsorted, x, -jnp.inf)
+
+
+def _mass_ahead(sorted_probs: jax.Array) -> jax.Array:
+    # Exclusive cumulative sum: the mass strictly ahead of each token in sorted order. Shifting
+    # the inclusive sum (rather than subtracting p) rounds like a sum of the tokens ahead does.
+    inclusive = jnp.cumsum(sorted_probs, axis=-1)
+    return jnp.concatenate([jnp.zeros_like(inclusive[:, :1]), inclusive[:, :-1]], axis=-1)
