@@ -1,9 +1,12 @@
 """The micro level: a feedback controller that holds the sampling entropy near a target.
 
-The controller acts on u = log T. Each step it measures the entropy of the distribution it is
-about to sample from, H_s = H(softmax(z / T)), and moves u against the error:
+The controller acts on u = log T. It measures the entropy the current logits z would have at
+its temperature, H_s = H(softmax(z / e^u)), and moves u against the error:
 
     u <- clip(u + clip(gain * (H* - H_s), -max_step, max_step), log T_min, log T_max)
+
+then samples at the new temperature; the law can be applied more than once per token
+(`iterations`) to follow a distribution that changes from token to token.
 
 Entropy is nondecreasing in u with slope equal to the varentropy, so this is integral control
 on a monotone plant: docs/STABILITY.md proves boundedness for any input, convergence to H* for
@@ -47,24 +50,35 @@ class ControllerStep:
 
 
 def controller_step(
-    logits: jax.Array, model_entropy: jax.Array, log_temperature: jax.Array, p: ControllerParams
+    logits: jax.Array,
+    model_entropy: jax.Array,
+    log_temperature: jax.Array,
+    p: ControllerParams,
+    iterations: int = 1,
 ) -> ControllerStep:
     """Apply the controller to one step's logits [B, V] (model_entropy [B] at T = 1).
 
-    Uses the current state `log_temperature` [B] to sample this step and returns the state for
-    the next. Rows whose logits are degenerate (all -inf but one, or NaN-free extremes) stay
-    finite: the entropies are computed with 0 log 0 = 0 and u is always clipped.
+    Starting from the state `log_temperature` [B], the control law is applied `iterations`
+    times to this step's logits (each application measures H(z / T) and corrects u), and the
+    step is sampled at the resulting temperature, which is also the state for the next step.
+    One iteration is pure step-to-step feedback; more track a changing distribution within the
+    token, at one O(V) entropy evaluation each. The stability results hold for the sequence of
+    iterates whatever `iterations` is. Rows whose model entropy is below `entropy_floor` are
+    greedy and keep their state.
     """
-    temperature = jnp.exp(log_temperature)
+    u = log_temperature
+    for _ in range(iterations):
+        error = p.target_entropy - exact_entropy(logits, jnp.exp(u))
+        u = jnp.clip(
+            u + jnp.clip(p.gain * error, -p.max_step, p.max_step), p.log_t_min, p.log_t_max
+        )
+    temperature = jnp.exp(u)
     sampled_entropy = exact_entropy(logits, temperature)
-    error = p.target_entropy - sampled_entropy
-    step = jnp.clip(p.gain * error, -p.max_step, p.max_step)
-    updated = jnp.clip(log_temperature + step, p.log_t_min, p.log_t_max)
     in_floor = model_entropy < p.entropy_floor
     return ControllerStep(
         temperature=jnp.where(in_floor, 0.0, temperature),
         sampled_entropy=jnp.where(in_floor, 0.0, sampled_entropy),
-        log_temperature=jnp.where(in_floor, log_temperature, updated),
+        log_temperature=jnp.where(in_floor, log_temperature, u),
     )
 
 

@@ -17,6 +17,9 @@ from etjax.sampling.filters import apply_penalties, truncate
 from etjax.sampling.settings import EDT, ENTROPIC, MIROSTAT_V2, SamplerParams
 
 _LOG2 = 0.6931471805599453
+# Control-law applications per token: each is one O(V) entropy evaluation. Two follow most of
+# the token-to-token change of an LM's distribution (docs/STABILITY.md, tracking).
+CONTROLLER_ITERATIONS = 2
 
 
 @flax.struct.dataclass
@@ -64,7 +67,9 @@ def sample_next(
     model_entropy = exact_entropy(logits)
     z = apply_penalties(logits, p, counts, in_prompt)
 
-    control = controller_step(z, model_entropy, state.log_temperature, p.controller)
+    control = controller_step(
+        z, model_entropy, state.log_temperature, p.controller, CONTROLLER_ITERATIONS
+    )
     entropic = p.kind == ENTROPIC
     # EDT: T = T0 * N^(theta / H). As H -> 0 the power vanishes (N < 1): greedy when certain.
     edt_t = p.edt_t0 * jnp.power(p.edt_base, p.edt_theta / jnp.maximum(model_entropy, 1e-6))

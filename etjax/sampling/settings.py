@@ -55,7 +55,7 @@ class SamplerSettings:
     target_entropy: float = 2.0
     t_min: float = 0.1
     t_max: float = 2.0
-    gain: float = 0.1
+    gain: float = 0.05
     max_step: float = 0.25
     entropy_floor: float = 0.3
 
