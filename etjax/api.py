@@ -22,7 +22,8 @@ class Result:
     """The outcome of one prompt.
 
     Per generated token i (the trace): `entropy[i]` is the model's next-token entropy in nats at
-    temperature 1 of the distribution `token_ids[i]` was drawn from; `sampled_entropy[i]` the
+    temperature 1 of the distribution `token_ids[i]` was drawn from; `logprob[i]` the token's
+    log-probability under that distribution; `sampled_entropy[i]` the
     entropy of the distribution actually sampled (after penalties, temperature and filters; 0
     when greedy); `temperature[i]` the temperature used; `tau[i]` entropic time so far;
     `cost_flops[i]` and `cost_bytes[i]` the cumulative cost, prompt included
@@ -34,6 +35,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    logprob: list[float] = field(default_factory=list)
     sampled_entropy: list[float] = field(default_factory=list)
     temperature: list[float] = field(default_factory=list)
     tau: list[float] = field(default_factory=list)
@@ -127,8 +129,9 @@ def decode(
     for i, out in zip(valid, outputs, strict=True):
         r = results[i]
         r.text, r.token_ids, r.finish_reason = out.text, out.token_ids, out.finish_reason
-        r.entropy, r.sampled_entropy, r.temperature = (
+        r.entropy, r.logprob, r.sampled_entropy, r.temperature = (
             out.entropy,
+            out.logprob,
             out.sampled_entropy,
             out.temperature,
         )

@@ -58,8 +58,12 @@ def test_cost_trace_of_a_single_sequence(tiny):
 
     prompt = [11, 12, 13, 14, 15]
     (out,) = generate_ids(
-        tiny.weights, tiny.config, tiny.tokenizer, [prompt],
-        [RequestSettings(max_new_tokens=4, ignore_eos=True)], RuntimeOptions(page_size=4),
+        tiny.weights,
+        tiny.config,
+        tiny.tokenizer,
+        [prompt],
+        [RequestSettings(max_new_tokens=4, ignore_eos=True)],
+        RuntimeOptions(page_size=4),
     )
     prefill = w + kv * sum(keys(i) for i in range(1, 6))
     # Each step samples a token, then runs the model on it, unless it was the last one.

@@ -39,6 +39,13 @@ def test_cached_steps_equal_full_sequence_logits(tiny, page_size, prompt_len):
     np.testing.assert_array_equal(predicting.argmax(-1), out.token_ids)
     full_entropy = np.asarray(model_entropy(predicting))
     np.testing.assert_allclose(out.entropy, full_entropy, rtol=1e-4, atol=1e-5)
+    log_softmax = (
+        predicting
+        - np.log(np.exp(predicting - predicting.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - predicting.max(-1, keepdims=True)
+    )
+    expected_logprob = log_softmax[np.arange(12), out.token_ids]
+    np.testing.assert_allclose(out.logprob, expected_logprob, rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_prefill_equals_single_pass(tiny):

@@ -55,6 +55,7 @@ class SequenceOutput:
 
     token_ids: list[int] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)  # model entropy, T = 1, nats
+    logprob: list[float] = field(default_factory=list)  # of the token under the model, T = 1
     sampled_entropy: list[float] = field(default_factory=list)  # of the distribution sampled
     temperature: list[float] = field(default_factory=list)  # 0 = greedy
     tau: list[float] = field(default_factory=list)  # entropic time after each token
@@ -187,6 +188,7 @@ class _Wave:
                 continue
             trace = (
                 float(out.model_entropy[k, row]),
+                float(out.logprob[k, row]),
                 float(out.sampled_entropy[k, row]),
                 float(out.temperature[k, row]),
                 float(out.tau[k, row]),
@@ -271,6 +273,7 @@ class _Wave:
         for values, value in zip(
             (
                 result.entropy,
+                result.logprob,
                 result.sampled_entropy,
                 result.temperature,
                 result.tau,

@@ -39,6 +39,7 @@ class StepOutputs:
 
     tokens: jax.Array  # int32 sampled tokens
     model_entropy: jax.Array  # float32 entropy at T = 1 of the distribution sampled from
+    logprob: jax.Array  # float32 log-probability of the token under the model (T = 1)
     sampled_entropy: jax.Array  # float32 entropy of the distribution actually sampled
     temperature: jax.Array  # float32 temperature used (0 = greedy)
     tau: jax.Array  # float32 entropic time after the step

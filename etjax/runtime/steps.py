@@ -111,6 +111,7 @@ def decode_steps(
         outputs = StepOutputs(
             tokens=tokens,
             model_entropy=info.model_entropy,
+            logprob=info.logprob,
             sampled_entropy=info.sampled_entropy,
             temperature=info.temperature,
             tau=entropy.tau,

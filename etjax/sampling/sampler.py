@@ -35,6 +35,7 @@ class SampleInfo:
     """What one sampling step observed. B = batch."""
 
     model_entropy: jax.Array  # [B] H of softmax(logits), T = 1, before penalties
+    logprob: jax.Array  # [B] log-probability of the drawn token under softmax(logits), T = 1
     sampled_entropy: jax.Array  # [B] H of the distribution the token was drawn from (0: greedy)
     temperature: jax.Array  # [B] temperature used (0 = greedy)
 
@@ -106,8 +107,12 @@ def sample_next(
         log_temperature=jnp.where(entropic, control.log_temperature, state.log_temperature),
         mirostat_mu=jax.lax.cond(jnp.any(mirostat), update_mu, lambda: state.mirostat_mu),
     )
+    model_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - (
+        jax.nn.logsumexp(logits, axis=-1)
+    )
     info = SampleInfo(
         model_entropy=model_entropy,
+        logprob=model_logprob,
         sampled_entropy=sampled_entropy,
         temperature=jnp.where(greedy, 0.0, temperature),
     )
