@@ -43,17 +43,17 @@ def median_spread(values: list[float]) -> str:
     return f"{statistics.median(values):.3g} ({min(values):.3g}-{max(values):.3g})"
 
 
-def write_section(name: str, markdown: str, raw: dict) -> None:
-    """Replace section `name` of docs/PERF.md and save `raw` as benchmarks/results/NAME.json."""
+def write_section(name: str, markdown: str, raw: dict, document: Path = PERF_MD) -> None:
+    """Replace section `name` of `document` (docs/PERF.md) and save `raw` as results/NAME.json."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(raw, indent=2) + "\n")
     begin, end = f"<!-- begin {name} -->", f"<!-- end {name} -->"
-    text = PERF_MD.read_text() if PERF_MD.exists() else _HEADER
+    text = document.read_text() if document.exists() else _HEADER
     block = f"{begin}\n{markdown.rstrip()}\n{end}"
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
         text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    PERF_MD.parent.mkdir(parents=True, exist_ok=True)
-    PERF_MD.write_text(text)
+    document.parent.mkdir(parents=True, exist_ok=True)
+    document.write_text(text)
