@@ -47,6 +47,16 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--sampler", default="standard", choices=["standard", "mirostat_v2", "edt", "entropic"]
+    )
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument(
+        "--target-entropy", type=float, default=2.0, help="H* in nats (--sampler entropic)"
+    )
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -82,6 +92,12 @@ def _generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        sampler=args.sampler,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        target_entropy=args.target_entropy,
         chat=args.chat,
         system_prompt=args.system,
         raise_on_invalid=True,
@@ -96,10 +112,18 @@ def _generate(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     if args.show_entropy:
-        print(f"\n{'step':>4}  {'entropy':>8}  token")
-        for step, (token, h) in enumerate(zip(result.token_ids, result.entropy, strict=True)):
+        print(f"\n{'step':>4}  {'H model':>8}  {'H sampled':>9}  {'T':>5}  {'tau':>6}  token")
+        rows = zip(
+            result.token_ids,
+            result.entropy,
+            result.sampled_entropy,
+            result.temperature,
+            result.tau,
+            strict=True,
+        )
+        for step, (token, h, hs, t, tau) in enumerate(rows):
             text = model.tokenizer.decode([token])
-            print(f"{step:>4}  {h:8.3f}  {text!r}")
+            print(f"{step:>4}  {h:8.3f}  {hs:9.3f}  {t:5.2f}  {tau:6.2f}  {text!r}")
     return 0
 
 
