@@ -63,6 +63,15 @@ def exact_entropy(logits: jax.Array, temperature: jax.Array | None = None) -> ja
     return _entropy_parts(_shifted(logits, temperature))[2]
 
 
+def entropy_and_log_normaliser(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Entropy [B] and log-sum-exp [B] of the logits from one pass (for token log-probs)."""
+    z = logits.astype(jnp.float32)
+    peak = jnp.max(z, axis=-1)
+    finite_peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    _, total, entropy = _entropy_parts(_shifted(z))
+    return entropy, finite_peak + jnp.log(total[:, 0])
+
+
 def entropy_and_varentropy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Entropy and varentropy Var[-log p] (nats^2) of softmax(logits), each [B].
 

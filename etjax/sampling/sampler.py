@@ -11,8 +11,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from etjax.entropy.controller import controller_step
-from etjax.entropy.estimators import exact_entropy
+from etjax.entropy.controller import ControllerStep, controller_step
+from etjax.entropy.estimators import entropy_and_log_normaliser, exact_entropy
 from etjax.sampling.filters import apply_penalties, truncate
 from etjax.sampling.settings import EDT, ENTROPIC, MIROSTAT_V2, SamplerParams
 
@@ -65,13 +65,23 @@ def sample_next(
     Returns tokens [B] int32, what was observed, and the updated sampler state.
     """
     logits = logits.astype(jnp.float32)
-    model_entropy = exact_entropy(logits)
+    model_entropy, log_normaliser = entropy_and_log_normaliser(logits)
     z = apply_penalties(logits, p, counts, in_prompt)
 
-    control = controller_step(
-        z, model_entropy, state.log_temperature, p.controller, CONTROLLER_ITERATIONS
-    )
     entropic = p.kind == ENTROPIC
+    # The controller costs CONTROLLER_ITERATIONS + 1 passes over the vocabulary: only batches
+    # holding an entropic request pay them.
+    control = jax.lax.cond(
+        jnp.any(entropic),
+        lambda: controller_step(
+            z, model_entropy, state.log_temperature, p.controller, CONTROLLER_ITERATIONS
+        ),
+        lambda: ControllerStep(
+            temperature=jnp.exp(state.log_temperature),
+            sampled_entropy=jnp.zeros_like(model_entropy),
+            log_temperature=state.log_temperature,
+        ),
+    )
     # EDT: T = T0 * N^(theta / H). As H -> 0 the power vanishes (N < 1): greedy when certain.
     edt_t = p.edt_t0 * jnp.power(p.edt_base, p.edt_theta / jnp.maximum(model_entropy, 1e-6))
     temperature = jnp.where(entropic, control.temperature, p.temperature)
@@ -92,7 +102,11 @@ def sample_next(
     # Gumbel noise over the whole vocabulary costs more than the argmax; all-greedy batches skip
     # it at run time, without a second compiled program.
     tokens = jax.lax.cond(jnp.any(~greedy), draw, lambda: best)
-    sampled_entropy = jnp.where(greedy, 0.0, exact_entropy(x))
+    sampled_entropy = jax.lax.cond(
+        jnp.any(~greedy),
+        lambda: jnp.where(greedy, 0.0, exact_entropy(x)),
+        lambda: jnp.zeros_like(model_entropy),
+    )
 
     mirostat = (p.kind == MIROSTAT_V2) & ~greedy
 
@@ -107,9 +121,7 @@ def sample_next(
         log_temperature=jnp.where(entropic, control.log_temperature, state.log_temperature),
         mirostat_mu=jax.lax.cond(jnp.any(mirostat), update_mu, lambda: state.mirostat_mu),
     )
-    model_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - (
-        jax.nn.logsumexp(logits, axis=-1)
-    )
+    model_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normaliser
     info = SampleInfo(
         model_entropy=model_entropy,
         logprob=model_logprob,

@@ -1,0 +1,137 @@
+"""Cost of the entropy estimators and of the sampling stage relative to a SmolLM2 decode step.
+
+Batch 32, float32, this machine. The decode step is `decode_steps` (8 steps per call, greedy,
+context ~128), divided by 8; it already contains one exact entropy and the greedy sampling
+stage, so the fractions below are of a whole step. Each estimator and each sampler
+configuration is timed alone on [32, 49152] logits, jitted, warm, median of 20 calls.
+Writes the "entropy_cost" section of docs/PERF.md.
+
+    .venv/bin/python benchmarks/entropy_cost.py
+"""
+
+from __future__ import annotations
+
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.perf_report import machine_line, median_spread, write_section
+
+BATCH = 32
+
+
+def _time(fn, *args, repeats: int = 20) -> list[float]:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def main() -> None:
+    import etjax
+    from etjax.entropy import estimators as est
+    from etjax.runtime.generate import RequestSettings, RuntimeOptions
+    from etjax.sampling.sampler import initial_sampler_state, sample_next
+    from etjax.sampling.settings import SamplerSettings, pack_sampler_params
+
+    model = etjax.load_model()
+    step_ms = _decode_step_ms(model, RequestSettings, RuntimeOptions)
+    vocab = model.config.vocab_size
+    logits = jnp.asarray(np.random.default_rng(0).normal(0, 3, (BATCH, vocab)).astype(np.float32))
+
+    rows: list[tuple[str, list[float]]] = []
+    estimators = {
+        "exact entropy": jax.jit(est.exact_entropy),
+        "entropy + varentropy": jax.jit(est.entropy_and_varentropy),
+        "top-k entropy, k = 64": jax.jit(lambda z: est.topk_entropy(z, 64)),
+        "tail bounds, k = 64": jax.jit(lambda z: est.tail_bounds(z, 64)),
+        "tail bounds, k = 1024": jax.jit(lambda z: est.tail_bounds(z, 1024)),
+    }
+    for name, fn in estimators.items():
+        rows.append((name, [t * 1e3 for t in _time(fn, logits)]))
+
+    samplers = {
+        "sampling stage: greedy": SamplerSettings(),
+        "sampling stage: temperature 0.8": SamplerSettings(temperature=0.8),
+        "sampling stage: T 0.8 + top-p 0.9 + min-p": SamplerSettings(
+            temperature=0.8, top_p=0.9, min_p=0.05
+        ),
+        "sampling stage: penalties + T 0.8": SamplerSettings(
+            temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.2
+        ),
+        "sampling stage: entropic controller": SamplerSettings(sampler="entropic"),
+        "sampling stage: Mirostat v2": SamplerSettings(sampler="mirostat_v2", temperature=1.0),
+        "sampling stage: EDT": SamplerSettings(sampler="edt"),
+    }
+    counts = jnp.zeros((BATCH, vocab), jnp.int32)
+    in_prompt = jnp.zeros((BATCH, vocab), bool)
+    index = jnp.zeros((BATCH,), jnp.int32)
+    stage = jax.jit(sample_next)
+    for name, s in samplers.items():
+        params = pack_sampler_params([s] * BATCH, BATCH)
+        state = initial_sampler_state(params)
+        times = _time(stage, logits, params, state, counts, in_prompt, index)
+        rows.append((name, [t * 1e3 for t in times]))
+
+    raw = {
+        "machine": machine_line(),
+        "date": str(datetime.date.today()),
+        "decode_step_ms": step_ms,
+        "rows": {name: times for name, times in rows},
+    }
+    step = float(np.median(step_ms))
+    lines = [
+        "## Entropy estimators and the sampling stage vs a decode step (SmolLM2, batch 32)",
+        "",
+        f"Measured {raw['date']} on {raw['machine']}. Command: "
+        "`.venv/bin/python benchmarks/entropy_cost.py`. Decode step (greedy, context ~128, "
+        f"whole step including its own entropy and sampling): {median_spread(step_ms)} ms. "
+        "Each row is timed alone on [32, 49152] float32 logits, median (min-max) of 20 warm calls.",
+        "",
+        "| operation | ms | share of a decode step |",
+        "|---|---|---|",
+    ]
+    for name, times in rows:
+        lines.append(f"| {name} | {median_spread(times)} | {np.median(times) / step:.1%} |")
+    write_section("entropy_cost", "\n".join(lines), raw)
+    print("\n".join(lines))
+
+
+def _decode_step_ms(model, RequestSettings, RuntimeOptions) -> list[float]:
+    # Time whole decode bursts through the engine's own loop: 32 prompts of 64 tokens, 128 new.
+    from etjax.runtime import generate as gen
+
+    prompts = [[100 + i] * 64 for i in range(BATCH)]
+    settings = [RequestSettings(max_new_tokens=128, ignore_eos=True)] * BATCH
+    times: list[float] = []
+    original = gen.decode_steps
+
+    def timed(*args, **kwargs):
+        started = time.perf_counter()
+        out = original(*args, **kwargs)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - started) / kwargs.get("num_steps", args[-1]))
+        return out
+
+    gen.decode_steps = timed
+    try:
+        gen.generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)  # warm
+        times.clear()
+        gen.generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
+    finally:
+        gen.decode_steps = original
+    return [t * 1e3 for t in times]
+
+
+if __name__ == "__main__":
+    main()
