@@ -121,3 +121,12 @@ def tiny_hf_dir(tmp_path_factory, hf_smollm2_tokenizer):
 def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     """max |ours - reference| over max |reference|: the scale-free error of a logit tensor."""
     return float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_compilation_cache(monkeypatch):
+    # The CLI turns on JAX's persistent compilation cache for the process; inside the test
+    # process that would change global JAX state for every later test.
+    import etjax.cli
+
+    monkeypatch.setattr(etjax.cli, "_enable_compilation_cache", lambda: None)
