@@ -3,7 +3,8 @@
 Each layer owns a pool of pages `[num_pages, num_kv_heads, page_size, head_dim]` for keys and
 one for values. Within a page the KV heads are outermost, so one head's slice of a page is a
 contiguous `[page_size, head_dim]` tile: the block a Pallas kernel fetches (TPU tiles must end in
-two full or (8, 128)-aligned dimensions) and the unit per-head pruning keeps or drops. A page is the unit of allocation now and the unit of attention pruning later.
+two full or (8, 128)-aligned dimensions) and the unit per-head pruning keeps or drops. A page
+is also the unit of allocation.
 Page 0 is the null page: it is never allocated, unused page-table entries point at it, and
 writes from padding tokens land in it, so real pages only ever hold real tokens.
 """

@@ -62,7 +62,7 @@ def _attend_one_query(q, key_pages, value_pages, visible):
     # small for a matrix-product call. As multiply-and-reduce, XLA fuses the page gather into the
     # reduction instead of materialising the gathered keys and values first.
     # q: [B, 1, KVH, G, hd]; key_pages, value_pages: [B, P, KVH, ps, hd]; visible: [B, 1, T].
-    b, p, kvh, ps, hd = key_pages.shape
+    b, p, _, ps, hd = key_pages.shape
     q32 = q[:, 0, None, :, :, None, :].astype(jnp.float32)  # [B, 1, KVH, G, 1, hd]
     keys = key_pages[:, :, :, None].astype(jnp.float32)  # [B, P, KVH, 1, ps, hd]
     scores = jnp.sum(q32 * keys, axis=-1) * hd**-0.5  # [B, P, KVH, G, ps]

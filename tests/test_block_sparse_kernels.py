@@ -1,0 +1,157 @@
+"""Block-sparse paged decode attention: every backend against the float32 reference.
+
+Pallas kernels run in interpret mode here (CPU); benchmarks/gpu_check.sh runs them compiled.
+Tolerances (max abs error of the output, whose entries are averages of unit-scale values):
+float32 — different summation orders only, ~1e-6; bfloat16 — inputs are the same bfloat16 values
+on both sides and accumulation is float32, so the difference is the final rounding of the output
+to bfloat16 (2^-8 relative) plus order effects.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.block_sparse import (
+    block_sparse_attention_reference,
+    block_sparse_attention_xla,
+)
+from pallas_kernels.block_sparse.pallas_gpu import block_sparse_attention_gpu
+from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
+from pallas_kernels.paged_attention import paged_attention_xla
+
+TOLERANCE = {"float32": dict(out=2e-5, mass=1e-5), "bfloat16": dict(out=2e-2, mass=1e-5)}
+BACKENDS = {
+    "xla": jax.jit(block_sparse_attention_xla),
+    "pallas_tpu": functools.partial(block_sparse_attention_tpu, interpret=True),
+    "pallas_gpu": functools.partial(block_sparse_attention_gpu, interpret=True),
+}
+
+
+@st.composite
+def problems(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**31 - 1)))
+    b = draw(st.integers(1, 3))
+    kvh = draw(st.sampled_from([1, 2, 4]))
+    group = draw(st.sampled_from([1, 2, 3, 4]))
+    hd = draw(st.sampled_from([16, 64]))
+    ps = draw(st.sampled_from([8, 16]))
+    width = draw(st.integers(1, 6))  # page-table columns
+    dtype = draw(st.sampled_from(["float32", "bfloat16"]))
+    num_pages = 1 + b * width
+    lengths = rng.integers(1, width * ps + 1, size=b)  # rarely a multiple of the page size
+    used = -(-lengths // ps)  # blocks holding at least one position
+    num_kept = draw(st.integers(1, width))
+    kept = np.zeros((b, kvh, num_kept), np.int32)
+    counts = np.zeros((b, kvh), np.int32)
+    for i in range(b):
+        for h in range(kvh):
+            count = int(rng.integers(1, min(num_kept, used[i]) + 1))  # from one page to all
+            chosen = rng.permutation(used[i])[:count]
+            kept[i, h, :count] = chosen
+            counts[i, h] = count
+    table = (1 + rng.permutation(b * width)).reshape(b, width).astype(np.int32)
+    cast = lambda x: jnp.asarray(x, jnp.dtype(dtype))  # noqa: E731
+    return dict(
+        q=cast(rng.normal(size=(b, kvh * group, hd))),
+        k_pages=cast(rng.normal(size=(num_pages, kvh, ps, hd))),
+        v_pages=cast(rng.normal(size=(num_pages, kvh, ps, hd))),
+        page_table=jnp.asarray(table),
+        kept_blocks=jnp.asarray(kept),
+        kept_counts=jnp.asarray(counts),
+        lengths=jnp.asarray(lengths.astype(np.int32)),
+    ), dtype
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+@settings(max_examples=12, deadline=None)
+@given(case=problems())
+def test_backend_matches_reference(backend, case):
+    args, dtype = case
+    out, mass = BACKENDS[backend](**args)
+    ref_out, ref_mass = block_sparse_attention_reference(**args)
+    assert out.dtype == args["q"].dtype and out.shape == args["q"].shape
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=tol["out"], rtol=0
+    )
+    np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=tol["mass"], rtol=0)
+    counts = np.asarray(args["kept_counts"])
+    np.testing.assert_allclose(np.asarray(mass).sum(-1), 1.0, atol=1e-5)  # a distribution
+    kept = np.arange(mass.shape[-1])[None, None, :] < counts[..., None]
+    assert np.all(np.asarray(mass)[~kept] == 0)
+
+
+def test_reference_against_float64_numpy():
+    rng = np.random.default_rng(1)
+    b, kvh, group, hd, ps, width = 2, 2, 3, 16, 8, 4
+    q = rng.normal(size=(b, kvh * group, hd))
+    kp = rng.normal(size=(1 + b * width, kvh, ps, hd))
+    vp = rng.normal(size=(1 + b * width, kvh, ps, hd))
+    table = (1 + np.arange(b * width)).reshape(b, width)
+    lengths = np.array([27, 9])
+    kept = np.array([[[0, 3, 1], [2, 0, 3]], [[1, 0, 0], [0, 1, 0]]])
+    counts = np.array([[3, 2], [2, 1]])
+    out, _ = block_sparse_attention_reference(
+        *(jnp.asarray(x, jnp.float32) for x in (q, kp, vp)),
+        *(jnp.asarray(x, jnp.int32) for x in (table, kept, counts, lengths)),
+    )
+    for i in range(b):
+        for h in range(kvh):
+            blocks = kept[i, h, : counts[i, h]]
+            pos = np.concatenate([blk * ps + np.arange(ps) for blk in blocks])
+            keys = np.concatenate([kp[table[i, blk], h] for blk in blocks])
+            vals = np.concatenate([vp[table[i, blk], h] for blk in blocks])
+            live = pos < lengths[i]
+            for g in range(group):
+                s = keys[live] @ q[i, h * group + g] / np.sqrt(hd)
+                p = np.exp(s - s.max())
+                p /= p.sum()
+                np.testing.assert_allclose(out[i, h * group + g], p @ vals[live], atol=1e-5)
+
+
+def test_dense_is_sparse_with_every_block_and_equals_paged_attention():
+    rng = np.random.default_rng(2)
+    b, kvh, group, hd, ps, width = 3, 2, 2, 32, 8, 5
+    q = jnp.asarray(rng.normal(size=(b, kvh * group, hd)), jnp.float32)
+    kp = jnp.asarray(rng.normal(size=(1 + b * width, kvh, ps, hd)), jnp.float32)
+    vp = jnp.asarray(rng.normal(size=(1 + b * width, kvh, ps, hd)), jnp.float32)
+    table = jnp.asarray((1 + np.arange(b * width)).reshape(b, width), jnp.int32)
+    lengths = jnp.asarray([40, 17, 1], jnp.int32)
+    all_blocks = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, kvh, width))
+    counts = jnp.broadcast_to(-(-lengths // ps)[:, None], (b, kvh)).astype(jnp.int32)
+    sparse, _ = block_sparse_attention_xla(q, kp, vp, table, all_blocks, counts, lengths)
+    # The model's own decode path (a different implementation) attends the same keys.
+    paged = paged_attention_xla(q[:, None], kp, vp, table, (lengths - 1)[:, None])[:, 0]
+    np.testing.assert_allclose(np.asarray(sparse), np.asarray(paged), atol=2e-6)
+
+
+def test_bad_shapes_are_named():
+    q = jnp.zeros((2, 4, 16))
+    kp = jnp.zeros((5, 2, 8, 16))
+    with pytest.raises(ValueError, match="kept_counts"):
+        block_sparse_attention_xla(
+            q,
+            kp,
+            kp,
+            jnp.zeros((2, 2), jnp.int32),
+            jnp.zeros((2, 2, 1), jnp.int32),
+            jnp.zeros((2,), jnp.int32),
+            jnp.zeros((2,), jnp.int32),
+        )
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        block_sparse_attention_reference(
+            jnp.zeros((2, 3, 16)),
+            kp,
+            kp,
+            jnp.zeros((2, 2), jnp.int32),
+            jnp.zeros((2, 2, 1), jnp.int32),
+            jnp.zeros((2, 2), jnp.int32),
+            jnp.zeros((2,), jnp.int32),
+        )
