@@ -1,6 +1,7 @@
 """Block-sparse paged decode attention: every backend against the float32 reference.
 
-Pallas kernels run in interpret mode here (CPU); benchmarks/gpu_check.sh runs them compiled.
+On CPU the Pallas kernels run in interpret mode; on a GPU the Triton kernel runs compiled and on
+a TPU the Mosaic kernel does (benchmarks/gpu_check.sh runs this file there).
 Tolerances (max abs error of the output, whose entries are averages of unit-scale values):
 float32 — different summation orders only, ~1e-6; bfloat16 — inputs are the same bfloat16 values
 on both sides and accumulation is float32, so the difference is the final rounding of the output
@@ -27,11 +28,16 @@ from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
 from pallas_kernels.paged_attention import paged_attention_xla
 
 TOLERANCE = {"float32": dict(out=2e-5, mass=1e-5), "bfloat16": dict(out=2e-2, mass=1e-5)}
-BACKENDS = {
-    "xla": jax.jit(block_sparse_attention_xla),
-    "pallas_tpu": functools.partial(block_sparse_attention_tpu, interpret=True),
-    "pallas_gpu": functools.partial(block_sparse_attention_gpu, interpret=True),
-}
+_PLATFORM = jax.default_backend()
+BACKENDS = {"xla": jax.jit(block_sparse_attention_xla)}
+if _PLATFORM in ("cpu", "tpu"):
+    BACKENDS["pallas_tpu"] = functools.partial(
+        block_sparse_attention_tpu, interpret=_PLATFORM == "cpu"
+    )
+if _PLATFORM in ("cpu", "gpu"):
+    BACKENDS["pallas_gpu"] = functools.partial(
+        block_sparse_attention_gpu, interpret=_PLATFORM == "cpu"
+    )
 
 
 @st.composite
