@@ -46,6 +46,7 @@ def main() -> None:
 
     model = etjax.load_model()
     step_ms = _decode_step_ms(model, RequestSettings, RuntimeOptions)
+    bare_ms = _decode_step_ms(model, RequestSettings, RuntimeOptions, bare_stage=True)
     vocab = model.config.vocab_size
     logits = jnp.asarray(np.random.default_rng(0).normal(0, 3, (BATCH, vocab)).astype(np.float32))
 
@@ -87,19 +88,25 @@ def main() -> None:
         "machine": machine_line(),
         "date": str(datetime.date.today()),
         "decode_step_ms": step_ms,
+        "decode_step_bare_argmax_ms": bare_ms,
         "rows": {name: times for name, times in rows},
     }
     step = float(np.median(step_ms))
+    in_step = step - float(np.median(bare_ms))
     lines = [
         "## Entropy estimators and the sampling stage vs a decode step (SmolLM2, batch 32)",
         "",
         f"Measured {raw['date']} on {raw['machine']}. Command: "
         "`.venv/bin/python benchmarks/entropy_cost.py`. Decode step (greedy, context ~128, "
         f"whole step including its own entropy and sampling): {median_spread(step_ms)} ms. "
-        "Each row is timed alone on [32, 49152] float32 logits, median (min-max) of 20 warm calls.",
+        "The first row is measured inside the step (the step with the greedy stage minus the step "
+        "with a bare argmax); the others are timed alone on [32, 49152] float32 logits, median "
+        "(min-max) of 20 warm calls.",
         "",
         "| operation | ms | share of a decode step |",
         "|---|---|---|",
+        "| in the step: the greedy stage (entropy, log-prob, argmax) vs a bare argmax | "
+        f"{in_step:.3g} | {in_step / step:.1%} |",
     ]
     for name, times in rows:
         lines.append(f"| {name} | {median_spread(times)} | {np.median(times) / step:.1%} |")
@@ -107,9 +114,17 @@ def main() -> None:
     print("\n".join(lines))
 
 
-def _decode_step_ms(model, RequestSettings, RuntimeOptions) -> list[float]:
+def _decode_step_ms(model, RequestSettings, RuntimeOptions, bare_stage: bool = False):
     # Time whole decode bursts through the engine's own loop: 32 prompts of 64 tokens, 128 new.
+    # With bare_stage the entropy-and-sampling stage is replaced by a bare argmax, so the
+    # difference is what the stage costs inside the step (fused with the rest), not alone.
     from etjax.runtime import generate as gen
+    from etjax.runtime import steps
+    from etjax.sampling import sampler
+
+    if bare_stage:
+        steps.sample_next = _bare_stage
+        jax.clear_caches()
 
     prompts = [[100 + i] * 64 for i in range(BATCH)]
     settings = [RequestSettings(max_new_tokens=128, ignore_eos=True)] * BATCH
@@ -130,7 +145,17 @@ def _decode_step_ms(model, RequestSettings, RuntimeOptions) -> list[float]:
         gen.generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
     finally:
         gen.decode_steps = original
+        steps.sample_next = sampler.sample_next
+        jax.clear_caches()
     return [t * 1e3 for t in times]
+
+
+def _bare_stage(logits, params, state, counts, in_prompt, token_index):
+    from etjax.sampling.sampler import SampleInfo, first_argmax
+
+    zeros = jnp.zeros(logits.shape[0], jnp.float32)
+    info = SampleInfo(model_entropy=zeros, logprob=zeros, sampled_entropy=zeros, temperature=zeros)
+    return first_argmax(logits), info, state
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Logit penalties and truncation filters, vectorised over rows with per-row settings.
 
-Each is skipped at run time (`lax.cond`) when no row in the batch uses it, so a batch of plain
-requests pays nothing for the sort the truncation filters need.
+The truncation filters are skipped at run time (`lax.cond`) when no row in the batch uses them,
+so a batch of plain requests pays nothing for the selection they need.
 """
 
 from __future__ import annotations
@@ -22,20 +22,13 @@ def apply_penalties(
     logits: [B, V] float32; counts: [B, V] int32 occurrences in the output so far; in_prompt:
     [B, V] bool. Returns penalised logits [B, V].
     """
-
-    def penalise() -> jax.Array:
-        seen = in_prompt | (counts > 0)
-        r = p.repetition_penalty[:, None]
-        z = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
-        z = z - p.presence_penalty[:, None] * (counts > 0)
-        return z - p.frequency_penalty[:, None] * counts
-
-    used = (
-        jnp.any(p.repetition_penalty != 1)
-        | jnp.any(p.presence_penalty != 0)
-        | jnp.any(p.frequency_penalty != 0)
-    )
-    return jax.lax.cond(used, penalise, lambda: logits)
+    # Elementwise and fused into one pass: cheaper to always run than to branch around, since
+    # a run-time branch makes XLA:CPU copy the [B, V] operands in and out.
+    seen = in_prompt | (counts > 0)
+    r = p.repetition_penalty[:, None]
+    z = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    z = z - p.presence_penalty[:, None] * (counts > 0)
+    return z - p.frequency_penalty[:, None] * counts
 
 
 # Top-k, top-p, min-p and Mirostat keep a prefix of the tokens sorted by probability. A full

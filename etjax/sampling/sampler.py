@@ -88,38 +88,37 @@ def sample_next(
     temperature = jnp.where(p.kind == EDT, edt_t, temperature)
     greedy = temperature <= 1e-6
 
-    x = z / jnp.where(greedy, 1.0, temperature)[:, None]
-    x = truncate(x, p, state.mirostat_mu)
     best = first_argmax(z)
+    mirostat = (p.kind == MIROSTAT_V2) & ~greedy
 
-    def draw() -> jax.Array:
+    def sample() -> tuple[jax.Array, jax.Array, jax.Array]:
+        x = z / jnp.where(greedy, 1.0, temperature)[:, None]
+        x = truncate(x, p, state.mirostat_mu)
         keys = jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.key(seed), i))(
             p.seed, token_index
         )
-        uniform = jax.vmap(jax.random.uniform)(keys)
-        return jnp.where(greedy, best, inverse_cdf_sample(x, uniform))
+        tokens = jnp.where(greedy, best, inverse_cdf_sample(x, jax.vmap(jax.random.uniform)(keys)))
 
-    # Only batches with a sampling row pay for the draw; all-greedy batches skip it at run time,
-    # without a second compiled program.
-    tokens = jax.lax.cond(jnp.any(~greedy), draw, lambda: best)
-    sampled_entropy = jax.lax.cond(
-        jnp.any(~greedy),
-        lambda: jnp.where(greedy, 0.0, exact_entropy(x)),
-        lambda: jnp.zeros_like(model_entropy),
-    )
+        def update_mu() -> jax.Array:
+            # Observed surprise of the drawn token under the truncated distribution, in bits.
+            log_probs = jax.nn.log_softmax(x, axis=-1)
+            surprise = -jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0] / _LOG2
+            mu = state.mirostat_mu - p.mirostat_eta * (surprise - p.mirostat_tau)
+            return jnp.where(mirostat, mu, state.mirostat_mu)
 
-    mirostat = (p.kind == MIROSTAT_V2) & ~greedy
+        mu = jax.lax.cond(jnp.any(mirostat), update_mu, lambda: state.mirostat_mu)
+        return tokens, jnp.where(greedy, 0.0, exact_entropy(x)), mu
 
-    def update_mu() -> jax.Array:
-        # Observed surprise of the drawn token under the truncated distribution, in bits.
-        log_probs = jax.nn.log_softmax(x, axis=-1)
-        surprise = -jnp.take_along_axis(log_probs, tokens[:, None], axis=-1)[:, 0] / _LOG2
-        mu = state.mirostat_mu - p.mirostat_eta * (surprise - p.mirostat_tau)
-        return jnp.where(mirostat, mu, state.mirostat_mu)
+    def pick_best() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return best, jnp.zeros_like(model_entropy), state.mirostat_mu
 
+    # One branch for everything a sampling row needs (scaling, truncation, the draw, its
+    # entropy, Mirostat's update): an all-greedy batch skips it at run time, without a second
+    # compiled program, and XLA moves the [B, V] intermediates across one branch, not several.
+    tokens, sampled_entropy, mirostat_mu = jax.lax.cond(jnp.any(~greedy), sample, pick_best)
     new_state = SamplerState(
         log_temperature=jnp.where(entropic, control.log_temperature, state.log_temperature),
-        mirostat_mu=jax.lax.cond(jnp.any(mirostat), update_mu, lambda: state.mirostat_mu),
+        mirostat_mu=mirostat_mu,
     )
     model_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normaliser
     info = SampleInfo(
