@@ -30,7 +30,7 @@ def _kernel(
     kept_ref,  # [K]
     count_ref,  # [1]
     length_ref,  # [1]
-    k_pages_ref,  # [N, KVH, ps, hd] (whole pool, indexed by page id)
+    k_pages_ref,  # [N, KVH, ps, hd] the whole pool, indexed by page id
     v_pages_ref,
     out_ref,  # [G, hd]
     lse_ref,  # [K, G]
@@ -117,8 +117,10 @@ def block_sparse_attention_gpu(
             pl.BlockSpec((None, None, kept_pad), lambda bi, hi: (bi, hi, 0)),
             pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0)),
             pl.BlockSpec((None, 1), lambda bi, hi: (bi, 0)),
-            pl.BlockSpec(memory_space=pl.ANY),
-            pl.BlockSpec(memory_space=pl.ANY),
+            # The whole pool as one block: the kernel indexes it by page id, loading one
+            # [page_size, head_dim] tile at a time (the shape Triton needs to be a power of two).
+            pl.BlockSpec(k_pages.shape, lambda bi, hi: (0, 0, 0, 0)),
+            pl.BlockSpec(v_pages.shape, lambda bi, hi: (0, 0, 0, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, group_pad, hd), lambda bi, hi: (bi, hi, 0, 0)),

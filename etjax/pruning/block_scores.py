@@ -1,0 +1,55 @@
+"""Query-aware block scores from per-page key bounds (Quest-style), kept current as pages fill.
+
+For a page holding keys k_1..k_n of one KV head, keep the elementwise min and max over its
+slots. For any query q, every key in the page satisfies
+
+    q . k = sum_d q_d k_d <= sum_d max(q_d * kmin_d, q_d * kmax_d)
+
+so the right-hand side bounds the largest attention logit the page can produce: a page whose
+bound is low cannot hold much attention mass. With grouped-query attention the block score of
+a KV head is the largest bound over the query heads that share it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def update_key_bounds(
+    k_min: jax.Array,
+    k_max: jax.Array,
+    k_new: jax.Array,
+    pages: jax.Array,
+    slots: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Fold new keys into their pages' bounds.
+
+    k_min, k_max: [N, KVH, hd]; k_new: [T, KVH, hd] keys being written; pages, slots: [T] where
+    they go. A key written to slot 0 starts its page afresh (pages are reused between
+    sequences), so the bounds are reset before the fold; the min/max scatters handle several
+    keys landing in one page.
+    """
+    fresh = slots == 0
+    reset_pages = jnp.where(fresh, pages, k_min.shape[0])  # out of range: dropped
+    k_min = k_min.at[reset_pages].set(jnp.inf, mode="drop")
+    k_max = k_max.at[reset_pages].set(-jnp.inf, mode="drop")
+    k32 = k_new.astype(k_min.dtype)
+    return k_min.at[pages].min(k32), k_max.at[pages].max(k32)
+
+
+def block_upper_bounds(
+    q: jax.Array, k_min: jax.Array, k_max: jax.Array, page_table: jax.Array
+) -> jax.Array:
+    """Upper bound of the attention logit per block: [B, KVH, P].
+
+    q: [B, H, hd] queries (RoPE applied, unscaled); k_min, k_max: [N, KVH, hd];
+    page_table: [B, P].
+    """
+    b, h, hd = q.shape
+    kvh = k_min.shape[1]
+    qg = q.reshape(b, kvh, h // kvh, 1, hd).astype(jnp.float32)
+    lo = k_min[page_table].transpose(0, 2, 1, 3)[:, :, None]  # [B, KVH, 1, P, hd]
+    hi = k_max[page_table].transpose(0, 2, 1, 3)[:, :, None]
+    bound = jnp.sum(jnp.maximum(qg * lo, qg * hi), axis=-1)  # [B, KVH, G, P]
+    return jnp.max(bound, axis=2) * hd**-0.5

@@ -1,0 +1,24 @@
+"""From the entropy signal to a number of KV blocks to read."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from etjax.pruning.config import PruningConfig
+
+
+def kept_fraction(conservative_entropy: jax.Array, cfg: PruningConfig) -> jax.Array:
+    """Fraction [B] of blocks to keep, monotone nondecreasing in the entropy [B] (nats)."""
+    ramp = (conservative_entropy - cfg.entropy_low) / (cfg.entropy_high - cfg.entropy_low)
+    return cfg.min_fraction + (1.0 - cfg.min_fraction) * jnp.clip(ramp, 0.0, 1.0)
+
+
+def kept_block_count(fraction: jax.Array, num_blocks: jax.Array, cfg: PruningConfig) -> jax.Array:
+    """Blocks [B] int32 to keep out of `num_blocks` [B]: the fraction, rounded up, with floors.
+
+    At least `min_blocks` and the always-kept sinks and recent window; never more than exist.
+    """
+    wanted = jnp.ceil(fraction * num_blocks).astype(jnp.int32)
+    floor = max(cfg.min_blocks, cfg.sink_blocks + cfg.recent_blocks)
+    return jnp.minimum(jnp.maximum(wanted, floor), num_blocks)

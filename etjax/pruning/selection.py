@@ -1,0 +1,38 @@
+"""Choose the kept blocks of each (sequence, KV head) from scores and a budget."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from etjax.pruning.config import PruningConfig
+
+
+def select_blocks(
+    scores: jax.Array,
+    num_blocks: jax.Array,
+    budget: jax.Array,
+    cfg: PruningConfig,
+    max_kept: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Pick the kept blocks: sinks and the recent window always, then the highest scores.
+
+    scores: [B, KVH, P] float32; num_blocks: [B] blocks holding the sequence; budget: [B]
+    blocks to keep (from `kept_block_count`); max_kept: static width of the result.
+    Returns kept_blocks [B, KVH, max_kept] int32 (logical block ids, the first kept_counts
+    valid, the rest repeat valid ids) and kept_counts [B, KVH] int32.
+    """
+    b, kvh, p = scores.shape
+    block = jnp.arange(p)[None, None, :]
+    n = num_blocks[:, None, None]
+    forced = (block < cfg.sink_blocks) | ((block >= n - cfg.recent_blocks) & (block < n))
+    ranked = jnp.where(forced, jnp.inf, jnp.where(block < n, scores, -jnp.inf))
+    _, order = jax.lax.top_k(ranked, min(max_kept, p))
+    counts = jnp.minimum(jnp.minimum(budget, num_blocks), max_kept)
+    counts = jnp.broadcast_to(counts[:, None], (b, kvh)).astype(jnp.int32)
+    if order.shape[-1] < max_kept:
+        order = jnp.pad(order, ((0, 0), (0, 0), (0, max_kept - order.shape[-1])))
+    # Entries past the count repeat a kept id so every entry is a valid column.
+    slot = jnp.arange(max_kept)[None, None, :]
+    order = jnp.where(slot < counts[..., None], order, order[..., :1])
+    return order.astype(jnp.int32), counts

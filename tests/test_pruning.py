@@ -1,0 +1,98 @@
+"""The pruning building blocks: budget, Quest key bounds, block selection."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from etjax.pruning.block_scores import block_upper_bounds, update_key_bounds
+from etjax.pruning.budget import kept_block_count, kept_fraction
+from etjax.pruning.config import PruningConfig
+from etjax.pruning.selection import select_blocks
+
+CFG = PruningConfig(enabled=True, min_fraction=0.25, entropy_low=1.0, entropy_high=3.0)
+
+
+@settings(deadline=None)
+@given(st.floats(0, 20), st.floats(0, 20))
+def test_kept_fraction_is_monotone_and_bounded(h1, h2):
+    lo, hi = sorted((h1, h2))
+    f_lo, f_hi = (float(kept_fraction(jnp.asarray([h]), CFG)[0]) for h in (lo, hi))
+    assert f_lo <= f_hi + 1e-7
+    assert CFG.min_fraction - 1e-7 <= f_lo and f_hi <= 1.0 + 1e-7
+
+
+def test_kept_fraction_by_hand():
+    f = kept_fraction(jnp.asarray([0.0, 1.0, 2.0, 3.0, 9.0]), CFG)
+    np.testing.assert_allclose(np.asarray(f), [0.25, 0.25, 0.625, 1.0, 1.0], rtol=1e-6)
+
+
+def test_kept_block_count_floors():
+    counts = kept_block_count(jnp.asarray([0.1, 0.5, 1.0, 0.1]), jnp.asarray([100, 7, 9, 2]), CFG)
+    # ceil(10) = 10; ceil(3.5) = 4 (floor: max(min_blocks 4, 1 sink + 2 recent)); all 9; 2 exist.
+    np.testing.assert_array_equal(np.asarray(counts), [10, 4, 9, 2])
+
+
+def test_bad_config_is_named():
+    with pytest.raises(ValueError, match="min_fraction"):
+        PruningConfig(min_fraction=0.0)
+    with pytest.raises(ValueError, match="entropy_low"):
+        PruningConfig(entropy_low=3.0, entropy_high=1.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 3]), st.sampled_from([1, 3]))
+def test_block_bound_is_an_upper_bound_of_every_logit(seed, kvh, group):
+    rng = np.random.default_rng(seed)
+    num_pages, ps, hd, width = 6, 4, 8, 3
+    keys = rng.normal(size=(num_pages, kvh, ps, hd)).astype(np.float32) * rng.uniform(0.1, 5)
+    k_min, k_max = jnp.asarray(keys.min(axis=2)), jnp.asarray(keys.max(axis=2))
+    q = rng.normal(size=(2, kvh * group, hd)).astype(np.float32)
+    table = np.array([[1, 2, 3], [4, 5, 0]], np.int32)
+    bound = np.asarray(block_upper_bounds(jnp.asarray(q), k_min, k_max, jnp.asarray(table)))
+    for b in range(2):
+        for h in range(kvh):
+            for j in range(width):
+                page_keys = keys[table[b, j], h]  # [ps, hd]
+                logits = q[b, h * group : (h + 1) * group] @ page_keys.T / np.sqrt(hd)
+                assert logits.max() <= bound[b, h, j] + 1e-4
+
+
+def test_key_bounds_track_pages_as_they_fill_and_are_reused():
+    rng = np.random.default_rng(0)
+    n, kvh, hd = 5, 2, 4  # pages of 3 slots
+    k_min = jnp.full((n, kvh, hd), jnp.inf)
+    k_max = jnp.full((n, kvh, hd), -jnp.inf)
+    contents: dict[int, list[np.ndarray]] = {}
+    # A prefill of 5 tokens over pages 1, 2, then two decode tokens, then page 1 reused.
+    writes = [([1, 1, 1, 2, 2], [0, 1, 2, 0, 1]), ([2], [2]), ([3], [0]), ([1, 1], [0, 1])]
+    for pages, slots in writes:
+        keys = rng.normal(size=(len(pages), kvh, hd)).astype(np.float32)
+        for key, page, slot in zip(keys, pages, slots, strict=True):
+            if slot == 0:
+                contents[page] = []
+            contents[page].append(key)
+        k_min, k_max = update_key_bounds(
+            k_min, k_max, jnp.asarray(keys), jnp.asarray(pages), jnp.asarray(slots)
+        )
+    for page, held in contents.items():
+        np.testing.assert_allclose(np.asarray(k_min[page]), np.min(held, axis=0))
+        np.testing.assert_allclose(np.asarray(k_max[page]), np.max(held, axis=0))
+
+
+def test_selection_keeps_sinks_recent_and_the_best_scores():
+    scores = np.zeros((1, 2, 10), np.float32)
+    scores[0, 0] = [0, 5, 1, 9, 2, 8, 3, 7, 4, 6]
+    scores[0, 1] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    # 8 blocks hold the sequence (8, 9 are beyond it); keep 5: sink 0, recent 6 and 7, then
+    # the two best among 1..5: head 0 -> 3 (9) and 5 (8); head 1 -> 5 (5) and 4 (4).
+    kept, counts = select_blocks(
+        jnp.asarray(scores), jnp.asarray([8]), jnp.asarray([5]), CFG, max_kept=6
+    )
+    np.testing.assert_array_equal(np.asarray(counts), [[5, 5]])
+    assert set(np.asarray(kept)[0, 0, :5]) == {0, 6, 7, 3, 5}
+    assert set(np.asarray(kept)[0, 1, :5]) == {0, 6, 7, 5, 4}
+    assert np.all(np.asarray(kept) < 8)
