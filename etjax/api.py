@@ -11,6 +11,7 @@ from pathlib import Path
 from etjax.errors import RequestError
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
+from etjax.pruning.config import PruningConfig
 from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
 from etjax.sampling.settings import SamplerSettings
 
@@ -27,8 +28,10 @@ class Result:
     entropy of the distribution actually sampled (after penalties, temperature and filters; 0
     when greedy); `temperature[i]` the temperature used; `tau[i]` entropic time so far;
     `cost_flops[i]` and `cost_bytes[i]` the cumulative cost, prompt included
-    (`etjax.entropy.cost`). `finish_reason` is "eos", "stop", "length", or None when the prompt
-    was rejected, in which case `error` says why and nothing was generated.
+    (`etjax.entropy.cost`); `kept_blocks[i]` the KV blocks per layer and KV head the model read
+    after drawing token i (all of them unless `pruning` is on). `finish_reason` is "eos",
+    "stop", "length", or None when the prompt was rejected, in which case `error` says why and
+    nothing was generated.
     """
 
     text: str = ""
@@ -41,6 +44,7 @@ class Result:
     tau: list[float] = field(default_factory=list)
     cost_flops: list[float] = field(default_factory=list)
     cost_bytes: list[float] = field(default_factory=list)
+    kept_blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
 
@@ -64,6 +68,7 @@ def decode(
     raise_on_invalid: bool = False,
     max_batch_size: int = 32,
     page_size: int = 16,
+    pruning: PruningConfig | bool = False,
     on_text: Callable[[int, str], None] | None = None,
     **sampler_options: float,
 ) -> list[Result]:
@@ -83,6 +88,8 @@ def decode(
       system_prompt: optional system turn when `chat` is set.
       raise_on_invalid: raise `RequestError` for an invalid prompt instead of returning a
         `Result` with `error` set (the other prompts are generated either way otherwise).
+      pruning: True (default settings) or a `PruningConfig`: entropic attention pruning — each
+        decode step reads only the KV blocks its entropy budget and query keep.
       on_text: called as `on_text(prompt_index, text_piece)` while text is produced.
       **sampler_options: any other `etjax.sampling.SamplerSettings` field (top_k, top_p, min_p,
         typical_p, repetition_penalty, presence_penalty, frequency_penalty, target_entropy,
@@ -98,9 +105,12 @@ def decode(
         stop=_stop_strings(stop),
         sampler=_sampler_settings(sampler, temperature, seed, sampler_options),
     )
+    if isinstance(pruning, bool):
+        pruning = PruningConfig(enabled=pruning)
     options = RuntimeOptions(
         page_size=_positive_int("page_size", page_size),
         max_batch_size=_positive_int("max_batch_size", max_batch_size),
+        pruning=pruning,
     )
     model = _resolve_model(model)
     results = [Result() for _ in prompt_list]
@@ -136,6 +146,7 @@ def decode(
             out.temperature,
         )
         r.tau, r.cost_flops, r.cost_bytes = out.tau, out.cost_flops, out.cost_bytes
+        r.kept_blocks = out.kept_blocks
     return results
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from etjax.model.config import ModelConfig
+from etjax.pruning.block_scores import update_key_bounds
 
 NULL_PAGE = 0
 
@@ -26,6 +27,10 @@ class KVCache:
 
     k: tuple[jax.Array, ...]  # num_layers x [N, KVH, ps, hd]
     v: tuple[jax.Array, ...]  # num_layers x [N, KVH, ps, hd]
+    # Elementwise bounds of the keys each page holds, per KV head, for query-aware block scores
+    # (etjax/pruning/block_scores.py); kept current by every write.
+    k_min: tuple[jax.Array, ...]  # num_layers x [N, KVH, hd] float32
+    k_max: tuple[jax.Array, ...]  # num_layers x [N, KVH, hd] float32
 
     @property
     def num_pages(self) -> int:
@@ -40,9 +45,12 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int) -> KVCache:
     """Zero-filled cache with `num_pages` pages (page 0 included) of `page_size` tokens."""
     shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     zeros = lambda: jnp.zeros(shape, cfg.jnp_dtype)  # noqa: E731
+    bounds = (num_pages, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(
         k=tuple(zeros() for _ in range(cfg.num_layers)),
         v=tuple(zeros() for _ in range(cfg.num_layers)),
+        k_min=tuple(jnp.full(bounds, jnp.inf, jnp.float32) for _ in range(cfg.num_layers)),
+        k_max=tuple(jnp.full(bounds, -jnp.inf, jnp.float32) for _ in range(cfg.num_layers)),
     )
 
 
@@ -53,25 +61,55 @@ def kv_cache_bytes(cfg: ModelConfig, num_pages: int, page_size: int) -> int:
 
 
 def write_kv(
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    layer: LayerKV,
     k_new: jax.Array,
     v_new: jax.Array,
     page_table: jax.Array,
     positions: jax.Array,
     valid: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
-    """Scatter new keys and values into their pages.
+) -> LayerKV:
+    """Scatter new keys and values into their pages and fold the keys into the page bounds.
 
     k_new, v_new: [B, S, KVH, hd]; page_table: [B, P]; positions: [B, S] absolute positions;
     valid: [B, S] bool. Invalid (padding) tokens are sent to the null page.
     """
-    page_size = k_pages.shape[2]
+    page_size = layer.k.shape[2]
     logical_page = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
     page = jnp.take_along_axis(page_table, logical_page, axis=1)
     page = jnp.where(valid, page, NULL_PAGE)
     slot = jnp.where(valid, positions % page_size, 0)
     # Advanced indices on axes 0 and 2 around the head slice put [B, S] first: [B, S, KVH, hd].
-    k_pages = k_pages.at[page, :, slot].set(k_new.astype(k_pages.dtype), mode="drop")
-    v_pages = v_pages.at[page, :, slot].set(v_new.astype(v_pages.dtype), mode="drop")
-    return k_pages, v_pages
+    k = layer.k.at[page, :, slot].set(k_new.astype(layer.k.dtype), mode="drop")
+    v = layer.v.at[page, :, slot].set(v_new.astype(layer.v.dtype), mode="drop")
+    kvh, hd = k_new.shape[2:]
+    k_min, k_max = update_key_bounds(
+        layer.k_min, layer.k_max, k_new.reshape(-1, kvh, hd), page.reshape(-1), slot.reshape(-1)
+    )
+    return LayerKV(k=k, v=v, k_min=k_min, k_max=k_max)
+
+
+@flax.struct.dataclass
+class LayerKV:
+    """One layer's slice of the cache (see KVCache for the shapes)."""
+
+    k: jax.Array
+    v: jax.Array
+    k_min: jax.Array
+    k_max: jax.Array
+
+
+def cache_layers(cache: KVCache) -> list[LayerKV]:
+    """The cache as one `LayerKV` per layer."""
+    return [
+        LayerKV(*parts) for parts in zip(cache.k, cache.v, cache.k_min, cache.k_max, strict=True)
+    ]
+
+
+def cache_from_layers(layers: list[LayerKV]) -> KVCache:
+    """Reassemble a `KVCache` from per-layer slices."""
+    return KVCache(
+        k=tuple(x.k for x in layers),
+        v=tuple(x.v for x in layers),
+        k_min=tuple(x.k_min for x in layers),
+        k_max=tuple(x.k_max for x in layers),
+    )

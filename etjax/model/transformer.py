@@ -7,13 +7,18 @@ values are written to their pages first, then the queries attend causally over t
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
-from etjax.cache.kv_cache import KVCache, write_kv
+from etjax.cache.kv_cache import KVCache, LayerKV, cache_from_layers, cache_layers, write_kv
 from etjax.model.config import ModelConfig
 from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu_mlp
 from etjax.model.weights import LayerWeights, Weights
+from etjax.pruning.block_scores import block_upper_bounds
+from etjax.pruning.config import PruningConfig
+from etjax.pruning.selection import select_blocks
+from pallas_kernels.block_sparse import block_sparse_attention_xla
 from pallas_kernels.paged_attention import paged_attention_xla
 
 
@@ -25,6 +30,7 @@ def forward(
     valid: jax.Array,
     page_table: jax.Array,
     cfg: ModelConfig,
+    sparse: SparsePlan | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder over new tokens, appending their keys and values to the cache.
 
@@ -33,25 +39,33 @@ def forward(
       positions: [B, S] int32 absolute positions (a sequence's tokens are contiguous).
       valid: [B, S] bool; padding tokens are computed but neither cached nor meaningful.
       page_table: [B, P] int32 pages of each sequence (see `kv_cache`).
+      sparse: for decode (S = 1), attend per layer and KV head only to the blocks the plan's
+        budget keeps, chosen by query-aware key bounds (etjax/pruning); None = dense.
 
     Returns:
       hidden: [B, S, D] final-normed hidden states in the model dtype, and the updated cache.
     """
     inv_freq = rope_inverse_frequencies(cfg)
     x = weights.embed[tokens]
-    new_k, new_v = [], []
-    for layer, k_pages, v_pages in zip(weights.layers, cache.k, cache.v, strict=True):
+    layers_kv = []
+    for layer, kv in zip(weights.layers, cache_layers(cache), strict=True):
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        attn, k_pages, v_pages = _attention(
-            h, layer, k_pages, v_pages, positions, valid, page_table, inv_freq, cfg
-        )
+        attn, kv = _attention(h, layer, kv, positions, valid, page_table, inv_freq, cfg, sparse)
         x = x + attn
         h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
         x = x + swiglu_mlp(h, layer.w_gate_up, layer.w_down)
-        new_k.append(k_pages)
-        new_v.append(v_pages)
+        layers_kv.append(kv)
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
-    return hidden, KVCache(k=tuple(new_k), v=tuple(new_v))
+    return hidden, cache_from_layers(layers_kv)
+
+
+@flax.struct.dataclass
+class SparsePlan:
+    """How a decode step prunes attention: per-row block budgets and the static settings."""
+
+    budget_blocks: jax.Array  # [B] int32 blocks each row may read (all layers and KV heads)
+    pruning: PruningConfig = flax.struct.field(pytree_node=False)
+    max_kept: int = flax.struct.field(pytree_node=False)  # static width of the kept table
 
 
 def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
@@ -67,15 +81,15 @@ def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
 def _attention(
     h: jax.Array,
     layer: LayerWeights,
-    k_pages: jax.Array,
-    v_pages: jax.Array,
+    kv: LayerKV,
     positions: jax.Array,
     valid: jax.Array,
     page_table: jax.Array,
     inv_freq: jax.Array,
     cfg: ModelConfig,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    # h: [B, S, D] -> attention output [B, S, D] and the layer's updated pages.
+    sparse: SparsePlan | None,
+) -> tuple[jax.Array, LayerKV]:
+    # h: [B, S, D] -> attention output [B, S, D] and the layer's updated cache slice.
     b, s, _ = h.shape
     hd = cfg.head_dim
     qkv = h @ layer.wqkv
@@ -87,6 +101,24 @@ def _attention(
     v = qkv[..., q_width + kv_width :].reshape(b, s, cfg.num_kv_heads, hd)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, page_table, positions, valid)
-    out = paged_attention_xla(q, k_pages, v_pages, page_table, positions)
-    return out.reshape(b, s, cfg.num_heads * hd) @ layer.wo, k_pages, v_pages
+    kv = write_kv(kv, k, v, page_table, positions, valid)
+    if sparse is not None and s == 1:
+        out = _sparse_decode_attention(q[:, 0], kv, positions[:, 0], page_table, sparse)[:, None]
+    else:
+        out = paged_attention_xla(q, kv.k, kv.v, page_table, positions)
+    return out.reshape(b, s, cfg.num_heads * hd) @ layer.wo, kv
+
+
+def _sparse_decode_attention(
+    q: jax.Array, kv: LayerKV, position: jax.Array, page_table: jax.Array, plan: SparsePlan
+) -> jax.Array:
+    # q: [B, H, hd] at `position` [B]; the key just written is part of the last block.
+    page_size = kv.k.shape[2]
+    lengths = position + 1
+    num_blocks = (lengths + page_size - 1) // page_size
+    scores = block_upper_bounds(q, kv.k_min, kv.k_max, page_table)
+    kept, counts = select_blocks(
+        scores, num_blocks, plan.budget_blocks, plan.pruning, plan.max_kept
+    )
+    out, _ = block_sparse_attention_xla(q, kv.k, kv.v, page_table, kept, counts, lengths)
+    return out

@@ -20,6 +20,8 @@ from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
+from etjax.pruning.budget import kept_block_count
+from etjax.pruning.config import PruningConfig
 from etjax.runtime.buckets import batch_bucket, pages_bucket, prompt_bucket
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.steps import decode_steps, prefill_chunk
@@ -47,6 +49,7 @@ class RuntimeOptions:
     prefill_chunk: int = 512
     max_prefill_rows: int = 8
     steps_per_sync: int = 8
+    pruning: PruningConfig = field(default_factory=PruningConfig)
 
 
 @dataclass
@@ -61,6 +64,7 @@ class SequenceOutput:
     tau: list[float] = field(default_factory=list)  # entropic time after each token
     cost_flops: list[float] = field(default_factory=list)  # cumulative, prefill included
     cost_bytes: list[float] = field(default_factory=list)  # cumulative, prefill included
+    kept_blocks: list[int] = field(default_factory=list)  # blocks read per layer and KV head
     text: str = ""
     finish_reason: str = ""  # "eos", "stop" (a stop string) or "length"
 
@@ -133,12 +137,20 @@ class _Wave:
         state = self._initial_state(prompts, settings, table, logits, prefill_flops, prefill_bytes)
         prompt_lengths = np.array([len(p) for p in prompts])
         active = np.asarray(state.active)
+        budget = np.ones(table.shape[0], np.float32)
         while active.any():
             state = self._fit_page_table(state, table, prompt_lengths, active)
             state, cache, out = decode_steps(
-                self.weights, cache, state, self.cfg, self.cost, opts.steps_per_sync
+                self.weights,
+                cache,
+                state,
+                self.cfg,
+                self.cost,
+                opts.steps_per_sync,
+                opts.pruning,
+                self._max_kept(state.page_table.shape[1], prompt_lengths, active, budget),
             )
-            out, active = jax.device_get((out, state.active))
+            out, active, budget = jax.device_get((out, state.active, state.entropy.budget))
             stopped = self._collect(out, active, n)
             if stopped:
                 active = active.copy()
@@ -194,6 +206,7 @@ class _Wave:
                 float(out.tau[k, row]),
                 float(out.cost_flops[k, row]),
                 float(out.cost_bytes[k, row]),
+                int(out.kept_blocks[k, row]),
             )
             if not self._accept(row, int(out.tokens[k, row]), trace) and active[row]:
                 stopped.append(row)
@@ -213,6 +226,25 @@ class _Wave:
         if state.page_table.shape[1] == width:
             return state
         return state.replace(page_table=jnp.asarray(table[:, :width]))
+
+    def _max_kept(
+        self, width: int, prompt_lengths: np.ndarray, active: np.ndarray, budget: np.ndarray
+    ) -> int:
+        # The kept-block table is static per compiled step: size it for the largest budget any
+        # active row can need in the coming burst (its last budget fraction at the burst's
+        # longest context), rounded up to a bucket. A budget that grows within the burst is
+        # clipped to it until the next sync.
+        if not self.options.pruning.enabled:
+            return 0
+        rows = np.nonzero(active[: len(prompt_lengths)])[0]
+        reach = (
+            prompt_lengths[rows]
+            + np.array([len(self.results[i].token_ids) for i in rows])
+            + self.options.steps_per_sync
+        )
+        blocks = -(-reach // self.options.page_size)
+        needed = np.asarray(kept_block_count(budget[rows], blocks, self.options.pruning))
+        return min(pages_bucket(int(needed.max())), width)
 
     def _prefill(self, cache, prompts: Sequence[Sequence[int]], table: np.ndarray):
         # Long prompts are cut into chunks; round r prefills chunk r of every prompt that has one,
@@ -279,6 +311,7 @@ class _Wave:
                 result.tau,
                 result.cost_flops,
                 result.cost_bytes,
+                result.kept_blocks,
             ),
             trace,
             strict=True,

@@ -45,4 +45,5 @@ class StepOutputs:
     tau: jax.Array  # float32 entropic time after the step
     cost_flops: jax.Array  # float32 cumulative FLOPs after the step
     cost_bytes: jax.Array  # float32 cumulative bytes after the step
+    kept_blocks: jax.Array  # int32 blocks per layer and KV head the token's forward pass read
     emitted: jax.Array  # bool the row was active, so tokens[k, b] is real output

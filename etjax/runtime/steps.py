@@ -13,10 +13,13 @@ import jax.numpy as jnp
 
 from etjax.cache.kv_cache import KVCache
 from etjax.entropy.cost import CostModel
+from etjax.entropy.estimators import tail_bounds
 from etjax.entropy.state import advance_tau
 from etjax.model.config import ModelConfig
-from etjax.model.transformer import forward, logits_from_hidden
+from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.model.weights import Weights
+from etjax.pruning.budget import kept_block_count, kept_fraction
+from etjax.pruning.config import PruningConfig
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.sampling.sampler import sample_next
 
@@ -48,8 +51,13 @@ def prefill_chunk(
     ), cache
 
 
+DENSE = PruningConfig()  # pruning disabled: every block of the context is read
+
+
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "cost", "num_steps"), donate_argnames=("cache", "state")
+    jax.jit,
+    static_argnames=("cfg", "cost", "num_steps", "pruning", "max_kept"),
+    donate_argnames=("cache", "state"),
 )
 def decode_steps(
     weights: Weights,
@@ -58,12 +66,17 @@ def decode_steps(
     cfg: ModelConfig,
     cost: CostModel,
     num_steps: int,
+    pruning: PruningConfig = DENSE,
+    max_kept: int = 0,
 ) -> tuple[DecodeState, KVCache, StepOutputs]:
     """Run `num_steps` steps of: sample from each active row's logits, then run the model on it.
 
     A row finishes when it samples an eos id (unless `stop_on_eos` is off) or reaches its
-    `max_new_tokens`; a finished row is not run again. Returns the new state, the cache, and
-    per-step outputs [num_steps, B].
+    `max_new_tokens`; a finished row is not run again. With `pruning.enabled`, the forward pass
+    of a token reads at most `max_kept` blocks per layer and KV head, and as many as the
+    conservative entropy of the distribution the token was drawn from allows (the budget of
+    step t comes from what step t - 1 computed). Returns the new state, the cache, and per-step
+    outputs [num_steps, B].
     """
 
     def step(carry: tuple[DecodeState, KVCache], _: None):
@@ -81,6 +94,14 @@ def decode_steps(
         hit_eos = state.stop_on_eos & jnp.any(tokens[:, None] == state.eos_ids, axis=-1)
         runs = active & ~(hit_eos | (num_generated >= state.max_new_tokens))
 
+        num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
+        if pruning.enabled:
+            _, conservative = tail_bounds(state.logits, pruning.estimator_k)
+            fraction = kept_fraction(conservative, pruning)
+            kept = jnp.minimum(kept_block_count(fraction, num_blocks, pruning), max_kept)
+            plan = SparsePlan(budget_blocks=kept, pruning=pruning, max_kept=max_kept)
+        else:
+            fraction, kept, plan = jnp.ones_like(info.model_entropy), num_blocks, None
         hidden, cache = forward(
             weights,
             cache,
@@ -89,10 +110,12 @@ def decode_steps(
             runs[:, None],
             state.page_table,
             cfg,
+            plan,
         )
-        flops, nbytes = cost.token_cost(cost.keys_read(state.lengths + 1), runs)
+        flops, nbytes = cost.token_cost((kept * cost.page_size).astype(jnp.float32), runs)
         entropy = advance_tau(state.entropy, info.model_entropy, active)
         entropy = entropy.replace(
+            budget=jnp.where(active, fraction, entropy.budget),
             sampled_entropy=jnp.where(active, info.sampled_entropy, entropy.sampled_entropy),
             temperature=jnp.where(active, info.temperature, entropy.temperature),
             cost_flops=entropy.cost_flops + flops,
@@ -117,6 +140,7 @@ def decode_steps(
             tau=entropy.tau,
             cost_flops=entropy.cost_flops,
             cost_bytes=entropy.cost_bytes,
+            kept_blocks=jnp.where(runs, kept, 0).astype(jnp.int32),
             emitted=active,
         )
         return (state, cache), outputs

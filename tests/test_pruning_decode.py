@@ -1,0 +1,57 @@
+"""Entropic attention pruning inside the decode step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import etjax
+from etjax.pruning.config import PruningConfig
+from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return etjax.load_model(tiny_hf_dir("llama"))
+
+
+def _run(model, prompts, pruning: PruningConfig, new_tokens: int = 12):
+    settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
+    options = RuntimeOptions(page_size=4, steps_per_sync=4, pruning=pruning)
+    return generate_ids(model.weights, model.config, model.tokenizer, prompts, settings, options)
+
+
+def test_pruning_that_keeps_everything_equals_dense(tiny):
+    # min_fraction 1: the sparse path (bounds, selection, block-sparse attention) runs with
+    # every block kept and must reproduce the dense path.
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (37, 9, 22)]
+    dense = _run(tiny, prompts, PruningConfig())
+    keep_all = _run(tiny, prompts, PruningConfig(enabled=True, min_fraction=1.0))
+    for a, b in zip(dense, keep_all, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.entropy, b.entropy, rtol=1e-4, atol=1e-5)
+        assert a.kept_blocks == b.kept_blocks  # all blocks, counted the same way
+
+
+def test_low_budget_reads_fewer_blocks_and_costs_less(tiny):
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, tiny.config.vocab_size, size=120).tolist()  # 30+ blocks of 4
+    aggressive = PruningConfig(
+        enabled=True, min_fraction=0.1, entropy_low=50.0, entropy_high=60.0, min_blocks=4
+    )
+    (dense,) = _run(tiny, [prompt], PruningConfig())
+    (pruned,) = _run(tiny, [prompt], aggressive)
+    blocks = [-(-(120 + i + 1) // 4) for i in range(len(pruned.token_ids))]
+    # The final token is not run through the model, so it reads nothing.
+    assert pruned.kept_blocks[-1] == 0 and dense.kept_blocks[-1] == 0
+    for kept, total in zip(pruned.kept_blocks[:-1], blocks[:-1], strict=True):
+        assert kept == max(int(np.ceil(0.1 * total)), 4)
+    assert dense.kept_blocks[:-1] == blocks[:-1]
+    assert pruned.cost_bytes[-1] < dense.cost_bytes[-1]
+    assert len(pruned.token_ids) == 12
+
+
+def test_decode_accepts_pruning_flag(tiny):
+    (result,) = etjax.decode("The river", model=tiny, max_new_tokens=6, pruning=True)
+    assert len(result.kept_blocks) == len(result.token_ids)
