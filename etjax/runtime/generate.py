@@ -22,7 +22,7 @@ from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
 from etjax.pruning.config import PruningConfig
-from etjax.runtime.buckets import batch_bucket, pages_bucket, prompt_bucket
+from etjax.runtime.buckets import batch_bucket, kept_bucket, pages_bucket, prompt_bucket
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.steps import decode_steps, prefill_chunk
 from etjax.sampling.sampler import initial_sampler_state
@@ -244,7 +244,7 @@ class _Wave:
         )
         blocks = -(-reach // self.options.page_size)
         needed = np.asarray(kept_block_count(budget[rows], blocks, self.options.pruning))
-        return min(pages_bucket(int(needed.max())), width)
+        return kept_bucket(int(needed.max()), width)
 
     def _prefill(self, cache, prompts: Sequence[Sequence[int]], table: np.ndarray):
         # Long prompts are cut into chunks; round r prefills chunk r of every prompt that has one,
