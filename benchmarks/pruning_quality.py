@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
 from etjax.cache.kv_cache import init_kv_cache
-from etjax.entropy.estimators import tail_bounds
+from etjax.entropy.estimators import exact_entropy
 from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
-from etjax.pruning.budget import kept_block_count, kept_fraction
+from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.steps import prefill_chunk
 
@@ -48,9 +48,9 @@ def _teacher_forced(weights, cache, logits, tokens, start, table, cfg, pruning, 
         nll = jax.nn.logsumexp(logits[0]) - logits[0, target]
         blocks = (position + PAGE) // PAGE
         if pruning.enabled:
-            _, conservative = tail_bounds(logits, pruning.estimator_k)
+            signal = budget_entropy(logits, exact_entropy(logits), pruning)
             kept = jnp.minimum(
-                kept_block_count(kept_fraction(conservative, pruning), blocks[None], pruning),
+                kept_block_count(kept_fraction(signal, pruning), blocks[None], pruning),
                 max_kept,
             )
             plan = SparsePlan(budget_blocks=kept, pruning=pruning, max_kept=max_kept)

@@ -161,3 +161,22 @@ def test_bad_shapes_are_named():
             jnp.zeros((2, 2), jnp.int32),
             jnp.zeros((2,), jnp.int32),
         )
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_selection_shared_by_kv_heads_equals_it_repeated_per_head(backend):
+    rng = np.random.default_rng(3)
+    b, kvh, group, hd, ps, width = 2, 3, 3, 16, 8, 6
+    q = jnp.asarray(rng.normal(size=(b, kvh * group, hd)), jnp.float32)
+    kp = jnp.asarray(rng.normal(size=(1 + b * width, kvh, ps, hd)), jnp.float32)
+    vp = jnp.asarray(rng.normal(size=(1 + b * width, kvh, ps, hd)), jnp.float32)
+    table = jnp.asarray((1 + rng.permutation(b * width)).reshape(b, width), jnp.int32)
+    lengths = jnp.asarray([45, 30], jnp.int32)
+    shared = jnp.asarray([[[5, 0, 2, 2]], [[3, 1, 1, 1]]], jnp.int32)
+    counts = jnp.asarray([[3], [2]], jnp.int32)
+    out, mass = BACKENDS[backend](q, kp, vp, table, shared, counts, lengths)
+    repeated = (jnp.repeat(shared, kvh, axis=1), jnp.repeat(counts, kvh, axis=1))
+    ref_out, ref_mass = block_sparse_attention_reference(q, kp, vp, table, *repeated, lengths)
+    assert mass.shape == (b, kvh, 4)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=1e-5)

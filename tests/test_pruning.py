@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from etjax.pruning.block_scores import block_upper_bounds, update_key_bounds
+from etjax.pruning.block_scores import (
+    block_upper_bounds,
+    forget_mass,
+    remember_mass,
+    update_key_bounds,
+)
 from etjax.pruning.budget import kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
 from etjax.pruning.selection import select_blocks
@@ -41,6 +48,10 @@ def test_bad_config_is_named():
         PruningConfig(min_fraction=0.0)
     with pytest.raises(ValueError, match="entropy_low"):
         PruningConfig(entropy_low=3.0, entropy_high=1.0)
+    with pytest.raises(ValueError, match=r"signal='tail'.*exact"):
+        PruningConfig(signal="tail")
+    with pytest.raises(ValueError, match="mass_threshold"):
+        PruningConfig(mass_threshold=1.5)
 
 
 @settings(max_examples=30, deadline=None)
@@ -96,3 +107,34 @@ def test_selection_keeps_sinks_recent_and_the_best_scores():
     assert set(np.asarray(kept)[0, 0, :5]) == {0, 6, 7, 3, 5}
     assert set(np.asarray(kept)[0, 1, :5]) == {0, 6, 7, 5, 4}
     assert np.all(np.asarray(kept) < 8)
+
+
+def test_recently_hot_blocks_rank_before_better_bounds():
+    cfg = PruningConfig(enabled=True, sink_blocks=1, recent_blocks=1, mass_threshold=0.1)
+    scores = jnp.asarray([[[0, 9, 8, 1, 2, 0]]], jnp.float32)
+    mass = jnp.asarray([[[0.5, 0.0, 0.05, 0.3, 0.2, 0.1]]], jnp.float32)
+    # Keep 4 of 6: sink 0 and recent 5 forced; then the hot blocks 3 and 4 (mass >= 0.1) rank
+    # before 1 and 2 despite their lower bounds.
+    kept, _ = select_blocks(scores, jnp.asarray([6]), jnp.asarray([4]), cfg, 4, mass)
+    assert set(np.asarray(kept)[0, 0]) == {0, 5, 3, 4}
+    bounds_only = dataclasses.replace(cfg, mass_threshold=0.0)
+    plain, _ = select_blocks(scores, jnp.asarray([6]), jnp.asarray([4]), bounds_only, 4, mass)
+    assert set(np.asarray(plain)[0, 0]) == {0, 5, 1, 2}  # threshold 0: bounds only
+
+
+def test_mass_memory_stores_real_observations_and_forgets_reused_pages():
+    memory = jnp.zeros((6, 2), jnp.float32)
+    physical = jnp.asarray([[[3, 1, 3]], [[4, 2, 2]]], jnp.int32)  # shared by the 2 heads
+    observed = jnp.asarray(
+        [[[0.7, 0.3, 0.0], [0.6, 0.4, 0.0]], [[1.0, 0.0, 0.0], [0.9, 0.1, 0.0]]], jnp.float32
+    )
+    counts = jnp.asarray([[2], [2]], jnp.int32)
+    # Row 0's padding entry repeats page 3 with mass 0: it must not overwrite 0.7 / 0.6.
+    # Row 1 is not a real step: nothing of it is stored.
+    memory = remember_mass(memory, physical, observed, counts, jnp.asarray([True, False]))
+    expected = np.zeros((6, 2), np.float32)
+    expected[3], expected[1] = [0.7, 0.6], [0.3, 0.4]
+    np.testing.assert_array_equal(np.asarray(memory), expected)
+    memory = forget_mass(memory, jnp.asarray([3, 1]), jnp.asarray([0, 5]))  # page 3 reused
+    expected[3] = 0
+    np.testing.assert_array_equal(np.asarray(memory), expected)

@@ -21,13 +21,23 @@ def _run(model, prompts, pruning: PruningConfig, new_tokens: int = 12):
     return generate_ids(model.weights, model.config, model.tokenizer, prompts, settings, options)
 
 
-def test_pruning_that_keeps_everything_equals_dense(tiny):
-    # min_fraction 1: the sparse path (bounds, selection, block-sparse attention) runs with
-    # every block kept and must reproduce the dense path.
+@pytest.mark.parametrize("share_heads, mass_threshold", [(True, 0.0), (False, 0.0), (True, 0.05)])
+def test_pruning_that_keeps_everything_equals_dense(tiny, share_heads, mass_threshold):
+    # min_fraction 1: the sparse path (bounds, selection, block-sparse attention, mass memory)
+    # runs with every block kept and must reproduce the dense path.
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (37, 9, 22)]
     dense = _run(tiny, prompts, PruningConfig())
-    keep_all = _run(tiny, prompts, PruningConfig(enabled=True, min_fraction=1.0))
+    keep_all = _run(
+        tiny,
+        prompts,
+        PruningConfig(
+            enabled=True,
+            min_fraction=1.0,
+            share_heads=share_heads,
+            mass_threshold=mass_threshold,
+        ),
+    )
     for a, b in zip(dense, keep_all, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.entropy, b.entropy, rtol=1e-4, atol=1e-5)

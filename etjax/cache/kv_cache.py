@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from etjax.model.config import ModelConfig
-from etjax.pruning.block_scores import update_key_bounds
+from etjax.pruning.block_scores import forget_mass, update_key_bounds
 
 NULL_PAGE = 0
 
@@ -31,6 +31,9 @@ class KVCache:
     # (etjax/pruning/block_scores.py); kept current by every write.
     k_min: tuple[jax.Array, ...]  # num_layers x [N, KVH, hd] float32
     k_max: tuple[jax.Array, ...]  # num_layers x [N, KVH, hd] float32
+    # Attention mass each page drew, per KV head, the last time a pruned decode step read it;
+    # 0 for pages never read that way (etjax/pruning/block_scores.py).
+    block_mass: tuple[jax.Array, ...]  # num_layers x [N, KVH] float32
 
     @property
     def num_pages(self) -> int:
@@ -51,6 +54,7 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int) -> KVCache:
         v=tuple(zeros() for _ in range(cfg.num_layers)),
         k_min=tuple(jnp.full(bounds, jnp.inf, jnp.float32) for _ in range(cfg.num_layers)),
         k_max=tuple(jnp.full(bounds, -jnp.inf, jnp.float32) for _ in range(cfg.num_layers)),
+        block_mass=tuple(jnp.zeros(bounds[:2], jnp.float32) for _ in range(cfg.num_layers)),
     )
 
 
@@ -82,10 +86,12 @@ def write_kv(
     k = layer.k.at[page, :, slot].set(k_new.astype(layer.k.dtype), mode="drop")
     v = layer.v.at[page, :, slot].set(v_new.astype(layer.v.dtype), mode="drop")
     kvh, hd = k_new.shape[2:]
+    page, slot = page.reshape(-1), slot.reshape(-1)
     k_min, k_max = update_key_bounds(
-        layer.k_min, layer.k_max, k_new.reshape(-1, kvh, hd), page.reshape(-1), slot.reshape(-1)
+        layer.k_min, layer.k_max, k_new.reshape(-1, kvh, hd), page, slot
     )
-    return LayerKV(k=k, v=v, k_min=k_min, k_max=k_max)
+    block_mass = forget_mass(layer.block_mass, page, slot)
+    return LayerKV(k=k, v=v, k_min=k_min, k_max=k_max, block_mass=block_mass)
 
 
 @flax.struct.dataclass
@@ -96,12 +102,14 @@ class LayerKV:
     v: jax.Array
     k_min: jax.Array
     k_max: jax.Array
+    block_mass: jax.Array
 
 
 def cache_layers(cache: KVCache) -> list[LayerKV]:
     """The cache as one `LayerKV` per layer."""
     return [
-        LayerKV(*parts) for parts in zip(cache.k, cache.v, cache.k_min, cache.k_max, strict=True)
+        LayerKV(*parts)
+        for parts in zip(cache.k, cache.v, cache.k_min, cache.k_max, cache.block_mass, strict=True)
     ]
 
 
@@ -112,4 +120,5 @@ def cache_from_layers(layers: list[LayerKV]) -> KVCache:
         v=tuple(x.v for x in layers),
         k_min=tuple(x.k_min for x in layers),
         k_max=tuple(x.k_max for x in layers),
+        block_mass=tuple(x.block_mass for x in layers),
     )

@@ -15,7 +15,7 @@ from etjax.cache.kv_cache import KVCache, LayerKV, cache_from_layers, cache_laye
 from etjax.model.config import ModelConfig
 from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu_mlp
 from etjax.model.weights import LayerWeights, Weights
-from etjax.pruning.block_scores import block_upper_bounds
+from etjax.pruning.block_scores import block_upper_bounds, remember_mass
 from etjax.pruning.config import PruningConfig
 from etjax.pruning.selection import select_blocks
 from pallas_kernels.block_sparse import block_sparse_attention_xla
@@ -103,22 +103,37 @@ def _attention(
     k = apply_rope(k, positions, inv_freq)
     kv = write_kv(kv, k, v, page_table, positions, valid)
     if sparse is not None and s == 1:
-        out = _sparse_decode_attention(q[:, 0], kv, positions[:, 0], page_table, sparse)[:, None]
+        out, kv = _sparse_decode_attention(
+            q[:, 0], kv, positions[:, 0], valid[:, 0], page_table, sparse
+        )
+        out = out[:, None]
     else:
         out = paged_attention_xla(q, kv.k, kv.v, page_table, positions)
     return out.reshape(b, s, cfg.num_heads * hd) @ layer.wo, kv
 
 
 def _sparse_decode_attention(
-    q: jax.Array, kv: LayerKV, position: jax.Array, page_table: jax.Array, plan: SparsePlan
-) -> jax.Array:
+    q: jax.Array,
+    kv: LayerKV,
+    position: jax.Array,
+    valid: jax.Array,
+    page_table: jax.Array,
+    plan: SparsePlan,
+) -> tuple[jax.Array, LayerKV]:
     # q: [B, H, hd] at `position` [B]; the key just written is part of the last block.
     page_size = kv.k.shape[2]
     lengths = position + 1
     num_blocks = (lengths + page_size - 1) // page_size
-    scores = block_upper_bounds(q, kv.k_min, kv.k_max, page_table)
+    scores = block_upper_bounds(q, kv.k_min, kv.k_max, page_table)  # [B, KVH, P]
+    last_mass = kv.block_mass[page_table].transpose(0, 2, 1)  # [B, KVH, P]
+    if plan.pruning.share_heads:
+        scores = scores.max(axis=1, keepdims=True)
+        last_mass = last_mass.max(axis=1, keepdims=True)
     kept, counts = select_blocks(
-        scores, num_blocks, plan.budget_blocks, plan.pruning, plan.max_kept
+        scores, num_blocks, plan.budget_blocks, plan.pruning, plan.max_kept, last_mass
     )
-    out, _ = block_sparse_attention_xla(q, kv.k, kv.v, page_table, kept, counts, lengths)
-    return out
+    out, mass = block_sparse_attention_xla(q, kv.k, kv.v, page_table, kept, counts, lengths)
+    if plan.pruning.mass_threshold > 0:
+        physical = jnp.take_along_axis(page_table[:, None, :], kept, axis=2)
+        kv = kv.replace(block_mass=remember_mass(kv.block_mass, physical, mass, counts, valid))
+    return out, kv

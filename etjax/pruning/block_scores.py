@@ -7,7 +7,12 @@ slots. For any query q, every key in the page satisfies
 
 so the right-hand side bounds the largest attention logit the page can produce: a page whose
 bound is low cannot hold much attention mass. With grouped-query attention the block score of
-a KV head is the largest bound over the query heads that share it.
+a KV head is the largest bound over the query heads that share it, and a selection shared by
+the KV heads scores a page by the largest bound over all its heads.
+
+The second signal is the attention mass a block received the last time it was read (returned
+by the attention op, remembered per physical page in the cache): a block that drew mass
+recently is likely to draw it again, even where its bound ranks it below others.
 """
 
 from __future__ import annotations
@@ -38,10 +43,39 @@ def update_key_bounds(
     return k_min.at[pages].min(k32), k_max.at[pages].max(k32)
 
 
+def forget_mass(block_mass: jax.Array, pages: jax.Array, slots: jax.Array) -> jax.Array:
+    """Clear the remembered mass [N, KVH] of pages whose slot 0 is being written (reused)."""
+    fresh = jnp.where(slots == 0, pages, block_mass.shape[0])  # out of range: dropped
+    return block_mass.at[fresh].set(0.0, mode="drop")
+
+
+def remember_mass(
+    block_mass: jax.Array,
+    physical: jax.Array,
+    observed: jax.Array,
+    kept_counts: jax.Array,
+    rows: jax.Array,
+) -> jax.Array:
+    """Store the mass each kept block just received.
+
+    block_mass: [N, KVH]; physical: [B, 1|KVH, K] pages that were read; observed: [B, KVH, K];
+    kept_counts: [B, 1|KVH]; rows: [B] bool, rows whose step is real. Padding entries of the
+    kept table (past the count) and rows that are not real are dropped, so they can never
+    overwrite a real observation.
+    """
+    n, kvh = block_mass.shape
+    k = physical.shape[-1]
+    real = (jnp.arange(k) < kept_counts[..., None]) & rows[:, None, None]
+    target = jnp.where(real, physical, n)  # [B, 1|KVH, K]
+    heads = jnp.arange(kvh)[None, :, None]
+    target = jnp.broadcast_to(target, observed.shape)
+    return block_mass.at[target, jnp.broadcast_to(heads, observed.shape)].set(observed, mode="drop")
+
+
 def block_upper_bounds(
     q: jax.Array, k_min: jax.Array, k_max: jax.Array, page_table: jax.Array
 ) -> jax.Array:
-    """Upper bound of the attention logit per block: [B, KVH, P].
+    """Upper bound of the (scaled) attention logit per block and KV head: [B, KVH, P].
 
     q: [B, H, hd] queries (RoPE applied, unscaled); k_min, k_max: [N, KVH, hd];
     page_table: [B, P].

@@ -5,12 +5,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from etjax.entropy.estimators import tail_bounds
 from etjax.pruning.config import PruningConfig
 
 
-def kept_fraction(conservative_entropy: jax.Array, cfg: PruningConfig) -> jax.Array:
+def budget_entropy(logits: jax.Array, exact: jax.Array, cfg: PruningConfig) -> jax.Array:
+    """The entropy [B] the budget follows: `exact` [B] as given, or the tail upper bound."""
+    if cfg.signal == "exact":
+        return exact
+    return tail_bounds(logits, cfg.estimator_k)[1]
+
+
+def kept_fraction(entropy: jax.Array, cfg: PruningConfig) -> jax.Array:
     """Fraction [B] of blocks to keep, monotone nondecreasing in the entropy [B] (nats)."""
-    ramp = (conservative_entropy - cfg.entropy_low) / (cfg.entropy_high - cfg.entropy_low)
+    ramp = (entropy - cfg.entropy_low) / (cfg.entropy_high - cfg.entropy_low)
     return cfg.min_fraction + (1.0 - cfg.min_fraction) * jnp.clip(ramp, 0.0, 1.0)
 
 

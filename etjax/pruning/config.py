@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SIGNALS = ("exact", "upper_bound")
+
 
 @dataclass(frozen=True)
 class PruningConfig:
     """Settings of entropic attention pruning (static: part of the compiled step).
 
-    The kept fraction of a sequence's blocks is a monotone function of the conservative
-    (tail-corrected upper bound) model entropy of its previous step, H:
+    The kept fraction of a sequence's blocks is a monotone function of the model entropy H of
+    its previous step (`signal`):
 
         fraction = min_fraction                       if H <= entropy_low
                  = 1                                  if H >= entropy_high
@@ -19,6 +21,19 @@ class PruningConfig:
     and never fewer than `min_blocks` blocks. The first `sink_blocks` blocks (attention sinks)
     and the last `recent_blocks` (the local window, which holds the current token) are always
     kept and count towards the budget.
+
+    `signal`: "exact" reads the exact entropy the sampler computes anyway over the full
+    vocabulary (free, and the tightest value); "upper_bound" reads the tail-corrected upper
+    bound from the top `estimator_k` logits, for engines that never form the full entropy.
+    The bound is never below the exact value, so it keeps at least as many blocks.
+
+    `share_heads`: one selection per (layer, sequence), scored by the largest bound over its
+    KV heads, instead of one per KV head. Gathers then move whole pages (all heads at once,
+    contiguous in the pool); per-head selection can keep fewer keys for the same quality.
+
+    `mass_threshold`: blocks whose attention mass, last time they were read, was at least this
+    are ranked before all others (after sinks and the recent window); 0 ranks by the key
+    bound alone.
     """
 
     enabled: bool = False
@@ -28,7 +43,10 @@ class PruningConfig:
     sink_blocks: int = 1
     recent_blocks: int = 2
     min_blocks: int = 4
-    estimator_k: int = 64  # top-k of the tail-corrected entropy bound
+    signal: str = "exact"
+    estimator_k: int = 64  # top-k of the tail-corrected entropy bound (signal="upper_bound")
+    share_heads: bool = True
+    mass_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.min_fraction <= 1:
@@ -42,3 +60,7 @@ class PruningConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < (1 if name == "estimator_k" else 0):
                 raise ValueError(f"{name}={value!r}; must be a non-negative integer")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"signal={self.signal!r}; must be one of {SIGNALS}")
+        if not 0 <= self.mass_threshold <= 1:
+            raise ValueError(f"mass_threshold={self.mass_threshold}; must be in [0, 1]")

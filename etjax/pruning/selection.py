@@ -7,6 +7,12 @@ import jax.numpy as jnp
 
 from etjax.pruning.config import PruningConfig
 
+# Added to the score of a block that drew at least `mass_threshold` when last read, so such
+# blocks rank after the forced ones and before the rest. Scaled attention logits (and their
+# bounds) of a working model are orders of magnitude smaller; float32 still orders bounds that
+# differ by more than 0.06 among the hot blocks.
+_RECENTLY_HOT = 1e6
+
 
 def select_blocks(
     scores: jax.Array,
@@ -14,18 +20,23 @@ def select_blocks(
     budget: jax.Array,
     cfg: PruningConfig,
     max_kept: int,
+    last_mass: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pick the kept blocks: sinks and the recent window always, then the highest scores.
+    """Pick the kept blocks: sinks and the recent window always, then recently hot blocks (if
+    `cfg.mass_threshold`), then the highest scores.
 
-    scores: [B, KVH, P] float32; num_blocks: [B] blocks holding the sequence; budget: [B]
-    blocks to keep (from `kept_block_count`); max_kept: static width of the result.
-    Returns kept_blocks [B, KVH, max_kept] int32 (logical block ids, the first kept_counts
-    valid, the rest repeat valid ids) and kept_counts [B, KVH] int32.
+    scores: [B, S, P] float32 with S = KVH (per-head selection) or 1 (shared by the heads);
+    num_blocks: [B] blocks holding the sequence; budget: [B] blocks to keep (from
+    `kept_block_count`); max_kept: static width of the result; last_mass: [B, S, P] mass each
+    block drew when last read. Returns kept_blocks [B, S, max_kept] int32 (logical block ids,
+    the first kept_counts valid, the rest repeat valid ids) and kept_counts [B, S] int32.
     """
     b, kvh, p = scores.shape
     block = jnp.arange(p)[None, None, :]
     n = num_blocks[:, None, None]
     forced = (block < cfg.sink_blocks) | ((block >= n - cfg.recent_blocks) & (block < n))
+    if cfg.mass_threshold > 0 and last_mass is not None:
+        scores = jnp.where(last_mass >= cfg.mass_threshold, scores + _RECENTLY_HOT, scores)
     ranked = jnp.where(forced, jnp.inf, jnp.where(block < n, scores, -jnp.inf))
     _, order = jax.lax.top_k(ranked, min(max_kept, p))
     counts = jnp.minimum(jnp.minimum(budget, num_blocks), max_kept)

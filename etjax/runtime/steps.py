@@ -13,12 +13,11 @@ import jax.numpy as jnp
 
 from etjax.cache.kv_cache import KVCache
 from etjax.entropy.cost import CostModel
-from etjax.entropy.estimators import tail_bounds
 from etjax.entropy.state import advance_tau
 from etjax.model.config import ModelConfig
 from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.model.weights import Weights
-from etjax.pruning.budget import kept_block_count, kept_fraction
+from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.sampling.sampler import sample_next
@@ -73,9 +72,9 @@ def decode_steps(
 
     A row finishes when it samples an eos id (unless `stop_on_eos` is off) or reaches its
     `max_new_tokens`; a finished row is not run again. With `pruning.enabled`, the forward pass
-    of a token reads at most `max_kept` blocks per layer and KV head, and as many as the
-    conservative entropy of the distribution the token was drawn from allows (the budget of
-    step t comes from what step t - 1 computed). Returns the new state, the cache, and per-step
+    of a token reads at most `max_kept` blocks per layer (and KV head), and as many as the
+    entropy of the distribution the token was drawn from allows (the budget of step t comes
+    from what step t - 1 computed). Returns the new state, the cache, and per-step
     outputs [num_steps, B].
     """
 
@@ -96,8 +95,8 @@ def decode_steps(
 
         num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
         if pruning.enabled:
-            _, conservative = tail_bounds(state.logits, pruning.estimator_k)
-            fraction = kept_fraction(conservative, pruning)
+            signal = budget_entropy(state.logits, info.model_entropy, pruning)
+            fraction = kept_fraction(signal, pruning)
             kept = jnp.minimum(kept_block_count(fraction, num_blocks, pruning), max_kept)
             plan = SparsePlan(budget_blocks=kept, pruning=pruning, max_kept=max_kept)
         else:

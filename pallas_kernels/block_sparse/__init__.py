@@ -8,9 +8,11 @@ One signature, four backends (`reference`, `xla`, `pallas_tpu`, `pallas_gpu`):
 
 `kept_blocks[b, h, :kept_counts[b, h]]` are the logical blocks (page-table columns) sequence b
 attends with KV head h; keys at positions >= lengths[b] are masked; the softmax runs over the
-kept keys only. `block_mass[b, h, j]` is the attention probability on kept block j, averaged
-over the query heads that share KV head h (0 for j >= kept_counts). Dense attention is every
-block kept. Entries of kept_blocks beyond kept_counts must still be valid column indices.
+kept keys only. A selection shared by all KV heads may be passed as kept_blocks [B, 1, K] and
+kept_counts [B, 1]; the XLA backend then gathers whole pages, all heads at once.
+`block_mass[b, h, j]` is the attention probability on kept block j, averaged over the query
+heads that share KV head h (0 for j >= kept_counts). Dense attention is every block kept.
+Entries of kept_blocks beyond kept_counts must still be valid column indices.
 """
 
 from pallas_kernels.block_sparse.reference import block_sparse_attention_reference

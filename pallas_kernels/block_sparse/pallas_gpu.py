@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.block_sparse.pallas_tpu import block_mass_from_lse
-from pallas_kernels.block_sparse.validation import check_inputs
+from pallas_kernels.block_sparse.validation import check_inputs, per_head
 
 
 def _next_power_of_two(n: int) -> int:
@@ -89,6 +89,7 @@ def block_sparse_attention_gpu(
     from jax.experimental.pallas import triton as plgpu
 
     check_inputs(q, k_pages, v_pages, page_table, kept_blocks, kept_counts, lengths)
+    kept_blocks, kept_counts = per_head(kept_blocks, kept_counts, k_pages.shape[1])
     b, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
     p_width = page_table.shape[1]

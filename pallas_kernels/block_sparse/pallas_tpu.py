@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.block_sparse.validation import check_inputs
+from pallas_kernels.block_sparse.validation import check_inputs, per_head
 
 
 def _kernel(
@@ -91,6 +91,7 @@ def block_sparse_attention_tpu(
 ) -> tuple[jax.Array, jax.Array]:
     """See the package docstring; `interpret=True` runs the kernel on any backend."""
     check_inputs(q, k_pages, v_pages, page_table, kept_blocks, kept_counts, lengths)
+    kept_blocks, kept_counts = per_head(kept_blocks, kept_counts, k_pages.shape[1])
     b, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
     num_kept = kept_blocks.shape[-1]

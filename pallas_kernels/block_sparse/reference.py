@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.block_sparse.validation import check_inputs
+from pallas_kernels.block_sparse.validation import check_inputs, per_head
 
 
 def block_sparse_attention_reference(
@@ -19,6 +19,7 @@ def block_sparse_attention_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """See the package docstring. Computes in float32; returns out in q's dtype."""
     check_inputs(q, k_pages, v_pages, page_table, kept_blocks, kept_counts, lengths)
+    kept_blocks, kept_counts = per_head(kept_blocks, kept_counts, k_pages.shape[1])
     b, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
     k = kept_blocks.shape[-1]

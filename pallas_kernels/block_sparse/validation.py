@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def check_inputs(
@@ -30,13 +31,24 @@ def check_inputs(
         raise ValueError(f"query heads ({h}) must be a multiple of kv heads ({kvh})")
     if page_table.ndim != 2 or page_table.shape[0] != b:
         raise ValueError(f"page_table must be [batch={b}, blocks], got {page_table.shape}")
-    if kept_blocks.ndim != 3 or kept_blocks.shape[:2] != (b, kvh):
+    if kept_blocks.ndim != 3 or kept_blocks.shape[0] != b or kept_blocks.shape[1] not in (1, kvh):
         raise ValueError(
-            f"kept_blocks must be [batch={b}, kv_heads={kvh}, kept], got {kept_blocks.shape}"
+            f"kept_blocks must be [batch={b}, kv_heads={kvh} or 1 (shared), kept], got "
+            f"{kept_blocks.shape}"
         )
-    if kept_counts.shape != (b, kvh):
+    if kept_counts.shape != kept_blocks.shape[:2]:
         raise ValueError(
-            f"kept_counts must be [batch={b}, kv_heads={kvh}], got {kept_counts.shape}"
+            f"kept_counts must be [batch={b}, {kept_blocks.shape[1]}] like kept_blocks, got "
+            f"{kept_counts.shape}"
         )
     if lengths.shape != (b,):
         raise ValueError(f"lengths must be [batch={b}], got {lengths.shape}")
+
+
+def per_head(kept_blocks: jax.Array, kept_counts: jax.Array, kv_heads: int):
+    """Broadcast a selection shared by all KV heads ([B, 1, K], [B, 1]) to one per head."""
+    b, _, k = kept_blocks.shape
+    return (
+        jnp.broadcast_to(kept_blocks, (b, kv_heads, k)),
+        jnp.broadcast_to(kept_counts, (b, kv_heads)),
+    )

@@ -1,9 +1,10 @@
 """Block-sparse paged decode attention in XLA: the fast path on CPU.
 
-Gathers only the kept pages of each (sequence, KV head), so its cost follows the kept count K
-(static, the table width) rather than the context. Multiply-and-reduce instead of matrix
-products: with one query per sequence the products are tiny and XLA fuses the page gather into
-the reductions. Accumulates in float32.
+Gathers only the kept pages, so its cost follows the kept width K (static, the table width)
+rather than the context. Multiply-and-reduce instead of matrix products: with one query per
+sequence the products are tiny and XLA fuses the page gather into the reductions. Accumulates
+in float32. A selection shared by the KV heads gathers whole pages ([KVH, ps, hd], contiguous in
+the pool); a per-head selection gathers one [ps, hd] tile per (page, head).
 """
 
 from __future__ import annotations
@@ -28,16 +29,19 @@ def block_sparse_attention_xla(
     b, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
     k = kept_blocks.shape[-1]
-    group = h // kvh
-    physical = jnp.take_along_axis(page_table[:, None, :], kept_blocks, axis=2)
-    heads = jnp.arange(kvh)[None, :, None]
-    keys = k_pages[physical, heads]  # [B, KVH, K, ps, hd]
-    values = v_pages[physical, heads]
-    positions = kept_blocks[..., None] * ps + jnp.arange(ps)
+    physical = jnp.take_along_axis(page_table[:, None, :], kept_blocks, axis=2)  # [B, 1|KVH, K]
+    if kept_blocks.shape[1] == 1:
+        keys = k_pages[physical[:, 0]].transpose(0, 2, 1, 3, 4)  # [B, KVH, K, ps, hd]
+        values = v_pages[physical[:, 0]].transpose(0, 2, 1, 3, 4)
+    else:
+        heads = jnp.arange(kvh)[None, :, None]
+        keys = k_pages[physical, heads]  # [B, KVH, K, ps, hd]
+        values = v_pages[physical, heads]
+    positions = kept_blocks[..., None] * ps + jnp.arange(ps)  # [B, 1|KVH, K, ps]
     valid = (positions < lengths[:, None, None, None]) & (
         jnp.arange(k)[None, None, :, None] < kept_counts[..., None, None]
     )
-    qg = q.reshape(b, kvh, group, 1, 1, hd).astype(jnp.float32)
+    qg = q.reshape(b, kvh, h // kvh, 1, 1, hd).astype(jnp.float32)
     scores = jnp.sum(qg * keys[:, :, None].astype(jnp.float32), axis=-1) * hd**-0.5
     scores = jnp.where(valid[:, :, None], scores, -jnp.inf)  # [B, KVH, G, K, ps]
     peak = jnp.max(scores, axis=(3, 4), keepdims=True)
