@@ -23,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
 from benchmarks.pruning_settings import SETTINGS
-from benchmarks.text_metrics import rouge_l
 from etjax.pruning.config import PruningConfig
 
 NEW_TOKENS = 64
@@ -86,7 +85,7 @@ def main() -> None:
         f"{args.prompts} prompts of "
         f"three Lee articles ({min(prompt_tokens)}-{max(prompt_tokens)} tokens), "
         f"{NEW_TOKENS} greedy tokens; ROUGE-L F1 of each pruned continuation against the dense "
-        "one. Kept = average fraction of blocks read per decode step.",
+        "one (`rouge-score`). Kept = average fraction of blocks read per decode step.",
         "",
         "| setting | ROUGE-L mean | median | min | identical | kept |",
         "|---|---|---|---|---|---|",

@@ -10,7 +10,8 @@ log-likelihood of each next true token is accumulated.
 The settings span the curve rather than one tuned point: fixed fractions (entropy-blind
 controls), entropy ramps, per-head vs shared selection, and the remembered-mass ranking.
 Reports, per setting and length, the perplexity ratio pruned / dense (mean and worst document)
-and the average fraction of blocks read. Writes the "pruning_quality" section of docs/PERF.md.
+and the average fraction of blocks read. Writes one "pruning_quality_<length>" section of
+docs/PERF.md per length.
 
     .venv/bin/python benchmarks/pruning_quality.py [--docs 4] [--lengths 4096,8192]
 """
@@ -21,6 +22,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import shlex
 import sys
 from pathlib import Path
 
@@ -143,7 +145,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--lengths", default="4096,8192")
-    parser.add_argument("--settings", default=";".join(SETTINGS), help="names, ';'-separated")
+    parser.add_argument(
+        "--settings", default=";".join(n for n in SETTINGS if n != "default"), help="';'-separated"
+    )
     args = parser.parse_args()
 
     import etjax
@@ -152,7 +156,6 @@ def main() -> None:
     model = etjax.load_model()
     articles = lee_articles()
     chosen = [s.strip() for s in args.settings.split(";")]
-    results: dict[int, dict] = {}
     for length in (int(x) for x in args.lengths.split(",")):
         docs = []
         for doc in range(args.docs):
@@ -164,50 +167,44 @@ def main() -> None:
             docs.append(ids[:length])
         cache, logits, table, prefix = _prefill(model, docs)
         dense = evaluate(model, cache, logits, table, prefix, docs, PruningConfig())
-        results[length] = {"dense": dense}
+        results = {"dense": dense}
         print(length, "dense", dense, flush=True)
         for name in chosen:
             row = evaluate(model, cache, logits, table, prefix, docs, SETTINGS[name])
             row["ratio"] = (np.array(row["ppl"]) / np.array(dense["ppl"])).tolist()
-            results[length][name] = row
+            results[name] = row
             print(length, name, row, flush=True)
-    lengths = list(results)
+        _report(length, results, chosen, args.docs)
+
+
+def _report(length: int, results: dict, chosen: list[str], num_docs: int) -> None:
     raw = {
         "machine": machine_line(),
         "date": str(datetime.date.today()),
         "settings": {n: dataclasses.asdict(SETTINGS[n]) for n in chosen},
-        "results": {str(k): v for k, v in results.items()},
+        "results": results,
     }
-    header = " | ".join(f"{n // 1024}K ratio mean (worst) | {n // 1024}K kept" for n in lengths)
+    dense = ", ".join(f"{p:.2f}" for p in results["dense"]["ppl"])
     lines = [
-        "## Entropic attention pruning: quality against kept fraction (SmolLM2)",
+        f"## Entropic attention pruning: quality against kept fraction, {length} tokens (SmolLM2)",
         "",
         f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
-        f"benchmarks/pruning_quality.py --docs {args.docs} --lengths {args.lengths}`. "
-        f"Teacher-forced perplexity of the last {EVAL_TOKENS} tokens of {args.docs} documents "
-        "(Lee articles joined to the length) through the decode path, pruned over dense; kept = "
-        "average fraction of blocks read. Unless named, settings share the selection across KV "
-        "heads, rank by the key bound only and follow the exact entropy.",
+        f"benchmarks/pruning_quality.py {shlex.join(sys.argv[1:])}`. Teacher-forced perplexity "
+        f"of the last {EVAL_TOKENS} tokens of {num_docs} documents (Lee articles joined to "
+        f"{length} tokens; dense perplexities {dense}) through the decode path, pruned over "
+        "dense; kept = average fraction of blocks read. Unless named, settings share the "
+        "selection across KV heads, rank by the key bound only and follow the exact entropy.",
         "",
-        "Dense perplexity per document: "
-        + "; ".join(
-            f"{n // 1024}K: " + ", ".join(f"{p:.2f}" for p in results[n]["dense"]["ppl"])
-            for n in lengths
-        )
-        + ".",
-        "",
-        f"| setting | {header} |",
-        "|---|" + "---|---|" * len(lengths),
+        "| setting | ppl ratio, mean | worst document | kept |",
+        "|---|---|---|---|",
     ]
     for name in chosen:
-        cells = []
-        for n in lengths:
-            r = results[n][name]
-            cells.append(
-                f"{np.mean(r['ratio']):.4f} ({max(r['ratio']):.4f}) | {r['kept_fraction']:.1%}"
-            )
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    write_section("pruning_quality", "\n".join(lines), raw)
+        r = results[name]
+        lines.append(
+            f"| {name} | {np.mean(r['ratio']):.4f} | {max(r['ratio']):.4f} | "
+            f"{r['kept_fraction']:.1%} |"
+        )
+    write_section(f"pruning_quality_{length}", "\n".join(lines), raw)
     print("\n".join(lines))
 
 
