@@ -65,8 +65,15 @@ def main() -> None:
             )
         )
         print(name, f"{time.perf_counter() - started:.0f}s", flush=True)
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"])
     scores = {
-        n: [rouge_l(c, d) for c, d in zip(texts[n], texts["dense"], strict=True)] for n in names[1:]
+        n: [
+            scorer.score(d, c)["rougeL"].fmeasure
+            for c, d in zip(texts[n], texts["dense"], strict=True)
+        ]
+        for n in names[1:]
     }
     raw = {
         "machine": machine_line(),
