@@ -1,0 +1,345 @@
+"""`Engine`: continuous batching over the paged KV pool, one scheduler round at a time.
+
+A round (`step`):
+  1. cancelled requests release their row and pages;
+  2. waiting requests are admitted in the policy's order while a resident row and pages for
+     their context plus one burst are free, keeping a reserve so resident sequences can grow;
+  3. each admitted sequence prefills one chunk of its context (at most `max_prefill_rows`
+     chunks a round), so long prompts interleave with decoding; a finished context makes the
+     sequence resident;
+  4. the scheduler picks up to `max_batch_size` resident sequences (overdue ones first, then by
+     the policy's priority); each gets pages for the coming burst, preempting the policy's
+     least valuable resident sequence if the pool is short (recompute: its pages are freed,
+     its sampler and entropy state are kept on the host, and its prompt plus generated tokens
+     are prefilled again when it is readmitted);
+  5. the device runs `steps_per_sync` decode steps on the batch in one `lax.scan`; the host
+     streams the new tokens, applies stop strings and frees finished sequences.
+
+The host loop is plain, single-threaded Python over a small backend interface (prefill,
+insert, save, release, decode), so the same code runs on the device (`DeviceBackend`) and on
+a mock with hand-computable outputs in the tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from etjax.cache.page_allocator import PageAllocator, pages_needed
+from etjax.engine import scheduler
+from etjax.engine.device import PrefillJob, RowInit
+from etjax.engine.policies import Policy
+from etjax.engine.sequence import Sequence, Status
+from etjax.errors import RequestError
+from etjax.runtime.options import RequestSettings, RuntimeOptions, SequenceOutput
+from etjax.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its text as it is produced, or wait for `result`."""
+
+    def __init__(self, engine: Engine, seq: Sequence) -> None:
+        self._engine, self._seq = engine, seq
+
+    def __iter__(self) -> Iterator[str]:
+        seq = self._seq
+        while True:
+            while seq.pending_text:
+                yield seq.pending_text.pop(0)
+            if seq.finished:
+                return
+            self._engine.step()
+
+    def result(self) -> SequenceOutput:
+        """Run the engine until this request is done; its output with metrics."""
+        while not self._seq.finished:
+            self._engine.step()
+        return self._seq.output
+
+    def drain(self) -> list[str]:
+        """Text produced since the last call, without running the engine."""
+        pieces, self._seq.pending_text[:] = list(self._seq.pending_text), []
+        return pieces
+
+    def cancel(self) -> None:
+        """Stop generating; the pages are released at the next round."""
+        self._seq.cancelled = True
+
+    @property
+    def done(self) -> bool:
+        return self._seq.finished
+
+
+class Engine:
+    """Serve requests over one model with continuous batching (see the module docstring)."""
+
+    def __init__(
+        self,
+        backend,
+        tokenizer: Tokenizer | None,
+        eos_ids: tuple[int, ...],
+        options: RuntimeOptions,
+        policy: Policy,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        scheduler.check_starvation_bound(
+            options.resident_rows, options.max_batch_size, options.min_advance_rounds
+        )
+        self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, tuple(eos_ids)
+        self.options, self.policy, self.clock = options, policy, clock
+        self.allocator = PageAllocator(backend.num_pages)
+        self.free_rows = list(range(options.resident_rows - 1, -1, -1))
+        self.sequences: list[Sequence] = []
+        self.round = 0
+        self.decode_rounds = 0
+        self.host_seconds = 0.0  # scheduler and collection time, excluding device calls
+        self.device_seconds = 0.0
+
+    # Submission -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        prompt: Seq[int],
+        settings: RequestSettings,
+        priority: float = 0.0,
+        arrival_time: float | None = None,
+    ) -> RequestHandle:
+        """Queue a tokenized prompt; `arrival_time` (engine clock) defaults to now."""
+        prompt = list(prompt)
+        need = pages_needed(len(prompt) + settings.max_new_tokens, self.options.page_size)
+        if need > self.allocator.num_pages - 1:
+            raise RequestError(
+                f"prompt of {len(prompt)} tokens + max_new_tokens={settings.max_new_tokens} "
+                f"needs {need} KV pages; the pool has {self.allocator.num_pages - 1}"
+            )
+        seq = Sequence(
+            order=len(self.sequences),
+            prompt=prompt,
+            settings=settings,
+            priority=priority,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            context=list(prompt),
+            detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
+        )
+        seq.waiting_since = self.round
+        self.sequences.append(seq)
+        return RequestHandle(self, seq)
+
+    def generate(
+        self,
+        prompts: Seq[Seq[int]],
+        settings: Seq[RequestSettings],
+        priorities: Seq[float] | None = None,
+    ) -> list[SequenceOutput]:
+        """Offline use: submit every prompt now and run until all are done, in order."""
+        handles = [
+            self.submit(p, s, 0.0 if priorities is None else priorities[i])
+            for i, (p, s) in enumerate(zip(prompts, settings, strict=True))
+        ]
+        self.run_until_idle()
+        return [h.result() for h in handles]
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    # One round ----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one scheduler round; return whether unfinished work remains."""
+        started = time.perf_counter()
+        device = 0.0
+        now = self.clock()
+        live = [s for s in self.sequences if not s.finished]
+        for seq in live:
+            if seq.cancelled:
+                self._release(seq)
+                seq.close("cancelled")
+                self._stamp_finish(seq, now)
+        arrived = [s for s in live if not s.finished and s.arrival_time <= now]
+        self._admit([s for s in arrived if s.status is Status.WAITING])
+        device += self._prefill([s for s in arrived if s.status is Status.PREFILLING])
+        running = [s for s in arrived if s.status is Status.RUNNING]
+        batch = scheduler.pick_batch(
+            running,
+            self.policy,
+            self.round,
+            self.options.max_batch_size,
+            self.options.min_advance_rounds,
+        )
+        batch = self._reserve_burst_pages(batch, running)
+        if batch:
+            device += self._decode(batch)
+        self.round += 1
+        self.device_seconds += device
+        self.host_seconds += time.perf_counter() - started - device
+        return any(not s.finished for s in self.sequences)
+
+    def _admit(self, waiting: list[Sequence]) -> None:
+        opts = self.options
+        burst_pages = pages_needed(opts.steps_per_sync, opts.page_size) + 1
+        resident = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self.sequences)
+        for seq in scheduler.admission_order(waiting, self.policy, self.round):
+            need = pages_needed(len(seq.context) + opts.steps_per_sync, opts.page_size)
+            # Keep enough free pages for every resident sequence's next burst.
+            reserve = resident * burst_pages
+            if not self.free_rows or self.allocator.num_free - need < reserve:
+                if resident == 0 and self.free_rows and self.allocator.num_free >= need:
+                    pass  # an empty engine always admits what fits
+                else:
+                    break
+            seq.pages = self.allocator.allocate(need)
+            seq.row = self.free_rows.pop()
+            seq.status, seq.prefilled = Status.PREFILLING, 0
+            seq.admitted_round = self.round
+            if seq.admitted_time is None:
+                seq.admitted_time = self.clock()
+            resident += 1
+
+    def _prefill(self, prefilling: list[Sequence]) -> float:
+        opts = self.options
+        order = sorted(prefilling, key=lambda s: (s.admitted_round, s.order))
+        jobs, owners = [], []
+        for seq in order[: opts.max_prefill_rows]:
+            end = min(seq.prefilled + opts.prefill_chunk, len(seq.context))
+            jobs.append(
+                PrefillJob(seq.row, seq.context[seq.prefilled : end], seq.prefilled, seq.pages)
+            )
+            owners.append((seq, end))
+        if not jobs:
+            return 0.0
+        started = time.perf_counter()
+        costs = self.backend.prefill(jobs)
+        for (seq, end), (flops, nbytes) in zip(owners, costs, strict=True):
+            seq.prefilled = end
+            seq.recompute_flops += flops
+            seq.recompute_bytes += nbytes
+            if end == len(seq.context):
+                self.backend.insert(
+                    seq.row,
+                    RowInit(
+                        prompt=seq.prompt,
+                        generated=list(seq.output.token_ids),
+                        settings=seq.settings,
+                        saved=seq.saved_row,
+                        prefill_flops=seq.recompute_flops,
+                        prefill_bytes=seq.recompute_bytes,
+                    ),
+                )
+                seq.saved_row, seq.recompute_flops, seq.recompute_bytes = None, 0.0, 0.0
+                seq.status = Status.RUNNING
+                seq.last_run_round = self.round  # residency starts the advancement clock
+        return time.perf_counter() - started
+
+    def _reserve_burst_pages(
+        self, batch: list[Sequence], running: list[Sequence]
+    ) -> list[Sequence]:
+        # Every sequence in the batch needs pages up to its length after the burst. When the
+        # pool is short, the least valuable resident sequence is preempted, batch members last.
+        opts = self.options
+        kept = []
+        for seq in sorted(batch, key=lambda s: -self.policy.run_priority(s, self.round)):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted for an earlier member
+            need = pages_needed(seq.length + opts.steps_per_sync, opts.page_size) - len(seq.pages)
+            while need > self.allocator.num_free:
+                resident = [
+                    s for s in self.sequences if s.status in (Status.PREFILLING, Status.RUNNING)
+                ]
+                victim = scheduler.preemption_victim(
+                    resident, self.policy, self.round, protect=[*kept, seq]
+                )
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING and need > 0:
+                seq.pages += self.allocator.allocate(need)
+            if seq.status is Status.RUNNING:
+                kept.append(seq)
+        return sorted(kept, key=lambda s: s.row)
+
+    def _preempt(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING:
+            seq.saved_row = self.backend.save(seq.row)
+            seq.context = seq.prompt + list(seq.output.token_ids)
+        # A sequence still prefilling restarts its context from scratch.
+        self._release(seq)
+        seq.status, seq.prefilled = Status.WAITING, 0
+        seq.preemptions += 1
+        seq.waiting_since = self.round
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []
+        if seq.row >= 0:
+            self.backend.release(seq.row)
+            self.free_rows.append(seq.row)
+            seq.row = -1
+
+    def _decode(self, batch: list[Sequence]) -> float:
+        started = time.perf_counter()
+        out, budgets = self.backend.decode(
+            [s.row for s in batch],
+            [s.pages for s in batch],
+            [s.length for s in batch],
+            [s.budget for s in batch],
+        )
+        elapsed = time.perf_counter() - started
+        now = self.clock()
+        self.decode_rounds += 1
+        for j, seq in enumerate(batch):
+            seq.last_run_round = self.round
+            seq.budget = float(budgets[j])
+            produced = 0
+            for k in np.nonzero(out.emitted[:, j])[0]:
+                trace = (
+                    float(out.model_entropy[k, j]),
+                    float(out.logprob[k, j]),
+                    float(out.sampled_entropy[k, j]),
+                    float(out.temperature[k, j]),
+                    float(out.tau[k, j]),
+                    float(out.cost_flops[k, j]),
+                    float(out.cost_bytes[k, j]),
+                    int(out.kept_blocks[k, j]),
+                )
+                produced += 1
+                seq.token_times.append(now)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if not seq.accept(int(out.tokens[k, j]), trace, self.eos_ids):
+                    break
+            self.policy.observe(seq, produced)
+            if seq.output.finish_reason:
+                self._release(seq)
+                seq.close()
+                self._stamp_finish(seq, now)
+        return elapsed
+
+    def _stamp_finish(self, seq: Sequence, now: float) -> None:
+        seq.finish_time = now
+        out, n = seq.output, len(seq.output.token_ids)
+        out.metrics = {
+            "arrival_time": seq.arrival_time,
+            "queue_time": (seq.admitted_time or now) - seq.arrival_time,
+            "time_to_first_token": (seq.first_token_time or now) - seq.arrival_time,
+            "end_to_end_latency": now - seq.arrival_time,
+            "per_token_latency": (now - seq.first_token_time) / (n - 1)
+            if n > 1 and seq.first_token_time is not None
+            else 0.0,
+            "generated_tokens": float(n),
+            "prompt_tokens": float(len(seq.prompt)),
+            "preemptions": float(seq.preemptions),
+            "tau": out.tau[-1] if out.tau else 0.0,
+            "cost_bytes": out.cost_bytes[-1] if out.cost_bytes else 0.0,
+            "cost_flops": out.cost_flops[-1] if out.cost_flops else 0.0,
+        }
+
+    # Accounting ---------------------------------------------------------------------------
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.allocator.num_pages - 1 - self.allocator.num_free

@@ -1,0 +1,129 @@
+"""`Sequence`: the host's record of one request from arrival to its last token.
+
+It owns what the device does not: the request's settings and priority, its pages, where its
+prefill stands, the streamed text (stop strings are found here), the trace of the entropy
+signal, and the timestamps its metrics come from.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from etjax.runtime.options import RequestSettings, SequenceOutput
+from etjax.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
+    PREFILLING = "prefilling"  # admitted: pages held, prompt chunks being run
+    RUNNING = "running"  # resident: decodes whenever the scheduler picks it
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request. `order` is its arrival rank, the tie-breaker of every policy."""
+
+    order: int
+    prompt: list[int]
+    settings: RequestSettings
+    priority: float = 0.0
+    arrival_time: float = 0.0
+    status: Status = Status.WAITING
+    row: int = -1  # resident row on the device, -1 when not resident
+    pages: list[int] = field(default_factory=list)
+    prefilled: int = 0  # tokens of `context` already in the cache
+    context: list[int] = field(default_factory=list)  # what prefill must cache
+    output: SequenceOutput = field(default_factory=SequenceOutput)
+    detokenizer: IncrementalDetokenizer | None = None
+    saved_row: object = None  # the device row of a preempted sequence, restored on return
+    recompute_flops: float = 0.0  # prefill cost to be added when the row is (re)inserted
+    recompute_bytes: float = 0.0
+    cancelled: bool = False
+    preemptions: int = 0
+    last_run_round: int = -1
+    admitted_round: int = -1
+    waiting_since: int = 0  # round it (re)entered the queue: aging counts from here
+    budget: float = 1.0  # kept-block fraction its next decode step may read
+    # Metrics, in the engine's clock.
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    pending_text: list[str] = field(default_factory=list)  # streamed, not yet consumed
+
+    @property
+    def length(self) -> int:
+        """Tokens in the cache once resident: the prompt and every generated token."""
+        return len(self.prompt) + len(self.output.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def accept(self, token: int, trace: tuple[float, ...], eos_ids: tuple[int, ...]) -> bool:
+        """Record a sampled token and its trace; return whether the sequence continues."""
+        out, s = self.output, self.settings
+        out.token_ids.append(token)
+        for values, value in zip(
+            (
+                out.entropy,
+                out.logprob,
+                out.sampled_entropy,
+                out.temperature,
+                out.tau,
+                out.cost_flops,
+                out.cost_bytes,
+                out.kept_blocks,
+            ),
+            trace,
+            strict=True,
+        ):
+            values.append(value)
+        if not s.ignore_eos and token in eos_ids:
+            out.finish_reason = "eos"
+            return False
+        # Without a tokenizer (host-logic tests) there is no text, only token ids.
+        if self.detokenizer is not None and self.emit(self.detokenizer.push(token)):
+            return False
+        if len(out.token_ids) >= s.max_new_tokens:
+            out.finish_reason = "length"
+            return False
+        return True
+
+    def emit(self, piece: str) -> bool:
+        """Append text; cut it at a stop string the new piece completes (returns True then)."""
+        out = self.output
+        if not piece:
+            return False
+        before = len(out.text)
+        out.text += piece
+        for stop in self.settings.stop:
+            at = out.text.find(stop, max(0, before - len(stop) + 1))
+            if at >= 0:
+                out.text = out.text[:at]
+                out.finish_reason = "stop"
+                piece = out.text[before:]
+                break
+        if piece:
+            self.pending_text.append(piece)
+        return out.finish_reason == "stop"
+
+    def close(self, reason: str = "") -> None:
+        """Flush the detokenizer and set the finish reason if none was set yet."""
+        out = self.output
+        if out.finish_reason != "stop" and self.detokenizer is not None:
+            self.emit(self.detokenizer.flush())
+        if not out.finish_reason:
+            out.finish_reason = reason or "length"
+        self.status = Status.FINISHED
+
+    def recent_entropy_drop(self, window: int) -> float | None:
+        """Mean dH+ = max(0, H_{t-1} - H_t) over the last `window` tokens; None before two."""
+        h = self.output.entropy[-(window + 1) :]
+        if len(h) < 2:
+            return None
+        return float(np.mean(np.maximum(np.diff(h) * -1.0, 0.0)))

@@ -1,0 +1,67 @@
+"""What a request asks for, how the engine is sized, and what a request produced."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from etjax.pruning.config import PruningConfig
+from etjax.sampling.settings import SamplerSettings
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """How long one request runs, when it stops, and how it samples."""
+
+    max_new_tokens: int
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """Engine sizes and policies.
+
+    max_batch_size: device batch slots, the sequences one decode burst advances.
+    max_resident: sequences holding KV pages at once (>= max_batch_size); the scheduler picks
+      which of them fill the device batch each round. None = 2 x max_batch_size.
+    num_pages: KV pool size including the null page; None sizes it for the work at hand when
+      the engine is built for a known set of requests (`generate_ids`), else 4096.
+    steps_per_sync: decode steps per burst (one `lax.scan`) between scheduler decisions.
+      Larger amortises host work; smaller streams more smoothly and reacts faster.
+    policy: "fcfs", "priority" or "entropic" (etjax/engine/policies.py).
+    min_advance_rounds: every resident sequence runs at least once in this many rounds.
+    """
+
+    page_size: int = 16
+    max_batch_size: int = 32
+    max_resident: int | None = None
+    num_pages: int | None = None
+    prefill_chunk: int = 512
+    max_prefill_rows: int = 8
+    steps_per_sync: int = 8
+    pruning: PruningConfig = field(default_factory=PruningConfig)
+    policy: str = "fcfs"
+    min_advance_rounds: int = 4
+
+    @property
+    def resident_rows(self) -> int:
+        return self.max_resident or 2 * self.max_batch_size
+
+
+@dataclass
+class SequenceOutput:
+    """What one prompt produced, with the per-token trace of the entropy signal."""
+
+    token_ids: list[int] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)  # model entropy, T = 1, nats
+    logprob: list[float] = field(default_factory=list)  # of the token under the model, T = 1
+    sampled_entropy: list[float] = field(default_factory=list)  # of the distribution sampled
+    temperature: list[float] = field(default_factory=list)  # 0 = greedy
+    tau: list[float] = field(default_factory=list)  # entropic time after each token
+    cost_flops: list[float] = field(default_factory=list)  # cumulative, prefill included
+    cost_bytes: list[float] = field(default_factory=list)  # cumulative, prefill included
+    kept_blocks: list[int] = field(default_factory=list)  # blocks read per layer and KV head
+    text: str = ""
+    finish_reason: str = ""  # "eos", "stop" (a stop string), "length" or "cancelled"
+    metrics: dict[str, float] = field(default_factory=dict)  # latencies (s), see engine.py

@@ -1,0 +1,135 @@
+"""A mock device for the engine's host logic: outputs anyone can compute by hand.
+
+A request's prompt starts with its id r. At generation step i (0-based) it samples token
+`token_of(r, i)` and the model entropy of that step is `entropy_of(r, i)`, given per id as a
+start value and a slope (entropy falls by `slope` nats per token, floored at 0), so its
+entropic-time gain per token is known exactly. The mock also checks the host's page
+accounting: a page may belong to one live row only, and every token must land in a page the
+row holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from etjax.engine.device import PrefillJob, RowInit
+from etjax.runtime.state import StepOutputs
+
+EOS = 2
+
+
+def token_of(request_id: int, step: int) -> int:
+    return 10 + (request_id * 31 + step * 7) % 900
+
+
+@dataclass
+class _Row:
+    request_id: int
+    generated: int
+    max_new: int
+    stop_on_eos: bool
+    length: int
+    eos_at: int | None  # generation step at which the mock emits EOS, if any
+
+
+@dataclass
+class MockBackend:
+    num_pages: int
+    steps_per_sync: int
+    page_size: int
+    entropy: dict[int, tuple[float, float]] = field(default_factory=dict)  # id -> (start, slope)
+    eos_at: dict[int, int] = field(default_factory=dict)  # id -> step that samples EOS
+
+    def __post_init__(self) -> None:
+        self.rows: dict[int, _Row] = {}
+        self.prefilled: dict[int, int] = {}  # row -> tokens cached so far
+        self.owner: dict[int, int] = {}  # page -> row
+        self.decode_log: list[list[int]] = []  # request ids of each decode burst
+
+    def entropy_of(self, request_id: int, step: int) -> float:
+        start, slope = self.entropy.get(request_id, (3.0, 0.0))
+        return max(start - slope * step, 0.0)
+
+    def _claim(self, row: int, pages: list[int]) -> None:
+        for page in pages:
+            assert page != 0, "the null page was handed out"
+            holder = self.owner.get(page, row)
+            assert holder == row, f"page {page} held by rows {holder} and {row}"
+            self.owner[page] = row
+
+    def prefill(self, jobs: list[PrefillJob]) -> list[tuple[float, float]]:
+        for job in jobs:
+            assert job.row not in self.rows, "prefill into a row that is still resident"
+            assert self.prefilled.get(job.row, 0) == job.start or job.start == 0
+            end = job.start + len(job.tokens)
+            assert len(job.pages) * self.page_size >= end, "prefill past the row's pages"
+            self._claim(job.row, job.pages)
+            self.prefilled[job.row] = end
+        return [(float(len(j.tokens)), float(len(j.tokens))) for j in jobs]
+
+    def insert(self, row: int, init: RowInit) -> None:
+        generated = len(init.generated)
+        if init.saved is not None:
+            assert init.saved["generated"] == generated  # the host restored the right state
+        self.rows[row] = _Row(
+            request_id=init.prompt[0],
+            generated=generated,
+            max_new=init.settings.max_new_tokens,
+            stop_on_eos=not init.settings.ignore_eos,
+            length=len(init.prompt) + generated,
+            eos_at=self.eos_at.get(init.prompt[0]),
+        )
+        assert self.prefilled.pop(row) == self.rows[row].length
+
+    def release(self, row: int) -> None:
+        self.rows.pop(row, None)
+        self.prefilled.pop(row, None)
+        self.owner = {page: r for page, r in self.owner.items() if r != row}
+
+    def save(self, row: int):
+        state = self.rows.pop(row)
+        return {"generated": state.generated}
+
+    def decode(self, rows, pages, lengths, budgets):
+        k, n = self.steps_per_sync, len(rows)
+        arrays = {
+            name: np.zeros((k, n), np.float32)
+            for name in (
+                "model_entropy",
+                "logprob",
+                "sampled_entropy",
+                "temperature",
+                "tau",
+                "cost_flops",
+                "cost_bytes",
+            )
+        }
+        tokens = np.zeros((k, n), np.int32)
+        emitted = np.zeros((k, n), bool)
+        self.decode_log.append([self.rows[r].request_id for r in rows])
+        for j, (row, row_pages, length) in enumerate(zip(rows, pages, lengths, strict=True)):
+            state = self.rows[row]
+            assert state.length == length, "host and device disagree on the length"
+            assert len(row_pages) * self.page_size >= length + k, "burst past the row's pages"
+            self._claim(row, row_pages)
+            for step in range(k):
+                if state.generated >= state.max_new:
+                    break
+                i = state.generated
+                eos = state.eos_at == i
+                tokens[step, j] = EOS if eos else token_of(state.request_id, i)
+                arrays["model_entropy"][step, j] = self.entropy_of(state.request_id, i)
+                emitted[step, j] = True
+                state.generated += 1
+                # As on the device: a finishing token is not run through the model.
+                if (eos and state.stop_on_eos) or state.generated >= state.max_new:
+                    break
+                state.length += 1
+        return (
+            StepOutputs(
+                tokens=tokens, kept_blocks=np.zeros((k, n), np.int32), emitted=emitted, **arrays
+            ),
+            np.ones(n, np.float32),
+        )
