@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +11,13 @@ from etjax.errors import RequestError
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
 from etjax.pruning.config import PruningConfig
+from etjax.request_checks import (
+    positive_int,
+    sampler_settings,
+    stop_strings,
+    tokenize_prompt,
+)
 from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
-from etjax.sampling.settings import SamplerSettings
 
 __all__ = ["Result", "decode", "load_model"]
 
@@ -100,23 +104,23 @@ def decode(
     """
     prompt_list = _prompt_list(prompts)
     settings = RequestSettings(
-        max_new_tokens=_positive_int("max_new_tokens", max_new_tokens),
+        max_new_tokens=positive_int("max_new_tokens", max_new_tokens),
         ignore_eos=bool(ignore_eos),
-        stop=_stop_strings(stop),
-        sampler=_sampler_settings(sampler, temperature, seed, sampler_options),
+        stop=stop_strings(stop),
+        sampler=sampler_settings(sampler, temperature, seed, sampler_options),
     )
     if isinstance(pruning, bool):
         pruning = PruningConfig(enabled=pruning)
     options = RuntimeOptions(
-        page_size=_positive_int("page_size", page_size),
-        max_batch_size=_positive_int("max_batch_size", max_batch_size),
+        page_size=positive_int("page_size", page_size),
+        max_batch_size=positive_int("max_batch_size", max_batch_size),
         pruning=pruning,
     )
     model = _resolve_model(model)
     results = [Result() for _ in prompt_list]
     valid: list[int] = []
     for i, prompt in enumerate(prompt_list):
-        ids, error = _tokenize(model, prompt, i, chat, system_prompt, settings.max_new_tokens)
+        ids, error = tokenize_prompt(model, prompt, i, chat, system_prompt, settings.max_new_tokens)
         results[i].prompt_token_ids = ids
         if error is None:
             valid.append(i)
@@ -150,18 +154,6 @@ def decode(
     return results
 
 
-def _sampler_settings(
-    sampler: str, temperature: object, seed: object, options: dict[str, float]
-) -> SamplerSettings:
-    known = set(SamplerSettings.__dataclass_fields__) - {"sampler", "temperature", "seed"}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise RequestError(f"unknown sampler option {unknown[0]!r}; allowed: {sorted(known)}")
-    return SamplerSettings(
-        sampler=sampler, temperature=_temperature(temperature), seed=_seed(seed), **options
-    )
-
-
 @functools.lru_cache(maxsize=2)
 def _load_cached(name_or_path: str) -> Model:
     return load_model(name_or_path)
@@ -185,55 +177,3 @@ def _prompt_list(prompts: str | Sequence[str]) -> list:
             raise RequestError("prompts is an empty list; pass at least one prompt")
         return list(prompts)
     raise RequestError(f"prompts must be a string or a list of strings, got {type(prompts)}")
-
-
-def _tokenize(
-    model: Model, prompt: object, index: int, chat: bool, system: str | None, max_new: int
-) -> tuple[list[int], str | None]:
-    if not isinstance(prompt, str):
-        return [], f"prompt {index} is a {type(prompt).__name__}, not a string"
-    if not prompt.strip():
-        return [], f"prompt {index} is empty"
-    if chat:
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": prompt})
-        ids = model.tokenizer.encode_chat(messages, add_generation_prompt=True)
-    else:
-        ids = model.tokenizer.encode(prompt)
-    context = model.config.max_position_embeddings
-    if len(ids) + max_new > context:
-        return ids, (
-            f"prompt {index} has {len(ids)} tokens; with max_new_tokens={max_new} it needs "
-            f"{len(ids) + max_new} positions but the model's context is {context}"
-        )
-    return ids, None
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise RequestError(f"{name}={value!r}; must be a positive integer")
-    return value
-
-
-def _temperature(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(f"temperature={value!r}; must be a number >= 0 (0 = greedy)")
-    if not math.isfinite(value) or value < 0:
-        raise RequestError(f"temperature={value!r}; must be a finite number >= 0 (0 = greedy)")
-    return float(value)
-
-
-def _seed(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
-        raise RequestError(f"seed={value!r}; must be an integer in [0, 2**32)")
-    return value
-
-
-def _stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    items = [stop] if isinstance(stop, str) else list(stop)
-    for s in items:
-        if not isinstance(s, str) or not s:
-            raise RequestError(f"stop={stop!r}; each stop sequence must be a non-empty string")
-    return tuple(items)

@@ -1,8 +1,10 @@
-"""The `etjax` command line: `generate` streams a completion, `convert` saves a fast checkpoint."""
+"""The `etjax` command line: `generate` streams a completion, `batch` runs a resumable JSONL job,
+`convert` saves a fast checkpoint."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,6 +67,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.set_defaults(run=_generate)
 
+    batch = commands.add_parser(
+        "batch", help="run a JSONL file of prompts; rerun the same command to resume"
+    )
+    batch.add_argument("--input", type=Path, required=True, help="JSONL, one request per line")
+    batch.add_argument("--output", type=Path, required=True, help="JSONL of results (appended)")
+    batch.add_argument(
+        "--config", default="default", help="a name in configs/ or the path of a .toml file"
+    )
+    batch.add_argument("--model", default=None, help="overrides the config's model")
+    batch.add_argument(
+        "--process-index",
+        type=int,
+        default=int(os.environ.get("ETJAX_PROCESS_INDEX", 0)),
+        help="this process's shard of the input (env ETJAX_PROCESS_INDEX)",
+    )
+    batch.add_argument(
+        "--process-count",
+        type=int,
+        default=int(os.environ.get("ETJAX_PROCESS_COUNT", 1)),
+        help="how many processes share the input (env ETJAX_PROCESS_COUNT)",
+    )
+    batch.add_argument("--no-progress", action="store_true")
+    batch.set_defaults(run=_batch)
+
     conv = commands.add_parser("convert", help="convert a model to an etjax (orbax) checkpoint")
     conv.add_argument("source", help="a .gguf file, a Hugging Face directory or a model name")
     conv.add_argument("destination", type=Path, help="a new directory")
@@ -124,6 +150,28 @@ def _generate(args: argparse.Namespace) -> int:
         for step, (token, h, hs, t, tau) in enumerate(rows):
             text = model.tokenizer.decode([token])
             print(f"{step:>4}  {h:8.3f}  {hs:9.3f}  {t:5.2f}  {tau:6.2f}  {text!r}")
+    return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    import json
+
+    from etjax.jobs.batch import run_batch
+    from etjax.loaders.resolve import load_model
+    from etjax.run_config import load_run_config
+
+    config = load_run_config(args.config)
+    model = load_model(args.model or config.model.name, dtype=config.model.dtype)
+    summary = run_batch(
+        args.input,
+        args.output,
+        config,
+        model,
+        args.process_index,
+        args.process_count,
+        show_progress=not args.no_progress,
+    )
+    print(json.dumps(summary, indent=2), file=sys.stderr)
     return 0
 
 

@@ -21,3 +21,7 @@ class TokenizerError(EtjaxError):
 
 class RequestError(EtjaxError):
     """A prompt or a generation setting is invalid."""
+
+
+class ConfigError(EtjaxError):
+    """A config file is missing, malformed, or has an unknown key or a bad value."""

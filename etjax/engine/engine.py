@@ -72,6 +72,11 @@ class RequestHandle:
     def done(self) -> bool:
         return self._seq.finished
 
+    @property
+    def output(self) -> SequenceOutput:
+        """The output so far (complete once `done`)."""
+        return self._seq.output
+
 
 class Engine:
     """Serve requests over one model with continuous batching (see the module docstring)."""

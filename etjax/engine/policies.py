@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from etjax.engine.sequence import Sequence
+from etjax.runtime.options import POLICIES
 
 
 class Policy(Protocol):
@@ -98,9 +99,6 @@ class EntropicPolicy:
 
     def observe(self, seq: Sequence, num_new_tokens: int) -> None:
         pass  # the estimate reads the sequence's own trace
-
-
-POLICIES = ("fcfs", "priority", "entropic")
 
 
 def make_policy(

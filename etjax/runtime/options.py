@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from etjax.pruning.config import PruningConfig
 from etjax.sampling.settings import SamplerSettings
 
+POLICIES = ("fcfs", "priority", "entropic")
+
 
 @dataclass(frozen=True)
 class RequestSettings:
@@ -43,6 +45,30 @@ class RuntimeOptions:
     pruning: PruningConfig = field(default_factory=PruningConfig)
     policy: str = "fcfs"
     min_advance_rounds: int = 4
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r}; must be one of {POLICIES}")
+        for name in (
+            "page_size",
+            "max_batch_size",
+            "prefill_chunk",
+            "max_prefill_rows",
+            "steps_per_sync",
+            "min_advance_rounds",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r}; must be a positive integer")
+        for name in ("max_resident", "num_pages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}={value!r}; must be a positive integer or omitted")
+        if self.max_resident is not None and self.max_resident < self.max_batch_size:
+            raise ValueError(
+                f"max_resident={self.max_resident} < max_batch_size={self.max_batch_size}; "
+                "every batch slot needs a resident sequence"
+            )
 
     @property
     def resident_rows(self) -> int:

@@ -1,0 +1,1 @@
+"""Offline batch jobs: JSONL in, JSONL out, durable and resumable."""

@@ -1,0 +1,142 @@
+"""`run_batch`: a JSONL file of prompts through the engine into a durable JSONL of results.
+
+Process `index` of `count` takes the input lines whose 0-based number is congruent to its
+index, and writes its own results file (see `shard_path`), so several processes (or hosts)
+split one input without coordinating. Rerunning the same command resumes: ids already in the
+results file are skipped, so a killed job loses nothing and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from etjax.errors import ConfigError
+from etjax.jobs.progress import Progress
+from etjax.jobs.records import ParsedRecord, parse_record
+from etjax.jobs.results_file import ResultsFile
+from etjax.loaders.loaded_model import Model
+from etjax.run_config import RunConfig
+from etjax.runtime.generate import build_engine, workload_pages
+from etjax.runtime.options import SequenceOutput
+
+
+def shard_path(output: Path, index: int, count: int) -> Path:
+    """The results file of process `index` of `count` (the output itself for one process)."""
+    if count == 1:
+        return output
+    return output.with_name(f"{output.stem}.part{index:03d}-of-{count:03d}{output.suffix}")
+
+
+def run_batch(
+    input_path: Path,
+    output_path: Path,
+    config: RunConfig,
+    model: Model,
+    process_index: int = 0,
+    process_count: int = 1,
+    show_progress: bool = True,
+) -> dict:
+    """Run the job (or resume it); returns the run's summary (also written beside the output
+    as `<output>.summary.json`)."""
+    if not 0 <= process_index < process_count:
+        raise ConfigError(
+            f"process index {process_index} out of range for {process_count} processes"
+        )
+    if not input_path.is_file():
+        raise ConfigError(f"input file {input_path} not found")
+    output = shard_path(output_path, process_index, process_count)
+    results = ResultsFile(output)
+    records: list[ParsedRecord] = []
+    seen: set[str] = set()
+    with open(input_path, encoding="utf-8") as f:
+        for number, text in enumerate(f):
+            if number % process_count != process_index or not text.strip():
+                continue
+            rec = parse_record(text, number + 1, model, config)
+            if rec.id in seen:
+                rec.error = f"line {rec.line}: duplicate id {rec.id!r}"
+                rec.id = f"{rec.id}@line{rec.line}"
+            seen.add(rec.id)
+            records.append(rec)
+    pending = [r for r in records if r.id not in results.done]
+    progress = Progress(len(records), len(records) - len(pending)) if show_progress else None
+    for rec in pending:
+        if rec.error is not None:
+            results.append({"id": rec.id, "error": rec.error})
+            if progress:
+                progress.update(requests=1)
+    valid = [r for r in pending if r.error is None]
+    started = time.perf_counter()
+    outputs = _generate(valid, config, model, results, progress) if valid else []
+    wall = time.perf_counter() - started
+    if progress:
+        progress.close()
+    results.close()
+    summary = _summary(outputs, wall, len(records), len(pending), output)
+    Path(f"{output}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _generate(valid, config, model, results, progress) -> list[SequenceOutput]:
+    options = config.options
+    prompts = [r.prompt_ids for r in valid]
+    settings = [r.settings for r in valid]
+    pages = options.num_pages or workload_pages(prompts, settings, options)
+    engine = build_engine(model.weights, model.config, model.tokenizer, options, pages)
+    handles = [engine.submit(r.prompt_ids, r.settings, r.priority) for r in valid]
+    written = [False] * len(valid)
+    counted = [0] * len(valid)
+    while True:
+        busy = engine.step()
+        for i, (rec, h) in enumerate(zip(valid, handles, strict=True)):
+            if progress:
+                n = len(h.output.token_ids)
+                progress.update(tokens=n - counted[i])
+                counted[i] = n
+            if h.done and not written[i]:
+                results.append(_result_record(rec, h.result()))
+                written[i] = True
+                if progress:
+                    progress.update(requests=1)
+        if not busy:
+            break
+    return [h.result() for h in handles]
+
+
+def _result_record(rec: ParsedRecord, out: SequenceOutput) -> dict:
+    n = len(out.token_ids)
+    return {
+        "id": rec.id,
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "token_ids": out.token_ids,
+        "prompt_tokens": len(rec.prompt_ids),
+        "metrics": out.metrics | {"mean_entropy": float(np.mean(out.entropy)) if n else 0.0},
+        "error": None,
+    }
+
+
+def _summary(outputs: list[SequenceOutput], wall: float, total: int, ran: int, path) -> dict:
+    latencies = [o.metrics["end_to_end_latency"] for o in outputs]
+    ttft = [o.metrics["time_to_first_token"] for o in outputs]
+    tokens = sum(len(o.token_ids) for o in outputs)
+
+    def pct(values, q):
+        return float(np.percentile(values, q)) if values else 0.0
+
+    return {
+        "results_file": str(path),
+        "records": total,
+        "run_now": ran,
+        "generated_tokens": tokens,
+        "wall_seconds": wall,
+        "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "latency_mean_s": float(np.mean(latencies)) if latencies else 0.0,
+        "latency_p50_s": pct(latencies, 50),
+        "latency_p99_s": pct(latencies, 99),
+        "time_to_first_token_mean_s": float(np.mean(ttft)) if ttft else 0.0,
+    }

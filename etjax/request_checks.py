@@ -1,0 +1,81 @@
+"""Validation of request fields, shared by `etjax.decode()` and batch-job records.
+
+Every check raises `RequestError` naming the field, the value and what is allowed, or (for a
+prompt) returns the reason it cannot be served.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from etjax.errors import RequestError
+from etjax.loaders.loaded_model import Model
+from etjax.sampling.settings import SamplerSettings
+
+
+def sampler_settings(
+    sampler: str, temperature: object, seed: object, options: dict[str, float]
+) -> SamplerSettings:
+    known = set(SamplerSettings.__dataclass_fields__) - {"sampler", "temperature", "seed"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise RequestError(f"unknown sampler option {unknown[0]!r}; allowed: {sorted(known)}")
+    return SamplerSettings(
+        sampler=sampler,
+        temperature=temperature_value(temperature),
+        seed=seed_value(seed),
+        **options,
+    )
+
+
+def tokenize_prompt(
+    model: Model, prompt: object, index: int, chat: bool, system: str | None, max_new: int
+) -> tuple[list[int], str | None]:
+    if not isinstance(prompt, str):
+        return [], f"prompt {index} is a {type(prompt).__name__}, not a string"
+    if not prompt.strip():
+        return [], f"prompt {index} is empty"
+    if chat:
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": prompt})
+        ids = model.tokenizer.encode_chat(messages, add_generation_prompt=True)
+    else:
+        ids = model.tokenizer.encode(prompt)
+    context = model.config.max_position_embeddings
+    if len(ids) + max_new > context:
+        return ids, (
+            f"prompt {index} has {len(ids)} tokens; with max_new_tokens={max_new} it needs "
+            f"{len(ids) + max_new} positions but the model's context is {context}"
+        )
+    return ids, None
+
+
+def positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise RequestError(f"{name}={value!r}; must be a positive integer")
+    return value
+
+
+def temperature_value(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"temperature={value!r}; must be a number >= 0 (0 = greedy)")
+    if not math.isfinite(value) or value < 0:
+        raise RequestError(f"temperature={value!r}; must be a finite number >= 0 (0 = greedy)")
+    return float(value)
+
+
+def seed_value(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+        raise RequestError(f"seed={value!r}; must be an integer in [0, 2**32)")
+    return value
+
+
+def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else list(stop)
+    for s in items:
+        if not isinstance(s, str) or not s:
+            raise RequestError(f"stop={stop!r}; each stop sequence must be a non-empty string")
+    return tuple(items)

@@ -1,0 +1,126 @@
+"""Named run configurations: declarative TOML files in `configs/`, loaded into the frozen
+dataclasses that steer a run.
+
+A file has up to five tables, each optional:
+
+    [model]    name (a model name or path), dtype ("float32" | "bfloat16")
+    [engine]   any `RuntimeOptions` field except pruning (page_size, max_batch_size, policy, ...)
+    [pruning]  any `PruningConfig` field (enabled, min_fraction, entropy_low, ...)
+    [sampler]  any `SamplerSettings` field: the default for requests that do not set it
+    [request]  max_new_tokens, ignore_eos, chat, system_prompt, stop: request defaults
+
+An unknown table or key, or a value the dataclass refuses, is a `ConfigError` naming the
+file, the table, the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from etjax.errors import ConfigError, EtjaxError
+from etjax.pruning.config import PruningConfig
+from etjax.runtime.options import RuntimeOptions
+from etjax.sampling.settings import SamplerSettings
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    max_new_tokens: int = 128
+    ignore_eos: bool = False
+    chat: bool = False
+    system_prompt: str | None = None
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; must be an integer")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}; must be positive")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    name: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r}; must be 'float32' or 'bfloat16'")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a named configuration sets."""
+
+    name: str
+    model: ModelChoice = field(default_factory=ModelChoice)
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
+    sampler: SamplerSettings = field(default_factory=SamplerSettings)
+    request: RequestDefaults = field(default_factory=RequestDefaults)
+
+
+_TABLES = {
+    "model": ModelChoice,
+    "engine": RuntimeOptions,
+    "pruning": PruningConfig,
+    "sampler": SamplerSettings,
+    "request": RequestDefaults,
+}
+
+
+def available_configs() -> list[str]:
+    """Names of the configs shipped in `configs/`."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+
+
+def load_run_config(name_or_path: str | Path) -> RunConfig:
+    """Load `configs/NAME.toml`, or a TOML file by path."""
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = CONFIG_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ConfigError(
+            f"config {str(name_or_path)!r} not found ({path}); available: "
+            f"{', '.join(available_configs())}, or the path of a .toml file"
+        )
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    unknown = sorted(set(data) - set(_TABLES))
+    if unknown:
+        raise ConfigError(f"{path}: unknown table [{unknown[0]}]; allowed: {sorted(_TABLES)}")
+    built = {name: _build(path, name, cls, data.get(name, {})) for name, cls in _TABLES.items()}
+    options = dataclasses.replace(built["engine"], pruning=built["pruning"])
+    return RunConfig(
+        name=path.stem,
+        model=built["model"],
+        options=options,
+        sampler=built["sampler"],
+        request=built["request"],
+    )
+
+
+def _build(path: Path, table: str, cls, values: object):
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: [{table}] must be a table of key = value pairs")
+    allowed = {f.name for f in dataclasses.fields(cls)} - (
+        {"pruning"} if table == "engine" else set()
+    )
+    for key, value in values.items():
+        if key not in allowed:
+            raise ConfigError(f"{path}: [{table}] unknown key {key!r}; allowed: {sorted(allowed)}")
+        expected = {f.name: f.type for f in dataclasses.fields(cls)}[key]
+        if "float" in str(expected) and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = float(value)  # TOML writes 1 for 1.0
+        if key == "stop" and isinstance(value, list):
+            values[key] = tuple(value)
+    try:
+        return cls(**values)
+    except (EtjaxError, ValueError, TypeError) as e:
+        raise ConfigError(f"{path}: [{table}] {e}") from None

@@ -1,0 +1,170 @@
+"""`etjax batch`: error records instead of dead jobs, durable results, resumption after a kill
+with nothing lost or duplicated, sharding by process index, and config validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import etjax
+from etjax.errors import ConfigError
+from etjax.jobs.batch import run_batch, shard_path
+from etjax.jobs.results_file import ResultsFile
+from etjax.run_config import load_run_config
+
+CONFIG = """
+[engine]
+max_batch_size = 2
+max_resident = 2
+steps_per_sync = 4
+
+[request]
+max_new_tokens = {new}
+ignore_eos = true
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return etjax.load_model(tiny_hf_dir("llama"))
+
+
+def _config(tmp_path: Path, new: int = 6) -> Path:
+    path = tmp_path / "small.toml"
+    path.write_text(CONFIG.format(new=new))
+    return path
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _results(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def test_bad_records_become_error_records_and_the_rest_run(tiny, tmp_path):
+    lines = [
+        json.dumps({"id": "a", "prompt": "The river bank"}),
+        "{not json",
+        json.dumps({"id": "c"}),
+        json.dumps({"id": "d", "prompt": "x", "temprature": 0.5}),
+        json.dumps({"id": "e", "prompt": "x", "temperature": -1}),
+        json.dumps({"id": "f", "prompt": "   "}),
+        json.dumps({"id": "a", "prompt": "again"}),
+        json.dumps({"prompt": "Cats and dogs", "max_new_tokens": 3}),
+    ]
+    out = tmp_path / "out.jsonl"
+    config = load_run_config(_config(tmp_path))
+    summary = run_batch(
+        _write(tmp_path / "in.jsonl", lines), out, config, tiny, show_progress=False
+    )
+    by_id = {r["id"]: r for r in _results(out)}
+    assert len(by_id) == len(lines) == len(_results(out))
+    assert by_id["a"]["error"] is None and len(by_id["a"]["token_ids"]) == 6
+    assert "line 2: not valid JSON" in by_id["2"]["error"]
+    assert 'missing "prompt"' in by_id["c"]["error"]
+    assert "unknown field 'temprature'" in by_id["d"]["error"]
+    assert "temperature=-1" in by_id["e"]["error"]
+    assert "empty" in by_id["f"]["error"]
+    assert "duplicate id 'a'" in by_id["a@line7"]["error"]
+    assert len(by_id["8"]["token_ids"]) == 3  # the record's own max_new_tokens
+    assert summary["records"] == 8 and summary["generated_tokens"] == 9
+    m = by_id["a"]["metrics"]
+    assert m["end_to_end_latency"] >= m["time_to_first_token"] >= 0
+
+
+def test_batch_outputs_equal_decode(tiny, tmp_path):
+    prompts = ["The river bank", "Cats and dogs", "A long time ago in a galaxy"]
+    lines = [json.dumps({"id": i, "prompt": p}) for i, p in enumerate(prompts)]
+    out = tmp_path / "out.jsonl"
+    config = load_run_config(_config(tmp_path))
+    run_batch(_write(tmp_path / "in.jsonl", lines), out, config, tiny, show_progress=False)
+    got = {r["id"]: r["token_ids"] for r in _results(out)}
+    expected = etjax.decode(prompts, model=tiny, max_new_tokens=6, ignore_eos=True)
+    assert [got[str(i)] for i in range(3)] == [r.token_ids for r in expected]
+
+
+def test_shards_partition_the_input(tiny, tmp_path):
+    lines = [json.dumps({"id": i, "prompt": f"Number {i} is"}) for i in range(5)]
+    src = _write(tmp_path / "in.jsonl", lines)
+    config = load_run_config(_config(tmp_path, new=2))
+    ids = []
+    for index in range(2):
+        run_batch(src, tmp_path / "out.jsonl", config, tiny, index, 2, show_progress=False)
+        ids.append([r["id"] for r in _results(shard_path(tmp_path / "out.jsonl", index, 2))])
+    assert sorted(ids[0]) == ["0", "2", "4"] and sorted(ids[1]) == ["1", "3"]
+
+
+def test_torn_last_line_is_cut_and_completed_ids_are_known(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"id": "1", "text": "a"}\n{"id": "2", "te')
+    results = ResultsFile(path)
+    assert results.done == {"1"}
+    results.append({"id": "2", "text": "b"})
+    results.close()
+    assert [r["id"] for r in _results(path)] == ["1", "2"]
+
+
+def test_killed_job_resumes_with_nothing_lost_or_duplicated(tiny_hf_dir, tmp_path):
+    lines = [json.dumps({"id": i, "prompt": f"Story number {i}:"}) for i in range(10)]
+    src = _write(tmp_path / "in.jsonl", lines)
+    config = _config(tmp_path, new=48)
+    out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "etjax.cli", "batch", "--input", str(src), "--output"]
+    common = ["--config", str(config), "--model", str(tiny_hf_dir("llama")), "--no-progress"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    job = subprocess.Popen([*command, str(out), *common], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and job.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= 3:
+            break
+        time.sleep(0.05)
+    assert job.poll() is None, "the job finished before it could be killed; make it longer"
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    partial = out.read_bytes().count(b"\n")
+    assert 3 <= partial < len(lines)
+    subprocess.run([*command, str(out), *common], env=env, check=True, capture_output=True)
+    resumed = _results(out)
+    assert sorted(int(r["id"]) for r in resumed) == list(range(10))  # each exactly once
+    # The same job run clean gives the same results.
+    clean = tmp_path / "clean.jsonl"
+    subprocess.run([*command, str(clean), *common], env=env, check=True, capture_output=True)
+    assert {r["id"]: r["token_ids"] for r in resumed} == {
+        r["id"]: r["token_ids"] for r in _results(clean)
+    }
+
+
+def test_config_errors_name_the_file_table_and_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pruning]\nmin_frac = 0.3\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: \[pruning\] unknown key 'min_frac'"):
+        load_run_config(bad)
+    bad.write_text("[engin]\npolicy = 'fcfs'\n")
+    with pytest.raises(ConfigError, match=r"unknown table \[engin\]"):
+        load_run_config(bad)
+    bad.write_text("[engine]\npolicy = 'sjf'\n")
+    with pytest.raises(ConfigError, match=r"\[engine\] policy='sjf'; must be one of"):
+        load_run_config(bad)
+    bad.write_text("[sampler]\ntemperature = -2\n")
+    with pytest.raises(ConfigError, match=r"\[sampler\] temperature"):
+        load_run_config(bad)
+    with pytest.raises(ConfigError, match=r"not found.*available: baseline"):
+        load_run_config("no-such-config")
+
+
+def test_shipped_configs_load():
+    for name in ("default", "baseline", "sampling_only", "scheduling_only", "pruning_only", "full"):
+        config = load_run_config(name)
+        assert config.name == name
+    assert load_run_config("full").options.pruning.enabled
+    assert load_run_config("full").options.policy == "entropic"
