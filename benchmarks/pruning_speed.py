@@ -1,17 +1,21 @@
 """Decode-step time at long context, dense vs entropic pruning (SmolLM2, batch 8, this CPU).
 
 For each context, 8 sequences (Lee articles joined to that length) are prefilled once; the same
-cache then runs 2 x 8 decode steps dense and 2 x 8 pruned (default `PruningConfig`), alternating,
-greedy. Reports median step time, the average fraction of blocks read and the KV bytes read per
-generated token. Writes the "pruning_speed" section of docs/PERF.md.
+cache then runs rounds of 8 greedy decode steps dense and under each named pruning setting
+(benchmarks/pruning_settings.py), alternating, the first round excluded (compilation). The
+kept-block table is sized as the engine sizes it: for the largest budget in the batch. Reports
+median step time, the average fraction of blocks read and the KV bytes read per generated
+token. Writes the "pruning_speed" section of docs/PERF.md.
 
     .venv/bin/python benchmarks/pruning_speed.py [--contexts 2048,4096,8192]
+        [--settings "default;fixed 25%"]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -23,6 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
+from benchmarks.pruning_settings import SETTINGS
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
@@ -40,7 +45,9 @@ BATCH, PAGE, CHUNK, STEPS, ROUNDS = 8, 16, 512, 8, 3
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="2048,4096,8192")
+    parser.add_argument("--settings", default="default;fixed 25%", help="';'-separated")
     args = parser.parse_args()
+    names = [n.strip() for n in args.settings.split(";")]
     import etjax
     from tests.conftest import lee_articles
 
@@ -48,7 +55,7 @@ def main() -> None:
     cfg = model.config
     articles = lee_articles()
     cost = CostModel.for_model(cfg, PAGE)
-    pruned = PruningConfig(enabled=True)
+    configs = {"dense": PruningConfig(), **{n: SETTINGS[n] for n in names}}
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         prompts = []
@@ -58,7 +65,7 @@ def main() -> None:
                 ids += model.tokenizer.encode(articles[i % len(articles)] + "\n\n")
                 i += 1
             prompts.append(ids[:context])
-        width = -(-(context + ROUNDS * 2 * STEPS + 1) // PAGE)
+        width = -(-(context + (ROUNDS + 1) * len(configs) * STEPS + 1) // PAGE)
         table = (1 + np.arange(BATCH * width)).reshape(BATCH, width).astype(np.int32)
         cache = init_kv_cache(cfg, BATCH * width + 1, PAGE)
         logits = jnp.zeros((BATCH, cfg.vocab_size), jnp.float32)
@@ -77,58 +84,76 @@ def main() -> None:
                 )
                 logits = logits.at[jnp.asarray(rows_)].set(out)
         state = _state(cfg, table, logits, context)
-        times: dict[str, list[float]] = {"dense": [], "pruned": []}
-        kept: list[float] = []
-        budget = np.ones(BATCH, np.float32)
-        for round_ in range(ROUNDS + 1):  # round 0 compiles both programs
-            for name, pruning in (("dense", PruningConfig()), ("pruned", pruned)):
-                # The kept table is sized as the engine sizes it (generate.py, _max_kept).
+        times: dict[str, list[float]] = {name: [] for name in configs}
+        kept: dict[str, list[float]] = {name: [] for name in configs}
+        # Each setting carries its own budgets from one burst to its next, as a resident
+        # sequence does in the engine (a dense burst would otherwise reset them to 1).
+        budgets = {name: np.ones(BATCH, np.float32) for name in configs}
+        for round_ in range(ROUNDS + 1):  # round 0 compiles every program
+            for name, pruning in configs.items():
                 reach = -(-(np.asarray(state.lengths) + STEPS) // PAGE)
-                needed = int(np.asarray(kept_block_count(budget, reach, pruned)).max())
-                max_kept = kept_bucket(needed, width) if pruning.enabled else 0
+                max_kept = 0
+                if pruning.enabled:
+                    needed = np.asarray(kept_block_count(budgets[name], reach, pruning))
+                    max_kept = kept_bucket(int(needed.max()), width)
+                state = state.replace(
+                    entropy=state.entropy.replace(budget=jnp.asarray(budgets[name]))
+                )
                 started = time.perf_counter()
                 state, cache, out = decode_steps(
                     model.weights, cache, state, cfg, cost, STEPS, pruning, max_kept
                 )
                 jax.block_until_ready(out)
-                budget = np.asarray(state.entropy.budget)
+                elapsed = time.perf_counter() - started
+                budgets[name] = np.asarray(state.entropy.budget)
                 if round_:
-                    times[name].append((time.perf_counter() - started) / STEPS)
-                    if pruning.enabled:
-                        blocks = np.asarray(state.lengths)[:, None] // PAGE
-                        kept.append(float(np.mean(np.asarray(out.kept_blocks) / blocks.T)))
+                    times[name].append(elapsed / STEPS)
+                    blocks = -(
+                        -(
+                            np.asarray(state.lengths)[None, :]
+                            - STEPS
+                            + np.arange(STEPS)[:, None]
+                            + 1
+                        )
+                        // PAGE
+                    )
+                    kept[name].append(float(np.mean(np.asarray(out.kept_blocks) / blocks)))
         dense_ms = float(np.median(times["dense"]) * 1e3)
-        pruned_ms = float(np.median(times["pruned"]) * 1e3)
-        kept_fraction = float(np.mean(kept))
         kv_dense = cost.kv_bytes_per_key * context
-        rows.append(
-            dict(
-                context=context,
-                dense_ms=dense_ms,
-                pruned_ms=pruned_ms,
-                speedup=dense_ms / pruned_ms,
-                kept_fraction=kept_fraction,
-                kv_mb_dense=kv_dense / 1e6,
-                kv_mb_pruned=kv_dense * kept_fraction / 1e6,
+        for name in names:
+            ms = float(np.median(times[name]) * 1e3)
+            fraction = float(np.mean(kept[name]))
+            rows.append(
+                dict(
+                    context=context,
+                    setting=name,
+                    dense_ms=dense_ms,
+                    dense_spread_ms=[float(t * 1e3) for t in times["dense"]],
+                    pruned_ms=ms,
+                    pruned_spread_ms=[float(t * 1e3) for t in times[name]],
+                    speedup=dense_ms / ms,
+                    kept_fraction=fraction,
+                    kv_mb_dense=kv_dense / 1e6,
+                    kv_mb_pruned=kv_dense * fraction / 1e6,
+                )
             )
-        )
-        print(rows[-1], flush=True)
+            print(rows[-1], flush=True)
     raw = {"machine": machine_line(), "date": str(datetime.date.today()), "rows": rows}
     lines = [
         "## Entropic attention pruning: decode-step time at long context (SmolLM2, batch 8)",
         "",
         f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
-        f"benchmarks/pruning_speed.py --contexts {args.contexts}`. One prefilled cache, "
-        f"{ROUNDS} alternating rounds of {STEPS} greedy steps dense and pruned (default "
-        "`PruningConfig`), first round excluded (compilation), median step time.",
+        f"benchmarks/pruning_speed.py {shlex.join(sys.argv[1:])}`. One prefilled cache, "
+        f"{ROUNDS} alternating rounds of {STEPS} greedy steps dense and per setting, first round "
+        "excluded (compilation), median step time.",
         "",
-        "| context | dense step ms | pruned step ms | speed-up | kept fraction | "
+        "| context | setting | dense step ms | pruned step ms | speed-up | kept fraction | "
         "KV MB read / token, dense | pruned |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['context']} | {r['dense_ms']:.1f} | {r['pruned_ms']:.1f} | "
+            f"| {r['context']} | {r['setting']} | {r['dense_ms']:.1f} | {r['pruned_ms']:.1f} | "
             f"{r['speedup']:.2f}x | {r['kept_fraction']:.1%} | {r['kv_mb_dense']:.0f} | "
             f"{r['kv_mb_pruned']:.0f} |"
         )
