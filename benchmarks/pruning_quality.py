@@ -148,6 +148,9 @@ def main() -> None:
     parser.add_argument(
         "--settings", default=";".join(n for n in SETTINGS if n != "default"), help="';'-separated"
     )
+    parser.add_argument(
+        "--part", default="", help="suffix of the PERF.md section, to keep several runs"
+    )
     args = parser.parse_args()
 
     import etjax
@@ -174,10 +177,10 @@ def main() -> None:
             row["ratio"] = (np.array(row["ppl"]) / np.array(dense["ppl"])).tolist()
             results[name] = row
             print(length, name, row, flush=True)
-        _report(length, results, chosen, args.docs)
+        _report(length, results, chosen, args.docs, args.part)
 
 
-def _report(length: int, results: dict, chosen: list[str], num_docs: int) -> None:
+def _report(length: int, results: dict, chosen: list[str], num_docs: int, part: str) -> None:
     raw = {
         "machine": machine_line(),
         "date": str(datetime.date.today()),
@@ -204,7 +207,7 @@ def _report(length: int, results: dict, chosen: list[str], num_docs: int) -> Non
             f"| {name} | {np.mean(r['ratio']):.4f} | {max(r['ratio']):.4f} | "
             f"{r['kept_fraction']:.1%} |"
         )
-    write_section(f"pruning_quality_{length}", "\n".join(lines), raw)
+    write_section(f"pruning_quality_{length}{part}", "\n".join(lines), raw)
     print("\n".join(lines))
 
 
