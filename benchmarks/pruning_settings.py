@@ -36,8 +36,8 @@ SETTINGS: dict[str, PruningConfig] = {
     "entropy 1-6 nats, floor 10%, remembered mass >= 0.02": _ramp(
         0.1, 1.0, 6.0, mass_threshold=0.02
     ),
-    "entropy 2-8 nats, floor 5%, remembered mass >= 0.02": _ramp(
-        0.05, 2.0, 8.0, mass_threshold=0.02
+    "entropy 2-8 nats, floor 20%, remembered mass >= 0.02": _ramp(
+        0.2, 2.0, 8.0, mass_threshold=0.02
     ),
     "fixed 25%, remembered mass >= 0.01": _fixed(0.25, mass_threshold=0.01),
 }
