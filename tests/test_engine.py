@@ -203,9 +203,13 @@ def test_any_workload_finishes_without_starvation_leaks_or_lost_tokens(
         assert len(out.token_ids) == n
     # Minimum advancement: between two runs of a resident sequence at most `rounds` rounds
     # pass, unless it was preempted in between (then it waits as a new request).
-    unpreempted = {s.prompt[0] for s in engine.sequences if s.preemptions == 0}
+    unpreempted = [s for s in engine.sequences if s.preemptions == 0]
     gaps = _max_gaps(backend.decode_log)
-    assert all(gaps[r] <= rounds for r in unpreempted if r in gaps)
+    assert all(gaps[s.prompt[0]] <= rounds for s in unpreempted if s.prompt[0] in gaps)
+    # ...so a resident sequence finishes within rounds * ceil(max_new_tokens / K) rounds.
+    for s in unpreempted:
+        bound = rounds * -(-s.settings.max_new_tokens // K)
+        assert s.finish_round - s.resident_round <= bound
     assert engine.pages_in_use == 0 and len(engine.free_rows) == resident
 
 

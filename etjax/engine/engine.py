@@ -236,7 +236,7 @@ class Engine:
                 )
                 seq.saved_row, seq.recompute_flops, seq.recompute_bytes = None, 0.0, 0.0
                 seq.status = Status.RUNNING
-                seq.last_run_round = self.round  # residency starts the advancement clock
+                seq.resident_round = seq.last_run_round = self.round  # the advancement clock
         return time.perf_counter() - started
 
     def _reserve_burst_pages(
@@ -325,7 +325,7 @@ class Engine:
         return elapsed
 
     def _stamp_finish(self, seq: Sequence, now: float) -> None:
-        seq.finish_time = now
+        seq.finish_time, seq.finish_round = now, self.round
         out, n = seq.output, len(seq.output.token_ids)
         out.metrics = {
             "arrival_time": seq.arrival_time,

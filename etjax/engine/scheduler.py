@@ -5,7 +5,9 @@ Guarantees, whatever the policy:
 - Minimum advancement: a resident sequence that has not run for `min_advance_rounds` rounds
   is put in the next batch before any other (oldest first). With at most
   `min_advance_rounds * batch_size` resident sequences, each runs at least once every
-  `min_advance_rounds` rounds (`check_starvation_bound`).
+  `min_advance_rounds` rounds (`check_starvation_bound`). Each run produces up to
+  `steps_per_sync` tokens, so a sequence that stays resident finishes within
+  min_advance_rounds * ceil(max_new_tokens / steps_per_sync) rounds of becoming resident.
 - Admission is strictly in the policy's order (aging lives in the admission keys): when the
   first waiting request does not fit, none behind it is admitted, so a stream of short
   prompts cannot starve a long one.

@@ -47,6 +47,8 @@ class Sequence:
     last_run_round: int = -1
     admitted_round: int = -1
     waiting_since: int = 0  # round it (re)entered the queue: aging counts from here
+    resident_round: int = -1  # round its context was last fully prefilled
+    finish_round: int = -1
     budget: float = 1.0  # kept-block fraction its next decode step may read
     # Metrics, in the engine's clock.
     admitted_time: float | None = None
