@@ -189,13 +189,12 @@ class Engine:
         resident = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self.sequences)
         for seq in scheduler.admission_order(waiting, self.policy, self.round):
             need = pages_needed(len(seq.context) + opts.steps_per_sync, opts.page_size)
-            # Keep enough free pages for every resident sequence's next burst.
-            reserve = resident * burst_pages
-            if not self.free_rows or self.allocator.num_free - need < reserve:
-                if resident == 0 and self.free_rows and self.allocator.num_free >= need:
-                    pass  # an empty engine always admits what fits
-                else:
-                    break
+            # Keep enough free pages for every resident sequence's next burst; an empty
+            # engine admits whatever fits.
+            fits = bool(self.free_rows) and self.allocator.num_free >= need
+            keeps_reserve = self.allocator.num_free - need >= resident * burst_pages
+            if not fits or not (keeps_reserve or resident == 0):
+                break
             seq.pages = self.allocator.allocate(need)
             seq.row = self.free_rows.pop()
             seq.status, seq.prefilled = Status.PREFILLING, 0
