@@ -189,7 +189,8 @@ def _report(length: int, results: dict, chosen: list[str], num_docs: int, part: 
     }
     dense = ", ".join(f"{p:.2f}" for p in results["dense"]["ppl"])
     lines = [
-        f"## Entropic attention pruning: quality against kept fraction, {length} tokens (SmolLM2)",
+        f"## Entropic attention pruning: quality against kept fraction, {length} tokens "
+        f"(SmolLM2){', part ' + part if part else ''}",
         "",
         f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
         f"benchmarks/pruning_quality.py {shlex.join(sys.argv[1:])}`. Teacher-forced perplexity "
