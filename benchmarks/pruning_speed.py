@@ -39,7 +39,16 @@ from etjax.runtime.steps import decode_steps, prefill_chunk
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import SamplerSettings, pack_sampler_params
 
-BATCH, PAGE, CHUNK, STEPS, ROUNDS = 8, 16, 512, 8, 3
+BATCH, PAGE, CHUNK, STEPS, ROUNDS = 8, 16, 512, 8, 5
+COMPILES = [0]
+
+
+def _count_compiles(event: str, duration: float, **_: object) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        COMPILES[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
 def main() -> None:
@@ -86,6 +95,7 @@ def main() -> None:
         state = _state(cfg, table, logits, context)
         times: dict[str, list[float]] = {name: [] for name in configs}
         kept: dict[str, list[float]] = {name: [] for name in configs}
+        excluded = dict.fromkeys(configs, 0)
         # Each setting carries its own budgets from one burst to its next, as a resident
         # sequence does in the engine (a dense burst would otherwise reset them to 1).
         budgets = {name: np.ones(BATCH, np.float32) for name in configs}
@@ -99,6 +109,7 @@ def main() -> None:
                 state = state.replace(
                     entropy=state.entropy.replace(budget=jnp.asarray(budgets[name]))
                 )
+                compiles_before = COMPILES[0]
                 started = time.perf_counter()
                 state, cache, out = decode_steps(
                     model.weights, cache, state, cfg, cost, STEPS, pruning, max_kept
@@ -106,7 +117,10 @@ def main() -> None:
                 jax.block_until_ready(out)
                 elapsed = time.perf_counter() - started
                 budgets[name] = np.asarray(state.entropy.budget)
-                if round_:
+                # A burst that compiled (a new kept-table width) is not a steady-state step.
+                if COMPILES[0] != compiles_before:
+                    excluded[name] += 1
+                elif round_:
                     times[name].append(elapsed / STEPS)
                     blocks = -(
                         -(
@@ -132,6 +146,7 @@ def main() -> None:
                     pruned_ms=ms,
                     pruned_spread_ms=[float(t * 1e3) for t in times[name]],
                     speedup=dense_ms / ms,
+                    bursts_excluded_for_compilation=excluded[name],
                     kept_fraction=fraction,
                     kv_mb_dense=kv_dense / 1e6,
                     kv_mb_pruned=kv_dense * fraction / 1e6,
@@ -144,8 +159,9 @@ def main() -> None:
         "",
         f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
         f"benchmarks/pruning_speed.py {shlex.join(sys.argv[1:])}`. One prefilled cache, "
-        f"{ROUNDS} alternating rounds of {STEPS} greedy steps dense and per setting, first round "
-        "excluded (compilation), median step time.",
+        f"{ROUNDS} alternating rounds of {STEPS} greedy steps dense and per setting after a "
+        "warm-up round; bursts that compiled a program (a new kept-table width) are excluded; "
+        "median step time.",
         "",
         "| context | setting | dense step ms | pruned step ms | speed-up | kept fraction | "
         "KV MB read / token, dense | pruned |",
