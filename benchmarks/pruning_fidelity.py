@@ -1,6 +1,6 @@
 """Greedy fidelity of entropic pruning: ROUGE-L of pruned continuations against dense ones.
 
-50 prompts from the Lee corpus, each three consecutive articles (about 0.5K-1K tokens),
+50 prompts from the Lee corpus, each three consecutive articles (about 0.4K-1.5K tokens),
 continued greedily for 64 tokens with dense attention and with each pruning setting; the
 score of a prompt is ROUGE-L F1 of its pruned continuation against its dense one (1.0 =
 identical words). Writes the "pruning_fidelity" section of docs/PERF.md.
