@@ -31,5 +31,6 @@ test: $(VENV)/.test-deps
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
+# The ablation of docs/PERF.md (about an hour on a 2-core CPU).
 bench: $(VENV)/.test-deps
-	$(BIN)/python benchmarks/decode_throughput.py
+	$(BIN)/etjax bench --workload mixed --output docs/bench --perf-md docs/PERF.md

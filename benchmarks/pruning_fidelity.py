@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
 from benchmarks.pruning_settings import SETTINGS
+from etjax.bench.text_metrics import rouge_l
 from etjax.pruning.config import PruningConfig
 
 NEW_TOKENS = 64
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--settings", default="default;fixed 12.5%", help="';'-separated")
     args = parser.parse_args()
     import etjax
-    from tests.conftest import lee_articles
+    from etjax.bench.corpus import lee_articles
 
     model = etjax.load_model()
     articles = lee_articles()
@@ -65,16 +66,7 @@ def main() -> None:
             )
         )
         print(name, f"{time.perf_counter() - started:.0f}s", flush=True)
-    from rouge_score import rouge_scorer
-
-    scorer = rouge_scorer.RougeScorer(["rougeL"])
-    scores = {
-        n: [
-            scorer.score(d, c)["rougeL"].fmeasure
-            for c, d in zip(texts[n], texts["dense"], strict=True)
-        ]
-        for n in names[1:]
-    }
+    scores = {n: rouge_l(texts[n], texts["dense"]) for n in names[1:]}
     raw = {
         "machine": machine_line(),
         "date": str(datetime.date.today()),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import random
 import sys
 import time
 from pathlib import Path
@@ -26,28 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
 from benchmarks.pruning_settings import SETTINGS
+from etjax.bench.passkey import DEPTHS, NEW_TOKENS, passkey_cases, run_passkey
 from etjax.pruning.config import PruningConfig
-
-INTRO = (
-    "There is an important piece of information hidden inside a lot of irrelevant text. "
-    "Find it and memorize it. I will quiz you about it.\n"
-)
-FILLER = (
-    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-)
-QUESTION = "\nWhat is the pass key? The pass key is"
-DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-NEW_TOKENS = 16
-
-
-def passkey_prompt(tokenizer, target_tokens: int, depth: float, key: int) -> str:
-    """A prompt of about `target_tokens` tokens with the key at `depth` of the filler."""
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key.\n"
-    fixed = len(tokenizer.encode(INTRO + needle + QUESTION))
-    per_filler = len(tokenizer.encode(FILLER * 10)) / 10
-    repeats = max(int((target_tokens - fixed) / per_filler), 1)
-    before = round(repeats * depth)
-    return INTRO + FILLER * before + needle + FILLER * (repeats - before) + QUESTION
 
 
 def main() -> None:
@@ -60,41 +39,19 @@ def main() -> None:
     import etjax
 
     model = etjax.load_model()
-    rng = random.Random(0)
     lengths = [int(x) for x in args.lengths.split(",")]
-    cases = [
-        (n, d, rng.randrange(10_000, 100_000))
-        for n in lengths
-        for d in DEPTHS
-        for _ in range(args.keys)
-    ]
-    prompts = [passkey_prompt(model.tokenizer, n, d, k) for n, d, k in cases]
+    cases = passkey_cases(lengths, args.keys)
     names = ["dense", *(s.strip() for s in args.settings.split(";"))]
     configs = {"dense": PruningConfig(), **{n: SETTINGS[n] for n in names[1:]}}
     found: dict[str, list[bool]] = {}
     kept: dict[str, float] = {}
     for name in names:
         started = time.perf_counter()
-        results = etjax.decode(
-            prompts,
-            model=model,
-            max_new_tokens=NEW_TOKENS,
-            max_batch_size=8,
-            pruning=configs[name],
-        )
-        found[name] = [str(k) in r.text for r, (_, _, k) in zip(results, cases, strict=True)]
+        result = run_passkey(model, cases, configs[name])
+        found[name], kept[name] = result["found"], result["kept_fraction"]
         if args.verbose:
-            for r, case in zip(results, cases, strict=True):
-                print(name, case, len(r.prompt_token_ids), repr(r.text))
-        kept[name] = float(
-            np.mean(
-                [
-                    kb / -(-(len(r.prompt_token_ids) + i + 1) // 16)
-                    for r in results
-                    for i, kb in enumerate(r.kept_blocks[:-1])
-                ]
-            )
-        )
+            for answer, case in zip(result["answers"], cases, strict=True):
+                print(name, case, repr(answer))
         print(
             name, f"{np.mean(found[name]):.1%}", f"{time.perf_counter() - started:.0f}s", flush=True
         )
@@ -102,7 +59,7 @@ def main() -> None:
         "machine": machine_line(),
         "date": str(datetime.date.today()),
         "settings": {n: dataclasses.asdict(configs[n]) for n in names},
-        "cases": [dict(length=n, depth=d, key=k) for n, d, k in cases],
+        "cases": [dataclasses.asdict(c) for c in cases],
         "found": found,
         "kept_fraction": kept,
     }
@@ -122,7 +79,7 @@ def main() -> None:
     ]
     for name in names:
         per_length = [
-            np.mean([f for f, c in zip(found[name], cases, strict=True) if c[0] == n])
+            np.mean([f for f, c in zip(found[name], cases, strict=True) if c.length == n])
             for n in lengths
         ]
         lines.append(

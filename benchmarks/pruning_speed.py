@@ -58,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     names = [n.strip() for n in args.settings.split(";")]
     import etjax
-    from tests.conftest import lee_articles
+    from etjax.bench.corpus import lee_articles
 
     model = etjax.load_model()
     cfg = model.config

@@ -46,9 +46,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import etjax
+    from etjax.bench.corpus import lee_articles
     from etjax.runtime.generate import RequestSettings, generate_ids
     from etjax.sampling import SamplerSettings
-    from tests.conftest import lee_articles
 
     model = etjax.load_model()
     lee = lee_articles()

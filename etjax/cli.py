@@ -1,5 +1,5 @@
 """The `etjax` command line: `generate` streams a completion, `batch` runs a resumable JSONL job,
-`convert` saves a fast checkpoint."""
+`bench` runs the ablation, `convert` saves a fast checkpoint."""
 
 from __future__ import annotations
 
@@ -91,12 +91,88 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--no-progress", action="store_true")
     batch.set_defaults(run=_batch)
 
+    _add_bench(commands)
+
     conv = commands.add_parser("convert", help="convert a model to an etjax (orbax) checkpoint")
     conv.add_argument("source", help="a .gguf file, a Hugging Face directory or a model name")
     conv.add_argument("destination", type=Path, help="a new directory")
     conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     conv.set_defaults(run=_convert)
     return parser
+
+
+def _add_bench(commands) -> None:
+    from etjax.bench.ablation import BenchPlan
+
+    d = BenchPlan()
+    bench = commands.add_parser(
+        "bench", help="run named configs side by side on a workload: JSON, table and plots"
+    )
+    bench.add_argument("--workload", default=d.workload, help="mixed or online")
+    bench.add_argument(
+        "--configs", default=",".join(d.configs), help="comma-separated; the first is the baseline"
+    )
+    bench.add_argument("--requests", type=int, default=d.requests)
+    bench.add_argument("--repetitions", type=int, default=d.repetitions)
+    bench.add_argument("--seed", type=int, default=d.seed, help="of the workload")
+    bench.add_argument("--load", type=float, default=d.load, help="online: arrival rate / capacity")
+    bench.add_argument("--no-quality", action="store_true", help="skip the quality columns")
+    bench.add_argument("--ppl-docs", type=int, default=d.ppl_docs)
+    bench.add_argument("--ppl-length", type=int, default=d.ppl_length)
+    bench.add_argument(
+        "--passkey-lengths", default=",".join(map(str, d.passkey_lengths)), help="comma-separated"
+    )
+    bench.add_argument("--passkey-keys", type=int, default=d.passkey_keys)
+    bench.add_argument("--no-reference", action="store_true", help="skip transformers generate")
+    bench.add_argument("--reference-batch", type=int, default=d.reference_batch)
+    bench.add_argument("--output", type=Path, default=Path("bench_results"))
+    bench.add_argument("--perf-md", type=Path, default=None, help="also write a section here")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(run=_bench)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import shlex
+
+    from etjax.bench.ablation import BenchPlan, count_work, run_ablation
+    from etjax.bench.output import write_outputs
+    from etjax.bench.stages import StageProgress
+
+    plan = BenchPlan(
+        workload=args.workload,
+        configs=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
+        requests=args.requests,
+        repetitions=args.repetitions,
+        seed=args.seed,
+        load=args.load,
+        quality=not args.no_quality,
+        ppl_docs=args.ppl_docs,
+        ppl_length=args.ppl_length,
+        passkey_lengths=tuple(_positive_ints("--passkey-lengths", args.passkey_lengths)),
+        passkey_keys=args.passkey_keys,
+        reference=not args.no_reference,
+        reference_batch=args.reference_batch,
+    )
+    progress = StageProgress(count_work(plan), enabled=not args.no_progress)
+    raw = run_ablation(plan, on_progress=progress.stage)
+    progress.close()
+    command = "etjax " + shlex.join(sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"])
+    paths = write_outputs(raw, args.output / plan.workload, command, args.perf_md)
+    for kind, path in paths.items():
+        print(f"{kind}: {path}", file=sys.stderr)
+    return 0
+
+
+def _positive_ints(flag: str, text: str) -> list[int]:
+    from etjax.errors import ConfigError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}={text!r}: expected comma-separated integers") from None
+    if not values or min(values) <= 0:
+        raise ConfigError(f"{flag}={text!r}: expected positive integers")
+    return values
 
 
 def _generate(args: argparse.Namespace) -> int:

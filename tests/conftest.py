@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from etjax.bench.corpus import lee_articles
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-def lee_articles() -> list[str]:
-    """The 300 news articles of gensim's Lee background corpus, one per line."""
-    path = importlib.resources.files("gensim") / "test" / "test_data" / "lee_background.cor"
-    return [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="session")

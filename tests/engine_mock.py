@@ -41,6 +41,9 @@ class MockBackend:
     page_size: int
     entropy: dict[int, tuple[float, float]] = field(default_factory=dict)  # id -> (start, slope)
     eos_at: dict[int, int] = field(default_factory=dict)  # id -> step that samples EOS
+    # What a burst costs beyond its rows (burst_bytes); so large by default that splitting a
+    # batch never pays, which keeps one burst per round unless a test lowers it.
+    weight_bytes: float = 1e12
 
     def __post_init__(self) -> None:
         self.rows: dict[int, _Row] = {}
@@ -91,6 +94,13 @@ class MockBackend:
     def save(self, row: int):
         state = self.rows.pop(row)
         return {"generated": state.generated}
+
+    def row_width(self, length: int, budget: float) -> int:
+        return length
+
+    def burst_bytes(self, lengths, budgets) -> float:
+        # Hand-computable: the weights plus every row read at the longest length.
+        return self.weight_bytes + len(lengths) * max(lengths)
 
     def decode(self, rows, pages, lengths, budgets):
         k, n = self.steps_per_sync, len(rows)

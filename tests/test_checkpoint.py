@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import etjax
+from etjax.bench.corpus import lee_articles
 from etjax.cli import main
 from etjax.errors import ModelLoadError
-from tests.conftest import lee_articles
 from tests.model_runner import full_logits
 
 

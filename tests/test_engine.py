@@ -19,13 +19,13 @@ from tests.engine_mock import MockBackend, token_of
 PAGE, K = 4, 2
 
 
-def _engine(policy="fcfs", batch=2, resident=None, pages=256, rounds=4, **mock):
+def _engine(policy="fcfs", batch=2, resident=None, pages=256, rounds=4, prefill_chunk=8, **mock):
     options = RuntimeOptions(
         page_size=PAGE,
         max_batch_size=batch,
         max_resident=resident,
         steps_per_sync=K,
-        prefill_chunk=8,
+        prefill_chunk=prefill_chunk,
         max_prefill_rows=2,
         policy=policy,
         min_advance_rounds=rounds,
@@ -223,3 +223,23 @@ def test_same_workload_same_schedule():
         return backend.decode_log, [s.output.token_ids for s in engine.sequences]
 
     assert run() == run()
+
+
+def test_rows_of_very_different_widths_run_as_separate_bursts():
+    # Weights cost 100; a burst reads every row at its longest length. Three 6-token prompts
+    # and one 90-token prompt: one burst costs 100 + 4 * 90 = 460 per step, two cost
+    # (100 + 3 * 6) + (100 + 90) = 308, so the long row runs alone once it is resident.
+    engine, backend = _engine(
+        "fcfs", batch=4, resident=4, pages=256, weight_bytes=100.0, prefill_chunk=128
+    )
+    prompts = [_prompt(1, 6), _prompt(2, 6), _prompt(3, 6), _prompt(4, 90)]
+    outs = engine.generate(prompts, [RequestSettings(4)] * 4)
+    assert [1, 2, 3] in backend.decode_log and [4] in backend.decode_log
+    assert engine.decode_bursts > engine.decode_rounds
+    assert [o.token_ids for o in outs] == [[token_of(r, i) for i in range(4)] for r in (1, 2, 3, 4)]
+
+
+def test_one_group_when_splitting_does_not_pay():
+    engine, _ = _engine("fcfs", batch=4, resident=4, pages=256, weight_bytes=1000.0)
+    engine.generate([_prompt(r, 6 + r) for r in range(4)], [RequestSettings(4)] * 4)
+    assert engine.decode_bursts == engine.decode_rounds

@@ -30,3 +30,19 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
     assert sum(s.preemptions for s in engine.sequences) >= 1
     assert rotated == reference
     assert engine.pages_in_use == 0
+
+
+def test_greedy_outputs_are_the_same_when_a_long_row_runs_in_its_own_burst(smollm2, lee):
+    # A 3K-token document beside three short prompts: at float32, four rows read at its width
+    # cost more KV traffic than a second read of the weights, so the grouped engine runs it
+    # in a burst of its own (etjax/engine/grouping.py). Tokens must not change.
+    document = smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:3000]
+    prompts = [document] + [smollm2.tokenizer.encode(lee[20 + i])[:40] for i in range(3)]
+    pages = 1 + sum(pages_needed(len(p) + NEW + 8, 16) for p in prompts)
+    one, single = _run(
+        smollm2, prompts, RuntimeOptions(max_batch_size=4, max_batch_groups=1), pages
+    )
+    grouped, split = _run(smollm2, prompts, RuntimeOptions(max_batch_size=4), pages)
+    assert single.decode_bursts == single.decode_rounds
+    assert split.decode_bursts > split.decode_rounds
+    assert grouped == one

@@ -7,7 +7,6 @@ so every expensive object is a module-scoped fixture.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import pre_tokenizers
 
+from etjax.bench.corpus import lee_articles
 from etjax.errors import RequestError, TokenizerError
 from etjax.loaders.embedded import smollm2_gguf_path
 from etjax.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
@@ -81,16 +81,6 @@ count={{ ns.n }} {{ dict(a=1) | tojson }}
 {% if add_generation_prompt %}<assistant>{% endif %}{{ eos_token }}"""
 
 
-def _lee_articles() -> list[str]:
-    # Located through the import system without importing gensim (slow, pulls in scipy).
-    spec = importlib.util.find_spec("gensim")
-    assert spec is not None and spec.submodule_search_locations, "gensim is not installed"
-    root = Path(next(iter(spec.submodule_search_locations)))
-    path = root / "test" / "test_data" / "lee_background.cor"
-    lines = path.read_text(encoding="utf-8").splitlines()
-    return [line for line in lines if line.strip()]
-
-
 def _representable(tok: Tokenizer, text: str) -> bool:
     """Whether every UTF-8 byte of ``text`` has a byte token, so that it can round-trip."""
     return all(tok.token_to_id(_BYTE_TO_CHAR[b]) is not None for b in set(text.encode()))
@@ -115,7 +105,7 @@ def hf(gguf_path: Path):
 
 @pytest.fixture(scope="module")
 def articles() -> list[str]:
-    found = _lee_articles()
+    found = lee_articles()
     assert len(found) == 300
     return found
 

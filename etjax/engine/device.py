@@ -154,6 +154,31 @@ class DeviceBackend:
 
     # Decode -----------------------------------------------------------------------------
 
+    def row_width(self, length: int, budget: float) -> int:
+        """Blocks a row of `length` tokens with budget fraction `budget` needs in a burst: its
+        pages, or under pruning the blocks its budget keeps (what pads a burst's tables)."""
+        opts = self.options
+        blocks = pages_needed(length + opts.steps_per_sync, opts.page_size)
+        if not opts.pruning.enabled:
+            return blocks
+        return int(kept_block_count(np.asarray([budget]), np.asarray([blocks]), opts.pruning)[0])
+
+    def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
+        """Estimated bytes one step of a burst over these rows reads, with the shapes `decode`
+        would give it: the weights once, every padded row's KV over the padded width (or the
+        kept-block table under pruning, plus the per-page key bounds the selection scores)."""
+        opts, cfg, cost = self.options, self.cfg, self.cost
+        num = batch_bucket(len(lengths))
+        pages = [pages_needed(n + opts.steps_per_sync, opts.page_size) for n in lengths]
+        width = pages_bucket(max(pages))
+        read = width
+        scored = 0.0
+        if opts.pruning.enabled:
+            widest = max(self.row_width(n, b) for n, b in zip(lengths, budgets, strict=True))
+            read = kept_bucket(widest, width)
+            scored = num * width * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+        return cost.weight_bytes + num * read * opts.page_size * cost.kv_bytes_per_key + scored
+
     def decode(
         self, rows: list[int], pages: list[list[int]], lengths: list[int], budgets: list[float]
     ) -> tuple[StepOutputs, np.ndarray]:

@@ -12,12 +12,13 @@ A round (`step`):
      least valuable resident sequence if the pool is short (recompute: its pages are freed,
      its sampler and entropy state are kept on the host, and its prompt plus generated tokens
      are prefilled again when it is readmitted);
-  5. the device runs `steps_per_sync` decode steps on the batch in one `lax.scan`; the host
-     streams the new tokens, applies stop strings and frees finished sequences.
+  5. the device runs `steps_per_sync` decode steps on the batch in one `lax.scan` (or in a few
+     bursts of rows of similar attention width, when that reads fewer bytes: grouping.py);
+     the host streams the new tokens, applies stop strings and frees finished sequences.
 
 The host loop is plain, single-threaded Python over a small backend interface (prefill,
-insert, save, release, decode), so the same code runs on the device (`DeviceBackend`) and on
-a mock with hand-computable outputs in the tests.
+insert, save, release, decode, and row_width / burst_bytes for the grouping), so the same
+code runs on the device (`DeviceBackend`) and on a mock with hand-computable outputs in the tests.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 from etjax.cache.page_allocator import PageAllocator, pages_needed
 from etjax.engine import scheduler
 from etjax.engine.device import PrefillJob, RowInit
+from etjax.engine.grouping import split_by_width
 from etjax.engine.policies import Policy
 from etjax.engine.sequence import Sequence, Status
 from etjax.errors import RequestError
@@ -99,7 +101,8 @@ class Engine:
         self.free_rows = list(range(options.resident_rows - 1, -1, -1))
         self.sequences: list[Sequence] = []
         self.round = 0
-        self.decode_rounds = 0
+        self.decode_rounds = 0  # rounds that decoded
+        self.decode_bursts = 0  # device decode calls (a round may run several)
         self.host_seconds = 0.0  # scheduler and collection time, excluding device calls
         self.device_seconds = 0.0
 
@@ -285,6 +288,19 @@ class Engine:
             seq.row = -1
 
     def _decode(self, batch: list[Sequence]) -> float:
+        # Rows of very different attention widths run as separate bursts when that reads
+        # fewer bytes (grouping.py); every row of the batch still advances this round.
+        backend = self.backend
+        groups = split_by_width(
+            batch,
+            lambda s: backend.row_width(s.length, s.budget),
+            lambda g: backend.burst_bytes([s.length for s in g], [s.budget for s in g]),
+            self.options.max_batch_groups,
+        )
+        self.decode_rounds += 1
+        return sum(self._decode_burst(sorted(g, key=lambda s: s.row)) for g in groups)
+
+    def _decode_burst(self, batch: list[Sequence]) -> float:
         started = time.perf_counter()
         out, budgets = self.backend.decode(
             [s.row for s in batch],
@@ -294,7 +310,7 @@ class Engine:
         )
         elapsed = time.perf_counter() - started
         now = self.clock()
-        self.decode_rounds += 1
+        self.decode_bursts += 1
         for j, seq in enumerate(batch):
             seq.last_run_round = self.round
             seq.budget = float(budgets[j])

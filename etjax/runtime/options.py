@@ -33,6 +33,8 @@ class RuntimeOptions:
       Larger amortises host work; smaller streams more smoothly and reacts faster.
     policy: "fcfs", "priority" or "entropic" (etjax/engine/policies.py).
     min_advance_rounds: every resident sequence runs at least once in this many rounds.
+    max_batch_groups: a round's batch may run as up to this many bursts of rows of similar
+      attention width, when that reads fewer bytes (etjax/engine/grouping.py); 1 = one burst.
     """
 
     page_size: int = 16
@@ -45,6 +47,7 @@ class RuntimeOptions:
     pruning: PruningConfig = field(default_factory=PruningConfig)
     policy: str = "fcfs"
     min_advance_rounds: int = 4
+    max_batch_groups: int = 4
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -56,6 +59,7 @@ class RuntimeOptions:
             "max_prefill_rows",
             "steps_per_sync",
             "min_advance_rounds",
+            "max_batch_groups",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -58,6 +58,12 @@ def mixed(tokenizer, articles: list[str], n: int = 64, seed: int = 0) -> list[Wo
     return requests
 
 
+WORKLOADS = {
+    "mixed": "the mixed requests, all submitted at once",
+    "online": "the mixed requests with Poisson arrivals at a fraction of measured capacity",
+}
+
+
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> np.ndarray:
     """Arrival times [n] in seconds of a Poisson process with `rate` arrivals per second."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)

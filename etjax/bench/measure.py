@@ -1,0 +1,173 @@
+"""One configuration on one workload, timed: every request submitted at its arrival time to a
+fresh engine, the engine stepped until idle, and what each request and the run cost, recorded.
+
+Requests sample with the config's sampler and a seed per request (its index), so two configs
+with the same sampler and pruning produce the same tokens and only differ in when each request
+runs. `greedy=True` replaces the sampler by argmax decoding, for the quality comparisons.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from etjax.bench.workloads import WorkloadRequest
+from etjax.entropy.cost import CostModel
+from etjax.run_config import RunConfig
+from etjax.runtime.generate import build_engine, workload_pages
+from etjax.runtime.options import RequestSettings, SequenceOutput
+from etjax.sampling.settings import SamplerSettings
+
+# Per-token traces kept for the plots.
+TRACE_FIELDS = ("entropy", "sampled_entropy", "temperature", "tau")
+
+
+class CompileClock:
+    """Seconds XLA spent compiling since this process started (JAX's monitoring events).
+
+    A timed run that compiles measures the compiler, not the engine; `measure` records how
+    much of each run was compilation so a reader can see that the warm-up did its job.
+    """
+
+    seconds = 0.0
+    _listening = False
+
+    @classmethod
+    def start(cls) -> None:
+        if not cls._listening:
+            import jax.monitoring
+
+            jax.monitoring.register_event_duration_secs_listener(cls._on_event)
+            cls._listening = True
+
+    @classmethod
+    def _on_event(cls, event: str, duration: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            cls.seconds += duration
+
+
+def request_settings(
+    config: RunConfig, workload: Sequence[WorkloadRequest], greedy: bool = False
+) -> list[RequestSettings]:
+    """Each request's settings under `config`: its sampler, seeded by the request's index."""
+    settings = []
+    for i, request in enumerate(workload):
+        sampler = SamplerSettings(temperature=0.0) if greedy else config.sampler
+        settings.append(
+            RequestSettings(
+                request.max_new_tokens,
+                sampler=dataclasses.replace(sampler, seed=i),
+            )
+        )
+    return settings
+
+
+def measure(
+    model,
+    config: RunConfig,
+    workload: Sequence[WorkloadRequest],
+    arrivals: Sequence[float],
+    greedy: bool = False,
+) -> dict:
+    """Run `workload` under `config` with `arrivals` (seconds after start); the raw record.
+
+    Per request: latencies (end-to-end, time to first token, per token), tokens, tau, bytes,
+    the kept-block fraction and KV bytes of its decode steps, its token ids and, for the plots,
+    its per-token traces. Per run: makespan, throughput, host and device time per step.
+    """
+    prompts = [model.tokenizer.encode(r.prompt) for r in workload]
+    settings = request_settings(config, workload, greedy)
+    options = config.options
+    engine = build_engine(
+        model.weights,
+        model.config,
+        model.tokenizer,
+        options,
+        workload_pages(prompts, settings, options),
+    )
+    cost = CostModel.for_model(model.config, options.page_size)
+    CompileClock.start()
+    compiled_before = CompileClock.seconds
+    start = time.perf_counter()
+    handles = [
+        engine.submit(p, s, arrival_time=start + float(a))
+        for p, s, a in zip(prompts, settings, arrivals, strict=True)
+    ]
+    while engine.step():
+        _sleep_until_next_arrival(engine)
+    makespan = time.perf_counter() - start
+    requests = [
+        _request_record(h.result(), len(p), cost) for h, p in zip(handles, prompts, strict=True)
+    ]
+    steps = max(engine.decode_rounds * options.steps_per_sync, 1)
+    tokens = sum(r["generated_tokens"] for r in requests)
+    return {
+        "config": config.name,
+        "greedy": greedy,
+        "makespan_s": makespan,
+        "throughput_tok_s": tokens / makespan,
+        "host_ms_per_step": 1e3 * engine.host_seconds / steps,
+        "device_ms_per_step": 1e3 * engine.device_seconds / steps,
+        "compile_s": CompileClock.seconds - compiled_before,
+        "requests": requests,
+    }
+
+
+def _sleep_until_next_arrival(engine) -> None:
+    # Nothing runnable until the next request arrives: wait for it rather than spin.
+    live = [s for s in engine.sequences if not s.finished]
+    now = time.perf_counter()
+    if live and all(s.arrival_time > now for s in live):
+        time.sleep(max(min(s.arrival_time for s in live) - now, 0.0))
+
+
+def _request_record(out: SequenceOutput, prompt_tokens: int, cost: CostModel) -> dict:
+    n = len(out.token_ids)
+    # kept_blocks[i] was read by the forward pass that fed token i, over prompt + i + 1
+    # positions; the pass after the last token does not run when the request finishes.
+    blocks = [
+        -(-(prompt_tokens + i + 1) // cost.page_size) for i in range(n) if out.kept_blocks[i] > 0
+    ]
+    kept = [k for k in out.kept_blocks if k > 0]
+    kv_bytes = sum(kept) * cost.page_size * cost.kv_bytes_per_key
+    return {
+        **out.metrics,
+        "token_ids": list(out.token_ids),
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "kept_fraction": float(np.mean(np.array(kept) / np.array(blocks))) if kept else 1.0,
+        "decode_steps": len(kept),
+        "kv_bytes": float(kv_bytes),
+        "mean_logprob": float(np.mean(out.logprob)) if n else 0.0,
+        "traces": {f: [round(float(x), 4) for x in getattr(out, f)] for f in TRACE_FIELDS}
+        | {"kept_fraction": [round(k / b, 4) for k, b in zip(kept, blocks, strict=True)]},
+    }
+
+
+def summarise(run: dict) -> dict:
+    """The run-level figures of one `measure` record."""
+    reqs = run["requests"]
+    latency = np.array([r["end_to_end_latency"] for r in reqs])
+    tokens = sum(r["generated_tokens"] for r in reqs)
+    steps = sum(r["decode_steps"] for r in reqs)
+    return {
+        "throughput_tok_s": run["throughput_tok_s"],
+        "latency_mean_s": float(latency.mean()),
+        "latency_p50_s": float(np.percentile(latency, 50)),
+        "latency_p99_s": float(np.percentile(latency, 99)),
+        "ttft_mean_s": float(np.mean([r["time_to_first_token"] for r in reqs])),
+        "dtau_dc_per_gb": 1e9
+        * sum(r["tau"] for r in reqs)
+        / max(sum(r["cost_bytes"] for r in reqs), 1.0),
+        # Token-weighted: the fraction of all decode steps' blocks that were read.
+        "kept_fraction": float(
+            sum(r["kept_fraction"] * r["decode_steps"] for r in reqs) / max(steps, 1)
+        ),
+        "kv_mb_per_token": sum(r["kv_bytes"] for r in reqs) / max(tokens, 1) / 1e6,
+        "host_ms_per_step": run["host_ms_per_step"],
+        "compile_s": run.get("compile_s", 0.0),
+        "preemptions": int(sum(r["preemptions"] for r in reqs)),
+    }

@@ -1,0 +1,82 @@
+"""Where `etjax bench` writes: `DIR/WORKLOAD/results.json` (raw figures), `table.md` and the PNG
+plots, and optionally a section of a performance document (docs/PERF.md) that shows them."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+
+from etjax.bench.perf_doc import machine_line, replace_section
+from etjax.bench.plots import sample_requests, write_plots
+from etjax.bench.report import markdown
+
+# Per-request fields too bulky for results.json, except for the requests the plots show.
+_BULKY = ("token_ids", "traces")
+
+
+def write_outputs(
+    raw: dict, directory: Path, command: str, perf_md: Path | None = None
+) -> dict[str, Path]:
+    """Write the results of `run_ablation` into `directory`; the paths written by kind."""
+    workload = raw["plan"]["workload"]
+    directory.mkdir(parents=True, exist_ok=True)
+    raw = {**raw, "machine": machine_line(), "date": str(datetime.date.today()), "command": command}
+    plots = write_plots(raw, directory)
+    table = _document(raw, workload, command)
+    paths = {"json": directory / "results.json", "table": directory / "table.md"}
+    paths["json"].write_text(json.dumps(_compact(raw), indent=1) + "\n")
+    paths["table"].write_text(table + "\n")
+    if perf_md is not None:
+        links = "\n".join(f"![{p.stem}]({os.path.relpath(p, perf_md.parent)})" for p in plots)
+        replace_section(perf_md, f"ablation_{workload}", table + "\n\n" + links)
+    return paths | {p.stem: p for p in plots}
+
+
+def _document(raw: dict, workload: str, command: str) -> str:
+    plan = raw["plan"]
+    kinds: dict[str, int] = {}
+    for request in raw["workload"]:
+        kinds[request["kind"]] = kinds.get(request["kind"], 0) + 1
+    arrivals = (
+        "all submitted at once"
+        if workload == "mixed"
+        else f"Poisson arrivals at {plan['load']:.0%} of the capacity a warm baseline run "
+        f"measured ({raw['capacity_requests_per_s']:.2f} requests/s)"
+    )
+    same = ", ".join(f"{a} = {b}" for a, b in raw["same_tokens_as"].items()) or "none"
+    return "\n".join(
+        [
+            f"## Ablation on the `{workload}` workload ({raw['model']})",
+            "",
+            f"Measured {raw['date']} on {raw['machine']}. Command: `{command}`. "
+            f"{len(raw['workload'])} requests "
+            f"({', '.join(f'{v} {k}' for k, v in sorted(kinds.items()))}), {arrivals}; "
+            f"{plan['repetitions']} repetitions interleaved after a warm-up, median (min-max). "
+            "Quality: greedy outputs against the first config's greedy outputs (ROUGE-L, "
+            f"BLEU); perplexity ratio of {plan['ppl_docs']} documents of {plan['ppl_length']} "
+            f"tokens; passkey at {', '.join(map(str, plan['passkey_lengths']))} tokens. "
+            f"Configs that reproduced an earlier config's sampled tokens exactly: {same}.",
+            "",
+            markdown(raw),
+        ]
+    )
+
+
+def _compact(raw: dict) -> dict:
+    keep = set(sample_requests(raw, 3))
+    runs = {
+        name: [
+            {
+                **run,
+                "requests": [
+                    r if i in keep else {k: v for k, v in r.items() if k not in _BULKY}
+                    for i, r in enumerate(run["requests"])
+                ],
+            }
+            for run in reps
+        ]
+        for name, reps in raw["runs"].items()
+    }
+    return {**raw, "runs": runs}

@@ -1,0 +1,161 @@
+"""`etjax bench`: workloads, the figures it derives and its tables, checked against values
+computed by hand, and its command line's refusals of bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from etjax.bench.ablation import BenchPlan
+from etjax.bench.measure import _request_record, summarise
+from etjax.bench.reference import _until_stop
+from etjax.bench.report import additivity, relative_table
+from etjax.bench.text_metrics import corpus_bleu, rouge_l
+from etjax.bench.workloads import mixed, poisson_arrivals
+from etjax.cli import main
+from etjax.entropy.cost import CostModel
+from etjax.errors import ConfigError
+from etjax.runtime.options import SequenceOutput
+
+
+def test_mixed_workload_is_seeded_and_shaped_as_documented(smollm2, lee):
+    first = mixed(smollm2.tokenizer, lee, 16, seed=3)
+    assert first == mixed(smollm2.tokenizer, lee, 16, seed=3)
+    assert first != mixed(smollm2.tokenizer, lee, 16, seed=4)
+    assert [r.kind == "long" for r in first] == [i % 4 == 3 for i in range(16)]
+    for r in first:
+        assert 64 <= r.max_new_tokens <= 256
+        n = len(smollm2.tokenizer.encode(r.prompt))
+        if r.kind == "long":
+            assert 2048 - 64 <= n <= 6144 + 64
+        else:
+            assert n <= 384 + 64
+
+
+def test_poisson_arrivals_have_the_requested_rate():
+    arrivals = poisson_arrivals(20_000, rate=4.0, seed=0)
+    assert arrivals[0] == 0.0 and np.all(np.diff(arrivals) >= 0)
+    # Mean gap 1/rate; its standard error with n gaps is (1/rate)/sqrt(n) = 0.0018.
+    assert abs(np.diff(arrivals).mean() - 0.25) < 0.01
+
+
+def test_request_record_counts_kept_blocks_by_hand():
+    cost = CostModel(
+        matmul_flops_per_token=1.0,
+        attention_flops_per_key=1.0,
+        weight_bytes=1.0,
+        kv_bytes_per_key=10.0,
+        page_size=4,
+    )
+    out = SequenceOutput(token_ids=[5, 6, 7], logprob=[-1.0, -2.0, -3.0])
+    out.kept_blocks = [2, 1, 0]  # passes after tokens 0 and 1; none after the last
+    for field in ("entropy", "sampled_entropy", "temperature", "tau"):
+        setattr(out, field, [0.0, 0.0, 0.0])
+    out.metrics = {"end_to_end_latency": 1.0}
+    record = _request_record(out, prompt_tokens=6, cost=cost)
+    # After token 0: 7 positions = 2 pages, both read; after token 1: 8 positions = 2 pages, 1 read.
+    assert record["kept_fraction"] == pytest.approx((2 / 2 + 1 / 2) / 2)
+    assert record["kv_bytes"] == (2 + 1) * 4 * 10.0
+    assert record["decode_steps"] == 2
+    assert record["mean_logprob"] == pytest.approx(-2.0)
+
+
+def _request(latency, ttft, tokens, tau, cost, kept, steps, kv):
+    return {
+        "end_to_end_latency": latency,
+        "time_to_first_token": ttft,
+        "generated_tokens": tokens,
+        "tau": tau,
+        "cost_bytes": cost,
+        "kept_fraction": kept,
+        "decode_steps": steps,
+        "kv_bytes": kv,
+        "preemptions": 0.0,
+    }
+
+
+def test_summary_figures_by_hand():
+    run = {
+        "throughput_tok_s": 7.0,
+        "host_ms_per_step": 1.0,
+        "compile_s": 0.5,
+        "requests": [
+            _request(2.0, 0.5, 10, 3.0, 1e9, 1.0, 9, 4e6),
+            _request(4.0, 1.5, 30, 1.0, 3e9, 0.5, 29, 6e6),
+        ],
+    }
+    s = summarise(run)
+    assert s["latency_mean_s"] == 3.0 and s["ttft_mean_s"] == 1.0
+    assert s["latency_p50_s"] == 3.0
+    assert s["dtau_dc_per_gb"] == pytest.approx(4.0 / 4.0)
+    assert s["kept_fraction"] == pytest.approx((9 * 1.0 + 29 * 0.5) / 38)
+    assert s["kv_mb_per_token"] == pytest.approx(10e6 / 40 / 1e6)
+
+
+def _summary(latency, throughput, dtau):
+    return {
+        "latency_mean_s": latency,
+        "latency_p50_s": latency,
+        "latency_p99_s": latency,
+        "ttft_mean_s": 1.0,
+        "throughput_tok_s": throughput,
+        "dtau_dc_per_gb": dtau,
+    }
+
+
+def test_additivity_compares_the_full_gain_with_the_summed_level_gains():
+    raw = {
+        "summary": {
+            "baseline": [_summary(10.0, 100.0, 1.0)],
+            "sampling_only": [_summary(10.0, 110.0, 1.0)],  # 1.1x throughput
+            "scheduling_only": [_summary(8.0, 120.0, 1.0)],  # 1.25x latency, 1.2x throughput
+            "pruning_only": [_summary(10.0, 100.0, 1.5)],
+            "full": [_summary(5.0, 125.0, 1.2)],
+        }
+    }
+    lines = additivity(raw).splitlines()
+    # latency: gains 1, 1.25, 1 add to 1.25; full 10/5 = 2.0 -> super-additive.
+    assert "full loop 2.00x" in lines[0] and "add to 1.25x" in lines[0]
+    assert "**super-additive**" in lines[0]
+    # throughput: 1.1 + 1.2 + 1 add to 1.30; full 1.25 -> not.
+    assert "add to 1.30x" in lines[1] and "not super-additive" in lines[1]
+    # d tau / d C: 1 + 1 + 1.5 add to 1.50; full 1.2 -> not.
+    assert "add to 1.50x" in lines[2] and "not super-additive" in lines[2]
+    table = relative_table(raw)
+    assert "| full | 0.50 | 0.50 | 0.50 | 1.00 | 1.25 | 1.20 |" in table
+
+
+def test_text_metrics_on_known_pairs():
+    assert rouge_l(["the cat sat"], ["the cat sat"]) == [1.0]
+    assert rouge_l(["dog runs"], ["the cat sat"]) == [0.0]
+    # LCS "the sat" = 2 of 3 and 2 of 2 tokens: F = 2 * (2/2 * 2/3) / (2/2 + 2/3) = 0.8.
+    assert rouge_l(["the sat"], ["the cat sat"])[0] == pytest.approx(0.8)
+    assert corpus_bleu(["a b c d e"], ["a b c d e"]) == pytest.approx(100.0)
+
+
+def test_reference_outputs_stop_at_eos_and_the_request_limit():
+    assert _until_stop([1, 2, 0, 0, 0], eos=[0], limit=5) == [1, 2, 0]
+    assert _until_stop([1, 2, 3, 4], eos=[0], limit=3) == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("workload", "bursty", "allowed"),
+        ("requests", 0, "must be positive"),
+        ("load", 1.5, "(0, 1]"),
+        ("configs", (), "at least one"),
+    ],
+)
+def test_bench_plan_refuses_bad_values(field, value, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("]", r"\]")):
+        BenchPlan(**{field: value})
+
+
+def test_bench_cli_names_the_bad_flag(capsys):
+    assert main(["bench", "--workload", "bursty", "--no-progress"]) == 2
+    assert "workload 'bursty'" in capsys.readouterr().err
+    assert main(["bench", "--passkey-lengths", "1k", "--no-progress"]) == 2
+    assert "--passkey-lengths='1k'" in capsys.readouterr().err
+    assert main(["bench", "--configs", "baseline,nope", "--no-progress"]) == 2
+    assert "config 'nope' not found" in capsys.readouterr().err

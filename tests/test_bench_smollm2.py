@@ -1,0 +1,61 @@
+"""`etjax bench` end to end on SmolLM2, small: three short requests, three configs, one
+repetition, every quality column and the transformers reference.
+
+The independent truths: transformers' greedy outputs equal etjax's baseline greedy outputs
+(up to rare float near-ties), a config that differs from the baseline only in scheduling
+reproduces its sampled tokens exactly, and an unpruned config has a perplexity ratio of 1.
+"""
+
+from __future__ import annotations
+
+import json
+
+from etjax.cli import main
+
+
+def test_bench_writes_results_table_and_plots(tmp_path, capsys):
+    out, perf = tmp_path / "bench", tmp_path / "PERF.md"
+    code = main(
+        [
+            "bench",
+            "--workload",
+            "mixed",
+            "--configs",
+            "baseline,scheduling_only,full",
+            "--requests",
+            "3",  # short prompts only: the workload's long documents are every fourth
+            "--repetitions",
+            "1",
+            "--ppl-docs",
+            "1",
+            "--ppl-length",
+            "1024",
+            "--passkey-lengths",
+            "256",
+            "--reference-batch",
+            "3",
+            "--output",
+            str(out),
+            "--perf-md",
+            str(perf),
+            "--no-progress",
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    folder = out / "mixed"
+    for name in ("results.json", "table.md", "traces.png", "latency_cdf.png", "throughput.png"):
+        assert (folder / name).stat().st_size > 0, name
+    raw = json.loads((folder / "results.json").read_text())
+    assert set(raw["runs"]) == {"baseline", "scheduling_only", "full"}
+    assert raw["same_tokens_as"].get("scheduling_only") == "baseline"
+    rows = raw["quality"]["rows"]
+    assert rows["baseline"]["rouge_l"] == 1.0 and rows["baseline"]["ppl_ratio"] == 1.0
+    assert rows["scheduling_only"]["evaluated_as"] == "baseline"
+    assert rows["full"]["evaluated_as"] == "full"
+    assert 0.0 < rows["full"]["ppl_kept_fraction"] <= 1.0
+    assert raw["reference"]["rouge_l_vs_baseline"] > 0.9
+    for run in raw["runs"]["full"]:
+        assert sum(r["generated_tokens"] for r in run["requests"]) > 0
+    text = perf.read_text()
+    assert "<!-- begin ablation_mixed -->" in text and "](bench/mixed/traces.png)" in text
+    assert "| transformers generate (greedy, batch 3) |" in text
