@@ -19,6 +19,8 @@ import numpy as np
 
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
+from etjax.distributed.mesh import make_mesh
+from etjax.distributed.placement import Placement
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
 from etjax.model.config import ModelConfig
@@ -65,13 +67,24 @@ class DeviceBackend:
         options: RuntimeOptions,
         num_pages: int,
     ) -> None:
-        self.weights, self.cfg, self.options = weights, cfg, options
+        self.cfg, self.options = cfg, options
         self.cost = CostModel.for_model(cfg, options.page_size)
         self.num_pages = num_pages
         self.rows = options.resident_rows
         self.eos_ids = eos_ids or (-1,)
+        shape = options.mesh_shape
+        # One device: nothing is placed explicitly. A mesh: weights, pages and row state are
+        # sharded once here, and every program keeps those shardings (etjax/distributed).
+        self.placement = None if shape.size == 1 else Placement(make_mesh(shape))
+        self.weights = weights
         self.cache = init_kv_cache(cfg, num_pages, options.page_size)
         self.store = _empty_store(cfg, self.rows + 1, self.eos_ids)
+        if self.placement is not None:
+            self.weights = self.placement.place_weights(weights)
+            self.cache = self.placement.place_cache(self.cache)
+            self.store = jax.device_put(
+                self.store, self.placement.state(self.store, cfg.vocab_size)
+            )
         self._logits: dict[int, jax.Array] = {}  # prefill logits of rows whose context is done
 
     # Prefill ----------------------------------------------------------------------------
@@ -118,6 +131,7 @@ class DeviceBackend:
                     jnp.asarray(num_valid),
                     jnp.asarray(table),
                     cfg=self.cfg,
+                    placement=self.placement,
                 )
                 for j, job in enumerate(part):
                     self._logits[job.row] = logits[j]
@@ -199,7 +213,15 @@ class DeviceBackend:
             max_kept = kept_bucket(int(needed.max()), width)
         batch = _take_rows(self.store, jnp.asarray(index)).replace(page_table=jnp.asarray(table))
         batch, self.cache, out = decode_steps(
-            self.weights, self.cache, batch, self.cfg, self.cost, k, opts.pruning, max_kept
+            self.weights,
+            self.cache,
+            batch,
+            self.cfg,
+            self.cost,
+            k,
+            opts.pruning,
+            max_kept,
+            self.placement,
         )
         self.store = _put_rows(self.store, jnp.asarray(index), batch.replace(page_table=None))
         out, budget = jax.device_get((out, batch.entropy.budget))

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from etjax.distributed.topk import top_k
+
 _TINY = 1e-30  # keeps log() finite where a mass underflows to 0; the products vanish anyway
 
 
@@ -117,5 +119,5 @@ def tail_bounds(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 def _top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     # -> top-k logits [B, k'] float32 sorted descending (k' = min(k, V)), log-normaliser [B, 1].
     z = logits.astype(jnp.float32)
-    top, _ = jax.lax.top_k(z, min(k, z.shape[-1]))
+    top, _ = top_k(z, min(k, z.shape[-1]))  # two stages: a sharded vocabulary is not gathered
     return top, _log_normaliser(z)

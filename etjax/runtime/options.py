@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from etjax.distributed.mesh import MeshShape
 from etjax.pruning.config import PruningConfig
 from etjax.sampling.settings import SamplerSettings
 
@@ -35,6 +36,8 @@ class RuntimeOptions:
     min_advance_rounds: every resident sequence runs at least once in this many rounds.
     max_batch_groups: a round's batch may run as up to this many bursts of rows of similar
       attention width, when that reads fewer bytes (etjax/engine/grouping.py); 1 = one burst.
+    mesh: "DATAxMODEL" devices of this process to run on ("2x4": rows split two ways, weights,
+      KV heads and vocabulary four ways; etjax/distributed). "1x1" = the default device.
     """
 
     page_size: int = 16
@@ -48,6 +51,7 @@ class RuntimeOptions:
     policy: str = "fcfs"
     min_advance_rounds: int = 4
     max_batch_groups: int = 4
+    mesh: str = "1x1"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -68,11 +72,16 @@ class RuntimeOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}={value!r}; must be a positive integer or omitted")
+        MeshShape.parse(self.mesh)  # raises ConfigError naming the value
         if self.max_resident is not None and self.max_resident < self.max_batch_size:
             raise ValueError(
                 f"max_resident={self.max_resident} < max_batch_size={self.max_batch_size}; "
                 "every batch slot needs a resident sequence"
             )
+
+    @property
+    def mesh_shape(self) -> MeshShape:
+        return MeshShape.parse(self.mesh)
 
     @property
     def resident_rows(self) -> int:

@@ -6,12 +6,16 @@ Both donate the KV cache so pages are updated in place. Shapes are bucketed by t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.lax import with_sharding_constraint as constrain
 
 from etjax.cache.kv_cache import KVCache
+from etjax.distributed.mesh import DATA, MODEL
+from etjax.distributed.placement import Placement
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import advance_tau
 from etjax.model.config import ModelConfig
@@ -23,7 +27,7 @@ from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.sampling.sampler import sample_next
 
 
-@functools.partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
+@functools.partial(jax.jit, static_argnames=("cfg", "placement"), donate_argnames="cache")
 def prefill_chunk(
     weights: Weights,
     cache: KVCache,
@@ -32,22 +36,34 @@ def prefill_chunk(
     num_valid: jax.Array,
     page_table: jax.Array,
     cfg: ModelConfig,
+    placement: Placement | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Append a chunk of prompt tokens per row; return the logits after its last token.
 
     tokens: [B, S] int32 (padded); starts: [B] int32 position of tokens[:, 0]; num_valid: [B]
-    int32 real tokens in the chunk (0 for padding rows); page_table: [B, P].
+    int32 real tokens in the chunk (0 for padding rows); page_table: [B, P]. `placement`:
+    the mesh shardings the cache and logits keep (etjax/distributed), or None on one device.
     Returns float32 logits [B, V] at each row's last real position, and the updated cache.
     """
-    s = tokens.shape[1]
-    offsets = jnp.arange(s, dtype=jnp.int32)[None, :]
-    positions = starts[:, None] + offsets
-    valid = offsets < num_valid[:, None]
-    hidden, cache = forward(weights, cache, tokens, positions, valid, page_table, cfg)
-    last = jnp.clip(num_valid - 1, 0, s - 1)
-    return logits_from_hidden(
-        weights, jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0]
-    ), cache
+    with _on_mesh(placement):
+        s = tokens.shape[1]
+        offsets = jnp.arange(s, dtype=jnp.int32)[None, :]
+        positions = starts[:, None] + offsets
+        valid = offsets < num_valid[:, None]
+        hidden, cache = forward(weights, cache, tokens, positions, valid, page_table, cfg)
+        last = jnp.clip(num_valid - 1, 0, s - 1)
+        logits = logits_from_hidden(
+            weights, jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0]
+        )
+        if placement is not None:
+            logits = constrain(logits, placement.sharding(logits.shape, {0: DATA, 1: MODEL}))
+            cache = constrain(cache, placement.cache(cache))
+        return logits, cache
+
+
+def _on_mesh(placement: Placement | None):
+    # While tracing: let mesh-aware code (the sharded top-k) see the placement's mesh.
+    return contextlib.nullcontext() if placement is None else placement.tracing()
 
 
 DENSE = PruningConfig()  # pruning disabled: every block of the context is read
@@ -55,7 +71,7 @@ DENSE = PruningConfig()  # pruning disabled: every block of the context is read
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "cost", "num_steps", "pruning", "max_kept"),
+    static_argnames=("cfg", "cost", "num_steps", "pruning", "max_kept", "placement"),
     donate_argnames=("cache", "state"),
 )
 def decode_steps(
@@ -67,6 +83,7 @@ def decode_steps(
     num_steps: int,
     pruning: PruningConfig = DENSE,
     max_kept: int = 0,
+    placement: Placement | None = None,
 ) -> tuple[DecodeState, KVCache, StepOutputs]:
     """Run `num_steps` steps of: sample from each active row's logits, then run the model on it.
 
@@ -74,10 +91,24 @@ def decode_steps(
     `max_new_tokens`; a finished row is not run again. With `pruning.enabled`, the forward pass
     of a token reads at most `max_kept` blocks per layer (and KV head), and as many as the
     entropy of the distribution the token was drawn from allows (the budget of step t comes
-    from what step t - 1 computed). Returns the new state, the cache, and per-step
-    outputs [num_steps, B].
+    from what step t - 1 computed). With a `placement`, the state, cache and outputs are held
+    in its shardings on the way in and out (rows over `data`, logits over `model` too).
+    Returns the new state, the cache, and per-step outputs [num_steps, B].
     """
+    with _on_mesh(placement):
+        if placement is not None:
+            state = constrain(state, placement.state(state, cfg.vocab_size))
+        state, cache, outputs = _scan_steps(
+            weights, cache, state, cfg, cost, num_steps, pruning, max_kept
+        )
+        if placement is not None:
+            state = constrain(state, placement.state(state, cfg.vocab_size))
+            cache = constrain(cache, placement.cache(cache))
+            outputs = constrain(outputs, placement.outputs(outputs))
+        return state, cache, outputs
 
+
+def _scan_steps(weights, cache, state, cfg, cost, num_steps, pruning, max_kept):
     def step(carry: tuple[DecodeState, KVCache], _: None):
         state, cache = carry
         active = state.active

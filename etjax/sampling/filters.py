@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from etjax.distributed.topk import top_k
 from etjax.sampling.settings import MIROSTAT_V2, SamplerParams
 
 _LOG2 = 0.6931471805599453
@@ -56,7 +57,7 @@ def _prefix_filters(x: jax.Array, p: SamplerParams, mu: jax.Array, rows: jax.Arr
     b, v = x.shape
     if v <= CANDIDATES:
         return jnp.where(rows[:, None], _full_sort_filters(x, p, mu), x)
-    values, index = jax.lax.top_k(x, CANDIDATES)
+    values, index = top_k(x, CANDIDATES)
     top_k_inside = (p.top_k > 0) & (p.top_k <= CANDIDATES)
     # Normaliser of the distribution the filters see: the top-k tokens when top-k is on (they
     # are all candidates), else the whole vocabulary.

@@ -1,0 +1,58 @@
+"""Run one model on several meshes in a process with forced host devices; print JSON.
+
+JAX fixes its device count when it starts, so tests/test_distributed.py runs this file in a
+subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8:
+
+    python -m tests.mesh_worker MODEL --meshes 1x1,2x4 --new 12 [--temperature 0.8]
+
+Prints {"devices": n, "outputs": {mesh: [token ids per prompt]}} on its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--meshes", default="1x1,1x8,2x4,8x1")
+    parser.add_argument("--new", type=int, default=12)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--pruning", action="store_true")
+    args = parser.parse_args()
+
+    import etjax
+    from etjax.bench.corpus import lee_articles
+    from etjax.pruning.config import PruningConfig
+    from etjax.runtime.generate import generate_ids
+    from etjax.runtime.options import RequestSettings, RuntimeOptions
+    from etjax.sampling.settings import SamplerSettings
+
+    model = etjax.load_model(args.model)
+    articles = lee_articles()
+    prompts = [model.tokenizer.encode(articles[i])[: 24 + 40 * i] for i in range(3)]
+    settings = [
+        RequestSettings(
+            args.new,
+            ignore_eos=True,
+            sampler=SamplerSettings(temperature=args.temperature, seed=i),
+        )
+        for i in range(len(prompts))
+    ]
+    pruning = PruningConfig(enabled=True, min_fraction=0.3) if args.pruning else PruningConfig()
+    outputs = {}
+    for mesh in args.meshes.split(","):
+        options = RuntimeOptions(max_batch_size=4, mesh=mesh, pruning=pruning)
+        outs = generate_ids(
+            model.weights, model.config, model.tokenizer, prompts, settings, options
+        )
+        outputs[mesh] = [o.token_ids for o in outs]
+    print(json.dumps({"devices": jax.device_count(), "outputs": outputs}))
+
+
+if __name__ == "__main__":
+    main()
