@@ -88,6 +88,23 @@ def _parser() -> argparse.ArgumentParser:
         default=int(os.environ.get("ETJAX_PROCESS_COUNT", 1)),
         help="how many processes share the input (env ETJAX_PROCESS_COUNT)",
     )
+    batch.add_argument(
+        "--coordinator",
+        default=os.environ.get("ETJAX_COORDINATOR"),
+        help="HOST:PORT of process 0, or 'auto' on a TPU pod slice / Slurm: join one job with "
+        "jax.distributed; process 0 merges the shards (env ETJAX_COORDINATOR)",
+    )
+    batch.add_argument(
+        "--timeout",
+        type=int,
+        default=600,
+        help="seconds to wait for the other processes to join and to finish (with --coordinator)",
+    )
+    batch.add_argument(
+        "--merge",
+        action="store_true",
+        help="only merge the part files of --process-count processes into --output",
+    )
     batch.add_argument("--no-progress", action="store_true")
     batch.set_defaults(run=_batch)
 
@@ -232,22 +249,39 @@ def _generate(args: argparse.Namespace) -> int:
 def _batch(args: argparse.Namespace) -> int:
     import json
 
-    from etjax.jobs.batch import run_batch
+    from etjax.distributed import processes
+    from etjax.jobs.batch import run_batch, shard_path
     from etjax.loaders.resolve import load_model
     from etjax.run_config import load_run_config
 
-    config = load_run_config(args.config)
+    group = processes.ProcessGroup(args.process_index, args.process_count, distributed=False)
+    parts = lambda count: [shard_path(args.output, i, count) for i in range(count)]  # noqa: E731
+    if args.merge:
+        merged = processes.merge_shards(args.input, args.output, parts(group.count))
+        print(f"merged {merged} results into {args.output}", file=sys.stderr)
+        return 0
+    config = load_run_config(args.config)  # before joining: a bad config fails alone, fast
+    if args.coordinator:
+        group = processes.join(
+            args.coordinator, args.process_count, args.process_index, args.timeout
+        )
     model = load_model(args.model or config.model.name, dtype=config.model.dtype)
     summary = run_batch(
         args.input,
         args.output,
         config,
         model,
-        args.process_index,
-        args.process_count,
+        group.index,
+        group.count,
         show_progress=not args.no_progress,
     )
     print(json.dumps(summary, indent=2), file=sys.stderr)
+    if group.distributed and group.count > 1:
+        processes.barrier(group, "etjax-batch-shards-done", args.timeout)
+        if group.index == 0:
+            merged = processes.merge_shards(args.input, args.output, parts(group.count))
+            print(f"merged {merged} results into {args.output}", file=sys.stderr)
+        processes.barrier(group, "etjax-batch-merged", args.timeout)
     return 0
 
 
