@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
 from etjax.loaders.loaded_model import Model
 from etjax.model.config import Llama3RopeScaling, ModelConfig
@@ -52,8 +53,13 @@ def save_model(model: Model, destination: Path) -> None:
     (destination / _MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def restore_model(path: Path, dtype: str) -> Model:
-    """Load a checkpoint written by `save_model`, casting weights to `dtype` if it differs."""
+def restore_model(path: Path, dtype: str, placement: Placement | None = None) -> Model:
+    """Load a checkpoint written by `save_model`, casting weights to `dtype` if it differs.
+
+    With a `placement`, every weight is restored straight into its sharding on the mesh: each
+    device reads its own slice from the checkpoint, and no device ever holds a full copy of a
+    sharded weight.
+    """
     path = path.expanduser().absolute()
     manifest_path = path / _MANIFEST
     try:
@@ -69,8 +75,15 @@ def restore_model(path: Path, dtype: str) -> Model:
         saved_cfg = ModelConfig(**raw)
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{manifest_path}: malformed etjax manifest ({e})") from None
+    target = abstract_weights(saved_cfg)
+    if placement is not None:
+        target = jax.tree.map(
+            lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding),
+            target,
+            placement.weights(target),
+        )
     try:
-        weights = ocp.StandardCheckpointer().restore(path / "weights", abstract_weights(saved_cfg))
+        weights = ocp.StandardCheckpointer().restore(path / "weights", target)
     except Exception as e:  # orbax raises many types for missing or damaged files
         raise ModelLoadError(f"{path / 'weights'}: cannot restore weights ({e})") from None
     cfg = saved_cfg.with_dtype(dtype)

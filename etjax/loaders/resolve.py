@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+from etjax.distributed.mesh import MeshShape, make_mesh
+from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
 from etjax.loaders import checkpoint
 from etjax.loaders.embedded import EMBEDDED_MODEL_NAME, smollm2_gguf_path
@@ -23,13 +26,27 @@ _PICKLE_REFUSAL = (
 )
 
 
-def load_model(name_or_path: str | Path | None = None, *, dtype: str = "float32") -> Model:
+def load_model(
+    name_or_path: str | Path | None = None, *, dtype: str = "float32", mesh: str = "1x1"
+) -> Model:
     """Load a model by name or path.
 
     Accepts None or "smollm2-135m-instruct" (the embedded default), a `.gguf` file, a Hugging
     Face directory (config.json, *.safetensors, tokenizer.json) or a directory written by
-    `etjax convert`. `dtype` is "float32" or "bfloat16". Never downloads anything.
+    `etjax convert`. `dtype` is "float32" or "bfloat16". `mesh` ("DATAxMODEL") shards the
+    weights over this process's devices (etjax/distributed): a converted checkpoint is restored
+    straight into its shards; other formats are read on the host, then placed. Never downloads
+    anything.
     """
+    shape = MeshShape.parse(mesh)
+    placement = None if shape.size == 1 else Placement(make_mesh(shape))
+    model = _load(name_or_path, dtype, placement)
+    if placement is not None and not checkpoint.is_etjax_checkpoint(model.source):
+        model = dataclasses.replace(model, weights=placement.place_weights(model.weights))
+    return model
+
+
+def _load(name_or_path: str | Path | None, dtype: str, placement: Placement | None) -> Model:
     if dtype not in SUPPORTED_DTYPES:
         raise ModelLoadError(f"dtype={dtype!r} is not supported; allowed: {SUPPORTED_DTYPES}")
     if name_or_path is None or str(name_or_path).lower() in _EMBEDDED_ALIASES:
@@ -47,7 +64,7 @@ def load_model(name_or_path: str | Path | None = None, *, dtype: str = "float32"
         )
     if path.is_dir():
         if checkpoint.is_etjax_checkpoint(path):
-            return checkpoint.restore_model(path, dtype)
+            return checkpoint.restore_model(path, dtype, placement)
         if (path / "config.json").is_file():
             return _load_hf_dir(path, dtype)
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
