@@ -73,6 +73,7 @@ def decode(
     max_batch_size: int = 32,
     page_size: int = 16,
     pruning: PruningConfig | bool = False,
+    mesh: str = "1x1",
     on_text: Callable[[int, str], None] | None = None,
     **sampler_options: float,
 ) -> list[Result]:
@@ -94,6 +95,8 @@ def decode(
         `Result` with `error` set (the other prompts are generated either way otherwise).
       pruning: True (default settings) or a `PruningConfig`: entropic attention pruning — each
         decode step reads only the KV blocks its entropy budget and query keep.
+      mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
+        vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(prompt_index, text_piece)` while text is produced.
       **sampler_options: any other `etjax.sampling.SamplerSettings` field (top_k, top_p, min_p,
         typical_p, repetition_penalty, presence_penalty, frequency_penalty, target_entropy,
@@ -115,6 +118,7 @@ def decode(
         page_size=positive_int("page_size", page_size),
         max_batch_size=positive_int("max_batch_size", max_batch_size),
         pruning=pruning,
+        mesh=mesh,
     )
     model = _resolve_model(model)
     results = [Result() for _ in prompt_list]

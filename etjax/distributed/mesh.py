@@ -2,8 +2,9 @@
 heads, MLP columns and the vocabulary.
 
 A mesh shape is written `DATAxMODEL` ("2x4": two groups of four devices, each group holding
-one copy of the weights split four ways and serving its own rows). `1x1` is one device, and
-etjax then places nothing explicitly.
+one copy of the weights split four ways and serving its own rows) and takes the first
+DATA * MODEL devices of the process. `1x1` is one device, and etjax then places nothing
+explicitly.
 """
 
 from __future__ import annotations
@@ -51,11 +52,13 @@ class MeshShape:
 
 
 def make_mesh(shape: MeshShape, devices: list | None = None) -> Mesh:
-    """A (data, model) mesh over `devices` (default: this process's devices)."""
+    """A (data, model) mesh over the first `shape.size` of `devices` (default: this process's
+    devices, so a job's mesh stays on its own host)."""
     devices = list(jax.local_devices() if devices is None else devices)
-    if shape.size != len(devices):
+    if shape.size > len(devices):
         raise ConfigError(
             f"mesh {shape} needs {shape.size} devices; this process has {len(devices)} "
             f"({devices[0].platform if devices else 'none'})"
         )
-    return Mesh(np.array(devices).reshape(shape.data, shape.model), (DATA, MODEL))
+    chosen = np.array(devices[: shape.size]).reshape(shape.data, shape.model)
+    return Mesh(chosen, (DATA, MODEL))
