@@ -10,9 +10,39 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from etjax.cli import main
 
 
+def test_bench_timing_only_run_writes_its_files(tmp_path, capsys):
+    # The default suite's run: two configs, two short requests, no quality or reference.
+    out = tmp_path / "bench"
+    code = main(
+        [
+            "bench",
+            "--configs",
+            "baseline,scheduling_only",
+            "--requests",
+            "2",
+            "--repetitions",
+            "1",
+            "--no-quality",
+            "--no-reference",
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    raw = json.loads((out / "mixed" / "results.json").read_text())
+    assert raw["same_tokens_as"] == {"scheduling_only": "baseline"}
+    table = (out / "mixed" / "table.md").read_text()
+    assert "| scheduling_only |" in table and "| relative to baseline |" in table
+    assert (out / "mixed" / "latency_cdf.png").stat().st_size > 0
+
+
+@pytest.mark.slow
 def test_bench_writes_results_table_and_plots(tmp_path, capsys):
     out, perf = tmp_path / "bench", tmp_path / "PERF.md"
     code = main(
