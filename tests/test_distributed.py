@@ -85,9 +85,10 @@ def test_smollm2_greedy_outputs_equal_on_every_mesh():
 
 def test_vocabulary_sharded_entropy_is_never_gathered():
     result = _run_worker("tests.vocab_shard_worker")
-    # The exact entropy and the top-k tail bounds of [4, V] logits split 8 ways over the
-    # vocabulary: no collective moves a full vocabulary row, and the values equal the
-    # single-device ones.
+    # The exact entropy, the top-k tail bounds, top-k itself and the sampler (temperature,
+    # entropic controller, top-p / min-p) on [4, V] logits split 8 ways over the vocabulary:
+    # no collective moves a full vocabulary row, and tokens and values equal the one-device
+    # ones.
     assert result["largest_collective_elements"] < result["vocab_size"]
     assert result["max_abs_error"] < 1e-5
 

@@ -21,6 +21,8 @@ from etjax.distributed.mesh import MODEL, MeshShape, make_mesh
 from etjax.distributed.placement import Placement
 from etjax.distributed.topk import top_k
 from etjax.entropy.estimators import exact_entropy, tail_bounds
+from etjax.sampling.sampler import initial_sampler_state, sample_next
+from etjax.sampling.settings import SamplerSettings, pack_sampler_params
 
 _COLLECTIVE = re.compile(
     r"=\s*\(?([a-z0-9]+)\[([0-9,]*)\][^=]*?\b(all-gather|all-reduce|all-to-all|"
@@ -51,16 +53,52 @@ def main() -> None:
 
         return jax.jit(traced)
 
-    estimators = [exact_entropy, lambda x: tail_bounds(x, 64), lambda x: top_k(x, 64)]
+    def sampler(*settings: SamplerSettings):
+        # The sampler as the decode step runs it, for `rows` rows of these settings.
+        params = pack_sampler_params(list(settings), rows)
+        state = initial_sampler_state(params)
+        counts = jnp.zeros((rows, vocab), jnp.int32)
+        in_prompt = jnp.zeros((rows, vocab), bool)
+
+        def sample(x):
+            tokens, info, _ = sample_next(
+                x, params, state, counts, in_prompt, jnp.zeros(rows, jnp.int32)
+            )
+            return tokens, info.model_entropy, info.sampled_entropy
+
+        return sample
+
+    plain = sampler(
+        SamplerSettings(temperature=0.8, seed=1),
+        SamplerSettings(temperature=1.0, seed=2),
+        SamplerSettings(sampler="entropic", target_entropy=1.5, seed=3),
+    )
+    # Top-p falls back to sorting the whole row when the top candidates do not hold the mass:
+    # that branch gathers the row, so only its exactness is checked.
+    filtered = sampler(SamplerSettings(temperature=0.7, top_p=0.9, min_p=0.05, seed=4))
+    estimators = [
+        (exact_entropy, True),
+        (lambda x: tail_bounds(x, 64), True),
+        (lambda x: top_k(x, 64), True),
+        (plain, True),
+        (filtered, False),
+    ]
     largest, error = 0, 0.0
-    for estimator in estimators:
+    for estimator, ungathered in estimators:
         program = on_mesh(estimator)
-        hlo = program.lower(sharded).compile().as_text()
-        largest = max(largest, largest_collective(hlo))
+        if ungathered:
+            hlo = program.lower(sharded).compile().as_text()
+            largest = max(largest, largest_collective(hlo))
         got = jax.tree.leaves(program(sharded))
         want = jax.tree.leaves(jax.jit(estimator)(np.asarray(logits)))  # on one device
         assert all(g.dtype == w.dtype for g, w in zip(got, want, strict=True))
-        error = max(error, *(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True)))
+        error = max(
+            error,
+            *(
+                float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64))))
+                for g, w in zip(got, want, strict=True)
+            ),
+        )
     print(
         json.dumps(
             {"vocab_size": vocab, "largest_collective_elements": largest, "max_abs_error": error}
