@@ -8,6 +8,7 @@ inserts, smaller per-device programs), not a speed-up. Every mesh must produce t
 tokens. Writes the "sharding" section of docs/PERF.md.
 
     .venv/bin/python benchmarks/sharding.py [--meshes 1x1,1x2,1x4,1x8,2x1,4x1,8x1,2x4]
+    .venv/bin/python benchmarks/sharding.py --native --meshes 1x1,1x2,1x4,1x8   # on GPUs/TPUs
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--meshes", default="1x1,1x2,1x4,1x8,2x1,4x1,8x1,2x4")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--native", action="store_true", help="use this host's own devices (GPUs, TPUs)"
+    )
     args = parser.parse_args()
-    if FORCED not in os.environ.get("XLA_FLAGS", ""):
+    if not args.native and FORCED not in os.environ.get("XLA_FLAGS", ""):
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FORCED}".strip())
         env["JAX_PLATFORMS"] = "cpu"
         sys.exit(subprocess.call([sys.executable, *sys.argv], env=env))
