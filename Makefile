@@ -33,4 +33,4 @@ test: $(VENV)/.test-deps
 
 # The ablation of docs/PERF.md (about an hour on a 2-core CPU).
 bench: $(VENV)/.test-deps
-	$(BIN)/etjax bench --workload mixed --output docs/bench --perf-md docs/PERF.md
+	$(BIN)/etjax bench --workload mixed --requests 32 --output docs/bench --perf-md docs/PERF.md

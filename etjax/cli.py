@@ -75,7 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument(
         "--config", default="default", help="a name in configs/ or the path of a .toml file"
     )
-    batch.add_argument("--model", default=None, help="overrides the config's model")
+    batch.add_argument(
+        "--model",
+        default=None,
+        help="overrides the config's model: a preset in configs/models/ (or a preset .toml), "
+        "or a model name or path",
+    )
     batch.add_argument(
         "--process-index",
         type=int,
@@ -129,6 +134,9 @@ def _add_bench(commands) -> None:
     bench.add_argument(
         "--configs", default=",".join(d.configs), help="comma-separated; the first is the baseline"
     )
+    bench.add_argument(
+        "--model", default=None, help="a model preset in configs/models/ for every config"
+    )
     bench.add_argument("--requests", type=int, default=d.requests)
     bench.add_argument("--repetitions", type=int, default=d.repetitions)
     bench.add_argument("--seed", type=int, default=d.seed, help="of the workload")
@@ -158,6 +166,7 @@ def _bench(args: argparse.Namespace) -> int:
     plan = BenchPlan(
         workload=args.workload,
         configs=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
+        model=args.model,
         requests=args.requests,
         repetitions=args.repetitions,
         seed=args.seed,
@@ -252,7 +261,7 @@ def _batch(args: argparse.Namespace) -> int:
     from etjax.distributed import processes
     from etjax.jobs.batch import run_batch, shard_path
     from etjax.loaders.resolve import load_model
-    from etjax.run_config import load_run_config
+    from etjax.run_config import is_model_preset, load_run_config
 
     group = processes.ProcessGroup(args.process_index, args.process_count, distributed=False)
     parts = lambda count: [shard_path(args.output, i, count) for i in range(count)]  # noqa: E731
@@ -260,12 +269,15 @@ def _batch(args: argparse.Namespace) -> int:
         merged = processes.merge_shards(args.input, args.output, parts(group.count))
         print(f"merged {merged} results into {args.output}", file=sys.stderr)
         return 0
-    config = load_run_config(args.config)  # before joining: a bad config fails alone, fast
+    # Before joining: a bad config fails alone, fast.
+    preset = args.model if args.model and is_model_preset(args.model) else None
+    config = load_run_config(args.config, model=preset)
     if args.coordinator:
         group = processes.join(
             args.coordinator, args.process_count, args.process_index, args.timeout
         )
-    model = load_model(args.model or config.model.name, dtype=config.model.dtype)
+    name = config.model.name if preset or not args.model else args.model
+    model = load_model(name, dtype=config.model.dtype)
     summary = run_batch(
         args.input,
         args.output,

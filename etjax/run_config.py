@@ -9,6 +9,11 @@ A file has up to five tables, each optional:
     [sampler]  any `SamplerSettings` field: the default for requests that do not set it
     [request]  max_new_tokens, ignore_eos, chat, system_prompt, stop: request defaults
 
+A model preset (`configs/models/NAME.toml`) holds only [model] and [engine]: it says which
+weights to run and, where a model needs them, engine sizes. `load_run_config(config,
+model=preset)` puts the preset's model in place of the config's and lets its [engine] keys
+win, so one ablation config runs unchanged on any model.
+
 An unknown table or key, or a value the dataclass refuses, is a `ConfigError` naming the
 file, the table, the key and what is allowed.
 """
@@ -26,6 +31,7 @@ from etjax.runtime.options import RuntimeOptions
 from etjax.sampling.settings import SamplerSettings
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+MODEL_PRESET_DIR = CONFIG_DIR / "models"
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ _TABLES = {
     "sampler": SamplerSettings,
     "request": RequestDefaults,
 }
+_PRESET_TABLES = ("model", "engine")
 
 
 def available_configs() -> list[str]:
@@ -78,24 +85,31 @@ def available_configs() -> list[str]:
     return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
 
 
-def load_run_config(name_or_path: str | Path) -> RunConfig:
-    """Load `configs/NAME.toml`, or a TOML file by path."""
+def available_model_presets() -> list[str]:
+    """Names of the model presets shipped in `configs/models/`."""
+    return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.toml"))
+
+
+def is_model_preset(name_or_path: str | Path) -> bool:
+    """Whether `name_or_path` names a shipped model preset or is a .toml file's path."""
     path = Path(name_or_path)
-    if path.suffix != ".toml":
-        path = CONFIG_DIR / f"{name_or_path}.toml"
-    if not path.is_file():
-        raise ConfigError(
-            f"config {str(name_or_path)!r} not found ({path}); available: "
-            f"{', '.join(available_configs())}, or the path of a .toml file"
-        )
-    try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: not valid TOML: {e}") from None
-    unknown = sorted(set(data) - set(_TABLES))
-    if unknown:
-        raise ConfigError(f"{path}: unknown table [{unknown[0]}]; allowed: {sorted(_TABLES)}")
+    return path.suffix == ".toml" or (MODEL_PRESET_DIR / f"{name_or_path}.toml").is_file()
+
+
+def load_run_config(name_or_path: str | Path, model: str | Path | None = None) -> RunConfig:
+    """Load `configs/NAME.toml`, or a TOML file by path; `model` names a model preset
+    (`configs/models/NAME.toml`, or a .toml path) that replaces the config's model."""
+    path = _find(name_or_path, CONFIG_DIR, "config", available_configs())
+    data = _read(path, _TABLES)
     built = {name: _build(path, name, cls, data.get(name, {})) for name, cls in _TABLES.items()}
+    if model is not None:
+        preset_path = _find(model, MODEL_PRESET_DIR, "model preset", available_model_presets())
+        preset = _read(preset_path, _PRESET_TABLES)
+        # Each file is validated alone, so an error names the file it is in.
+        _build(preset_path, "engine", RuntimeOptions, dict(preset.get("engine", {})))
+        built["model"] = _build(preset_path, "model", ModelChoice, preset.get("model", {}))
+        engine = {**data.get("engine", {}), **preset.get("engine", {})}
+        built["engine"] = _build(preset_path, "engine", RuntimeOptions, engine)
     options = dataclasses.replace(built["engine"], pruning=built["pruning"])
     return RunConfig(
         name=path.stem,
@@ -104,6 +118,29 @@ def load_run_config(name_or_path: str | Path) -> RunConfig:
         sampler=built["sampler"],
         request=built["request"],
     )
+
+
+def _find(name_or_path: str | Path, directory: Path, kind: str, available: list[str]) -> Path:
+    path = Path(name_or_path)
+    if path.suffix != ".toml":
+        path = directory / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise ConfigError(
+            f"{kind} {str(name_or_path)!r} not found ({path}); available: "
+            f"{', '.join(available)}, or the path of a .toml file"
+        )
+    return path
+
+
+def _read(path: Path, tables) -> dict:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    unknown = sorted(set(data) - set(tables))
+    if unknown:
+        raise ConfigError(f"{path}: unknown table [{unknown[0]}]; allowed: {sorted(tables)}")
+    return data
 
 
 def _build(path: Path, table: str, cls, values: object):

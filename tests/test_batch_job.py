@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 import etjax
-from etjax.errors import ConfigError
 from etjax.jobs.batch import run_batch, shard_path
 from etjax.jobs.results_file import ResultsFile
 from etjax.run_config import load_run_config
@@ -142,29 +141,3 @@ def test_killed_job_resumes_with_nothing_lost_or_duplicated(tiny_hf_dir, tmp_pat
     assert {r["id"]: r["token_ids"] for r in resumed} == {
         r["id"]: r["token_ids"] for r in _results(clean)
     }
-
-
-def test_config_errors_name_the_file_table_and_key(tmp_path):
-    bad = tmp_path / "bad.toml"
-    bad.write_text("[pruning]\nmin_frac = 0.3\n")
-    with pytest.raises(ConfigError, match=r"bad.toml: \[pruning\] unknown key 'min_frac'"):
-        load_run_config(bad)
-    bad.write_text("[engin]\npolicy = 'fcfs'\n")
-    with pytest.raises(ConfigError, match=r"unknown table \[engin\]"):
-        load_run_config(bad)
-    bad.write_text("[engine]\npolicy = 'sjf'\n")
-    with pytest.raises(ConfigError, match=r"\[engine\] policy='sjf'; must be one of"):
-        load_run_config(bad)
-    bad.write_text("[sampler]\ntemperature = -2\n")
-    with pytest.raises(ConfigError, match=r"\[sampler\] temperature"):
-        load_run_config(bad)
-    with pytest.raises(ConfigError, match=r"not found.*available: baseline"):
-        load_run_config("no-such-config")
-
-
-def test_shipped_configs_load():
-    for name in ("default", "baseline", "sampling_only", "scheduling_only", "pruning_only", "full"):
-        config = load_run_config(name)
-        assert config.name == name
-    assert load_run_config("full").options.pruning.enabled
-    assert load_run_config("full").options.policy == "entropic"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from etjax.cli import main
 
 
@@ -32,3 +34,26 @@ def test_invalid_sampler_setting_is_a_clear_error(tiny_hf_dir, capsys):
     code = main(["generate", "x", "--model", str(tiny_hf_dir("llama")), "--top-p", "1.5"])
     assert code == 2
     assert "top_p=1.5" in capsys.readouterr().err
+
+
+def test_batch_runs_a_model_preset_as_it_runs_the_model_it_names(tiny_hf_dir, tmp_path, capsys):
+    model_dir = tiny_hf_dir("llama")
+    config = tmp_path / "small.toml"
+    config.write_text("[engine]\nmax_batch_size = 2\n[request]\nmax_new_tokens = 4\n")
+    preset = tmp_path / "tiny_preset.toml"
+    preset.write_text(f"[model]\nname = {str(model_dir)!r}\n")
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "The river"}\n{"id": "b", "prompt": "A bank"}\n')
+    outputs = {}
+    for label, model in (("preset", str(preset)), ("path", str(model_dir))):
+        out = tmp_path / f"{label}.jsonl"
+        argv = ["batch", "--input", str(src), "--output", str(out), "--config", str(config)]
+        assert main([*argv, "--model", model, "--no-progress"]) == 0
+        outputs[label] = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    assert outputs["preset"] == outputs["path"]
+    assert len(outputs["preset"]) == 2
+
+    missing = tmp_path / "missing.toml"
+    argv = ["batch", "--input", str(src), "--output", str(tmp_path / "x.jsonl")]
+    assert main([*argv, "--model", str(missing), "--no-progress"]) == 2
+    assert "model preset" in capsys.readouterr().err

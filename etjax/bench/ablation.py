@@ -48,6 +48,7 @@ class BenchPlan:
         "pruning_only",
         "full",
     )
+    model: str | None = None  # a model preset (configs/models/); None: each config's own
     requests: int = 64
     repetitions: int = 2
     seed: int = 0
@@ -80,7 +81,7 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
     """
     import etjax
 
-    configs = [load_run_config(name) for name in plan.configs]
+    configs = [load_run_config(name, model=plan.model) for name in plan.configs]
     models = {c.model for c in configs}
     if len(models) > 1:
         raise ConfigError(
@@ -136,7 +137,7 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
 
 def count_work(plan: BenchPlan) -> int:
     """How many `on_progress` calls `run_ablation(plan)` makes (an upper bound)."""
-    configs = [load_run_config(name) for name in plan.configs]
+    configs = [load_run_config(name, model=plan.model) for name in plan.configs]
     warmups = len(_distinct(configs, lambda c: c.options))
     prunings = len(_distinct(configs, lambda c: c.options.pruning))
     quality = 3 * prunings if plan.quality else 0

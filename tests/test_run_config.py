@@ -1,0 +1,99 @@
+"""Named run configs and model presets: every shipped file loads, and a bad file, table, key
+or value is an error that names it."""
+
+from __future__ import annotations
+
+import pytest
+
+from etjax.errors import ConfigError
+from etjax.run_config import (
+    available_configs,
+    available_model_presets,
+    is_model_preset,
+    load_run_config,
+)
+
+ABLATION = ("baseline", "sampling_only", "scheduling_only", "pruning_only", "full")
+
+
+def test_config_errors_name_the_file_table_and_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pruning]\nmin_frac = 0.3\n")
+    with pytest.raises(ConfigError, match=r"bad.toml: \[pruning\] unknown key 'min_frac'"):
+        load_run_config(bad)
+    bad.write_text("[engin]\npolicy = 'fcfs'\n")
+    with pytest.raises(ConfigError, match=r"unknown table \[engin\]"):
+        load_run_config(bad)
+    bad.write_text("[engine]\npolicy = 'sjf'\n")
+    with pytest.raises(ConfigError, match=r"\[engine\] policy='sjf'; must be one of"):
+        load_run_config(bad)
+    bad.write_text("[sampler]\ntemperature = -2\n")
+    with pytest.raises(ConfigError, match=r"\[sampler\] temperature"):
+        load_run_config(bad)
+    with pytest.raises(ConfigError, match=r"not found.*available: baseline"):
+        load_run_config("no-such-config")
+
+
+def test_shipped_configs_load_and_differ_in_one_level_each():
+    assert set(ABLATION) | {"default"} <= set(available_configs())
+    configs = {name: load_run_config(name) for name in ("default", *ABLATION)}
+    assert all(config.name == name for name, config in configs.items())
+    levels = {
+        name: (
+            c.options.policy == "entropic",
+            c.options.pruning.enabled,
+            c.sampler.sampler == "entropic",
+        )
+        for name, c in configs.items()
+    }
+    assert levels["baseline"] == (False, False, False)
+    assert levels["scheduling_only"] == (True, False, False)
+    assert levels["pruning_only"] == (False, True, False)
+    assert levels["sampling_only"] == (False, False, True)
+    assert levels["full"] == (True, True, True)
+    # Everything but the level under test is the baseline's.
+    base = configs["baseline"]
+    for name in ABLATION:
+        c = configs[name]
+        assert c.options.max_batch_size == base.options.max_batch_size
+        assert c.options.steps_per_sync == base.options.steps_per_sync
+        assert c.sampler.temperature == base.sampler.temperature
+
+
+def test_shipped_model_presets_load_with_every_ablation_config():
+    assert {"smollm2-135m", "smollm2-135m-bf16"} <= set(available_model_presets())
+    for preset, dtype in (("smollm2-135m", "float32"), ("smollm2-135m-bf16", "bfloat16")):
+        assert is_model_preset(preset)
+        for name in ABLATION:
+            config = load_run_config(name, model=preset)
+            assert config.model.name == "smollm2-135m-instruct"
+            assert config.model.dtype == dtype
+            assert config.options == load_run_config(name).options
+    assert not is_model_preset("smollm2-135m-instruct")  # a model name, not a preset
+
+
+def test_a_preset_replaces_the_model_and_its_engine_keys_win(tmp_path):
+    preset = tmp_path / "big.toml"
+    preset.write_text(
+        "[model]\nname = '/models/big'\ndtype = 'bfloat16'\n[engine]\npage_size = 32\n"
+    )
+    config = load_run_config("full", model=preset)
+    assert (config.model.name, config.model.dtype) == ("/models/big", "bfloat16")
+    assert config.options.page_size == 32
+    assert config.options.policy == "entropic"  # the config's own keys stay
+    assert config.options.pruning.enabled
+
+
+def test_preset_errors_name_the_preset_file(tmp_path):
+    preset = tmp_path / "bad_preset.toml"
+    preset.write_text("[sampler]\ntemperature = 1.0\n")
+    with pytest.raises(ConfigError, match=r"bad_preset.toml: unknown table \[sampler\]"):
+        load_run_config("full", model=preset)
+    preset.write_text("[model]\ndtype = 'float16'\n")
+    with pytest.raises(ConfigError, match=r"bad_preset.toml: \[model\] dtype='float16'"):
+        load_run_config("full", model=preset)
+    preset.write_text("[engine]\npage_sise = 32\n")
+    with pytest.raises(ConfigError, match=r"bad_preset.toml: \[engine\] unknown key 'page_sise'"):
+        load_run_config("full", model=preset)
+    with pytest.raises(ConfigError, match=r"model preset 'nope' not found.*smollm2-135m"):
+        load_run_config("full", model="nope")
