@@ -31,6 +31,6 @@ test: $(VENV)/.test-deps
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
-# The ablation of docs/PERF.md (about an hour on a 2-core CPU).
+# The ablation of docs/PERF.md (about two hours on a 2-core CPU).
 bench: $(VENV)/.test-deps
 	$(BIN)/etjax bench --workload mixed --requests 32 --output docs/bench --perf-md docs/PERF.md
