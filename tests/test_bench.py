@@ -159,3 +159,46 @@ def test_bench_cli_names_the_bad_flag(capsys):
     assert "--passkey-lengths='1k'" in capsys.readouterr().err
     assert main(["bench", "--configs", "baseline,nope", "--no-progress"]) == 2
     assert "config 'nope' not found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workload", ["mixed", "online"])
+def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
+    monkeypatch, smollm2, workload
+):
+    # `measure` is replaced by a recorder: this checks the order of the work around it (the real
+    # runs are in test_bench_smollm2.py).
+    from etjax.bench import ablation
+
+    monkeypatch.setattr("etjax.load_model", lambda *a, **k: smollm2)
+    monkeypatch.setattr(ablation, "summarise", lambda run: {})
+    calls = []
+
+    def record(model, config, requests, arrivals, greedy=False):
+        calls.append((config.name, float(np.max(arrivals))))
+        return {"makespan_s": 8.0, "requests": [{"token_ids": [1]}] * len(requests)}
+
+    monkeypatch.setattr(ablation, "measure", record)
+    plan = BenchPlan(
+        workload=workload,
+        configs=("baseline", "scheduling_only", "full"),
+        requests=8,
+        quality=False,
+        reference=False,
+    )
+    progress = []
+    raw = ablation.run_ablation(plan, on_progress=progress.append)
+    assert len(progress) == len(calls) == ablation.count_work(plan)
+    timed = calls[-6:]
+    assert [name for name, _ in timed] == ["baseline", "scheduling_only", "full"] * 2
+    if workload == "mixed":
+        assert calls[:3] == [(n, 0.0) for n in ("baseline", "scheduling_only", "full")]
+        assert all(last == 0.0 for _, last in timed)
+    else:
+        # At once: the first config warms and measures capacity (8 requests / 8 s); then
+        # every setting warms with the very arrivals the timed runs get.
+        assert calls[:2] == [("baseline", 0.0), ("baseline", 0.0)]
+        assert raw["capacity_requests_per_s"] == pytest.approx(1.0)
+        last_arrival = max(raw["arrivals"])
+        assert last_arrival > 0
+        assert calls[2:5] == [(n, last_arrival) for n in ("baseline", "scheduling_only", "full")]
+        assert all(last == last_arrival for _, last in timed)

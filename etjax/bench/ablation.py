@@ -6,7 +6,10 @@ The order of work, and why:
    setting (policy, sizes, pruning), so the programs its shapes need are compiled before any
    config is timed. Each timed run still records the seconds it spent compiling.
 2. **Arrivals.** `mixed` submits everything at time 0. `online` draws Poisson arrivals at
-   `load` (80%) of the capacity a warm at-once baseline run measured in this process.
+   `load` (80%) of the capacity a warm at-once baseline run measured in this process, then
+   warms every distinct setting again with those arrivals: requests arriving one by one make
+   batches of sizes that an at-once run never forms. (The at-once warm-up is then needed for
+   the first config only, to measure its capacity warm.)
 3. **Timed runs, repetitions interleaved** (config A, B, ..., then A, B, ... again), so drift
    of a shared machine spreads over every config instead of biasing one.
 4. **Quality.** Greedy outputs under each config's scheduling and pruning, against the
@@ -97,16 +100,22 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
         "workload": [dataclasses.asdict(r) for r in workload],
     }
 
-    for config in _distinct(configs, lambda c: c.options):
+    distinct = _distinct(configs, lambda c: c.options)
+    online = plan.workload == "online"
+    for config in distinct[:1] if online else distinct:
         on_progress(f"warm-up ({config.name})")
         measure(model, config, workload, at_once)
     arrivals = at_once
-    if plan.workload == "online":
+    if online:
         on_progress("capacity")
         probe = measure(model, configs[0], workload, at_once)
         capacity = len(workload) / probe["makespan_s"]
         arrivals = poisson_arrivals(len(workload), plan.load * capacity, seed=plan.seed + 1)
         raw["capacity_requests_per_s"] = capacity
+        # Arrivals make batches of other sizes than everything at once: warm those too.
+        for config in distinct:
+            on_progress(f"warm-up with arrivals ({config.name})")
+            measure(model, config, workload, arrivals)
     raw["arrivals"] = list(map(float, arrivals))
 
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
@@ -141,9 +150,9 @@ def count_work(plan: BenchPlan) -> int:
     warmups = len(_distinct(configs, lambda c: c.options))
     prunings = len(_distinct(configs, lambda c: c.options.pruning))
     quality = 3 * prunings if plan.quality else 0
+    online = plan.workload == "online"
     return (
-        warmups
-        + (plan.workload == "online")
+        (1 + 1 + warmups if online else warmups)  # online: warm-up, capacity, arrival warm-ups
         + plan.repetitions * len(configs)
         + quality
         + plan.reference
