@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= Explain in two sentences why the sky is blue.
 
-.PHONY: run test bench
+.PHONY: run test bench bench-online
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,3 +34,7 @@ test: $(VENV)/.test-deps
 # The ablation of docs/PERF.md (about two hours on a 2-core CPU).
 bench: $(VENV)/.test-deps
 	$(BIN)/etjax bench --workload mixed --requests 32 --output docs/bench --perf-md docs/PERF.md
+
+# The same configs with Poisson arrivals at 80% of the measured capacity.
+bench-online: $(VENV)/.test-deps
+	$(BIN)/etjax bench --workload online --requests 32 --output docs/bench --perf-md docs/PERF.md
