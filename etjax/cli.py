@@ -162,6 +162,7 @@ def _bench(args: argparse.Namespace) -> int:
     from etjax.bench.ablation import BenchPlan, count_work, run_ablation
     from etjax.bench.output import write_outputs
     from etjax.bench.stages import StageProgress
+    from etjax.host_limits import warn_if_map_count_low
 
     plan = BenchPlan(
         workload=args.workload,
@@ -179,6 +180,7 @@ def _bench(args: argparse.Namespace) -> int:
         reference=not args.no_reference,
         reference_batch=args.reference_batch,
     )
+    warn_if_map_count_low()  # before an hour of work, not after
     progress = StageProgress(count_work(plan), enabled=not args.no_progress)
     raw = run_ablation(plan, on_progress=progress.stage)
     progress.close()
