@@ -29,6 +29,15 @@ def map_count_limit(path: Path = _MAP_COUNT_FILE) -> int | None:
         return None
 
 
+def current_map_count(path: Path = Path("/proc/self/maps")) -> int:
+    """How many memory mappings this process holds now; 0 where that cannot be read."""
+    try:
+        with path.open() as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
 def map_count_warning(platform: str, limit: int | None, needed: int) -> str | None:
     """The warning for a run on `platform` that may need `needed` mappings, or None."""
     if platform != "cpu" or limit is None or limit >= needed:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from etjax.bench.corpus import lee_articles
+from etjax.host_limits import current_map_count
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -125,3 +126,16 @@ def _no_persistent_compilation_cache(monkeypatch):
     import etjax.cli
 
     monkeypatch.setattr(etjax.cli, "_enable_compilation_cache", lambda: None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    # One pytest process compiles every test module's programs, and on CPU each keeps memory
+    # mappings until released (etjax/host_limits.py): past Linux's default cap of 65530 the
+    # next compilation crashes the whole run. Dropping the caches when a module leaves many
+    # behind keeps the suite under the cap at the cost of recompiling shared shapes.
+    yield
+    if current_map_count() > 30_000:
+        import jax
+
+        jax.clear_caches()
