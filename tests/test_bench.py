@@ -130,6 +130,8 @@ def test_text_metrics_on_known_pairs():
     assert rouge_l(["dog runs"], ["the cat sat"]) == [0.0]
     # LCS "the sat" = 2 of 3 and 2 of 2 tokens: F = 2 * (2/2 * 2/3) / (2/2 + 2/3) = 0.8.
     assert rouge_l(["the sat"], ["the cat sat"])[0] == pytest.approx(0.8)
+    # No Latin tokens at all: identical outputs still match, different ones cannot be scored.
+    assert rouge_l(["好的。", "！"], ["好的。", "？"]) == [1.0, 0.0]
     assert corpus_bleu(["a b c d e"], ["a b c d e"]) == pytest.approx(100.0)
 
 

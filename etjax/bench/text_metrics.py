@@ -17,8 +17,10 @@ def rouge_l(candidates: Sequence[str], references: Sequence[str]) -> list[float]
     except ImportError:
         raise EtjaxError("ROUGE needs rouge-score: pip install 'etjax[bench]'") from None
     scorer = rouge_scorer.RougeScorer(["rougeL"])
+    # rouge-score keeps only Latin letters and digits: an output of other characters has no
+    # tokens and would score 0 even against itself. An identical pair is a perfect match.
     return [
-        scorer.score(ref, cand)["rougeL"].fmeasure
+        1.0 if cand == ref else scorer.score(ref, cand)["rougeL"].fmeasure
         for cand, ref in zip(candidates, references, strict=True)
     ]
 
