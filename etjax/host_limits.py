@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-# Measured: `etjax bench --requests 32` with the five ablation configs peaked at about 120K
+# Measured: `etjax bench --requests 32` with the five ablation configs peaked at about 74K
 # mappings (docs/PERF.md, ablation). Four times the default leaves room for longer runs.
 RECOMMENDED_MAP_COUNT = 262144
 _MAP_COUNT_FILE = Path("/proc/sys/vm/max_map_count")
