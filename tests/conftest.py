@@ -10,6 +10,7 @@ import pytest
 
 from etjax.bench.corpus import lee_articles
 from etjax.host_limits import current_map_count
+from tests import hypothesis_profiles  # noqa: F401  (loads the profile before any test)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

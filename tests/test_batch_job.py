@@ -4,7 +4,6 @@ with nothing lost or duplicated, sharding by process index, and config validatio
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import etjax
 from etjax.jobs.batch import run_batch, shard_path
 from etjax.jobs.results_file import ResultsFile
 from etjax.run_config import load_run_config
+from tests.subprocess_env import subprocess_env
 
 CONFIG = """
 [engine]
@@ -120,7 +120,7 @@ def test_killed_job_resumes_with_nothing_lost_or_duplicated(tiny_hf_dir, tmp_pat
     out = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "etjax.cli", "batch", "--input", str(src), "--output"]
     common = ["--config", str(config), "--model", str(tiny_hf_dir("llama")), "--no-progress"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env = subprocess_env(tmp_path)
     job = subprocess.Popen([*command, str(out), *common], env=env, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and job.poll() is None:

@@ -26,6 +26,7 @@ from pallas_kernels.block_sparse import (
 from pallas_kernels.block_sparse.pallas_gpu import block_sparse_attention_gpu
 from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
 from pallas_kernels.paged_attention import paged_attention_xla
+from tests.hypothesis_profiles import examples
 
 TOLERANCE = {"float32": dict(out=2e-5, mass=1e-5), "bfloat16": dict(out=2e-2, mass=1e-5)}
 _PLATFORM = jax.default_backend()
@@ -76,7 +77,7 @@ def problems(draw):
 
 
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(case=problems())
 def test_backend_matches_reference(backend, case):
     args, dtype = case

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from etjax.entropy.controller import ControllerParams, controller_step
 from etjax.entropy.estimators import exact_entropy
 from tests.controller_theory import entropy_and_slope, slope_range, steps_to_converge
+from tests.hypothesis_profiles import examples
 
 _step = jax.jit(controller_step)
 _entropy = jax.jit(exact_entropy)
@@ -86,7 +87,7 @@ def adversarial(draw):
     return seq, params, t_min, t_max
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(adversarial())
 def test_temperature_and_entropy_stay_bounded_for_any_input(case):
     seq, params, t_min, t_max = case

@@ -4,7 +4,6 @@ decoding; vocabulary-sharded logits reach the entropy estimators without being g
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,25 +12,14 @@ import pytest
 
 from etjax.distributed.mesh import MeshShape
 from etjax.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def forced_devices_env(count: int = 8) -> dict[str, str]:
-    """The environment of a subprocess whose JAX sees `count` CPU devices."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
+from tests.subprocess_env import ROOT, subprocess_env
 
 
-def _run_worker(module: str, *args: str, timeout: int = 900) -> dict:
+def _run_worker(module: str, *args: str, tmp_path: Path, timeout: int = 900) -> dict:
+    # A worker process whose JAX sees 8 CPU devices.
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
-        env=forced_devices_env(),
+        env=subprocess_env(tmp_path, forced_devices=8),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -50,7 +38,7 @@ def test_mesh_shape_parsing_and_errors():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_tiny_model_outputs_equal_on_every_mesh(tiny_hf_dir, temperature):
+def test_tiny_model_outputs_equal_on_every_mesh(tiny_hf_dir, temperature, tmp_path):
     # Greedy and seeded sampling: the sampler draws with the same key per row and token
     # whatever the sharding (threefry is partitionable), so tokens must match exactly.
     result = _run_worker(
@@ -60,6 +48,7 @@ def test_tiny_model_outputs_equal_on_every_mesh(tiny_hf_dir, temperature):
         "1x1,1x8,2x4,8x1",
         "--temperature",
         str(temperature),
+        tmp_path=tmp_path,
     )
     assert result["devices"] == 8
     outputs = result["outputs"]
@@ -67,24 +56,35 @@ def test_tiny_model_outputs_equal_on_every_mesh(tiny_hf_dir, temperature):
         assert outputs[mesh] == outputs["1x1"], mesh
 
 
-def test_tiny_model_pruned_outputs_equal_on_every_mesh(tiny_hf_dir):
+def test_tiny_model_pruned_outputs_equal_on_every_mesh(tiny_hf_dir, tmp_path):
     outputs = _run_worker(
-        "tests.mesh_worker", str(tiny_hf_dir("llama")), "--meshes", "1x1,2x4", "--pruning"
+        "tests.mesh_worker",
+        str(tiny_hf_dir("llama")),
+        "--meshes",
+        "1x1,2x4",
+        "--pruning",
+        tmp_path=tmp_path,
     )["outputs"]
     assert outputs["2x4"] == outputs["1x1"]
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_outputs_equal_on_every_mesh():
+def test_smollm2_greedy_outputs_equal_on_every_mesh(tmp_path):
     outputs = _run_worker(
-        "tests.mesh_worker", "smollm2", "--meshes", "1x1,1x8,2x4,8x1", "--new", "8"
+        "tests.mesh_worker",
+        "smollm2",
+        "--meshes",
+        "1x1,1x8,2x4,8x1",
+        "--new",
+        "8",
+        tmp_path=tmp_path,
     )["outputs"]
     for mesh in ("1x8", "2x4", "8x1"):
         assert outputs[mesh] == outputs["1x1"], mesh
 
 
-def test_vocabulary_sharded_entropy_is_never_gathered():
-    result = _run_worker("tests.vocab_shard_worker")
+def test_vocabulary_sharded_entropy_is_never_gathered(tmp_path):
+    result = _run_worker("tests.vocab_shard_worker", tmp_path=tmp_path)
     # The exact entropy, the top-k tail bounds, top-k itself and the sampler (temperature,
     # entropic controller, top-p / min-p) on [4, V] logits split 8 ways over the vocabulary:
     # no collective moves a full vocabulary row, and tokens and values equal the one-device
@@ -98,7 +98,7 @@ def test_checkpoint_restores_straight_into_the_sharded_layout(tiny_hf_dir, tmp_p
 
     checkpoint = tmp_path / "ckpt"
     assert main(["convert", str(tiny_hf_dir("llama")), str(checkpoint)]) == 0
-    weights = _run_worker("tests.restore_worker", str(checkpoint))["weights"]
+    weights = _run_worker("tests.restore_worker", str(checkpoint), tmp_path=tmp_path)["weights"]
     # Tiny llama: vocab 49152, hidden 64, q|k|v 128 columns, MLP 128; model axis of 4.
     assert weights["embed"]["shards"] == [[49152 // 4, 64]]
     assert weights["wqkv"]["shards"] == [[64, 128 // 4]]

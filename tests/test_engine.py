@@ -15,6 +15,7 @@ from etjax.engine.policies import make_policy
 from etjax.errors import RequestError
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 from tests.engine_mock import MockBackend, token_of
+from tests.hypothesis_profiles import examples
 
 PAGE, K = 4, 2
 
@@ -168,7 +169,7 @@ workloads = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     workload=workloads,
     policy=st.sampled_from(["fcfs", "priority", "entropic"]),

@@ -15,6 +15,7 @@ from etjax.entropy.estimators import (
     tail_bounds,
     topk_entropy,
 )
+from tests.hypothesis_profiles import examples
 
 # Float32 sums over V terms carry ~V * 6e-8 relative rounding; bounds are checked up to that.
 SLACK = 2e-5
@@ -60,7 +61,7 @@ def logit_batches(draw):
     return z, k
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(logit_batches())
 def test_bounds_bracket_exact_entropy(batch):
     z, k = batch

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etjax.engine.grouping import split_by_width
+from tests.hypothesis_profiles import examples
 
 
 def _cost(weight):
@@ -29,7 +30,7 @@ def _brute_force(widths, weight, max_groups):
     return best
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     st.lists(st.integers(1, 500), min_size=1, max_size=9),
     st.sampled_from([0.0, 10.0, 300.0, 1e6]),

@@ -5,7 +5,6 @@ forever."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -13,8 +12,7 @@ import time
 from pathlib import Path
 
 from etjax.cli import main
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.subprocess_env import ROOT, subprocess_env
 
 
 def _free_port() -> int:
@@ -23,18 +21,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
 def _batch_process(model: Path, input_path: Path, output: Path, *flags: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "etjax.cli", "batch", "--input", str(input_path)]
     command += ["--output", str(output), "--model", str(model), "--no-progress", *flags]
     return subprocess.Popen(
-        command, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        command,
+        env=subprocess_env(output.parent),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -113,7 +109,7 @@ def test_a_process_that_dies_is_reported_within_the_timeout(tiny_hf_dir, tmp_pat
             f"jax.distributed.initialize('localhost:{port}', 2, 1, heartbeat_timeout_seconds=40); "
             "os._exit(1)",
         ],
-        env=_env(),
+        env=subprocess_env(tmp_path),
         capture_output=True,
         timeout=120,
     )

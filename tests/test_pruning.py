@@ -19,11 +19,12 @@ from etjax.pruning.block_scores import (
 from etjax.pruning.budget import kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
 from etjax.pruning.selection import select_blocks
+from tests.hypothesis_profiles import examples
 
 CFG = PruningConfig(enabled=True, min_fraction=0.25, entropy_low=1.0, entropy_high=3.0)
 
 
-@settings(deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.floats(0, 20), st.floats(0, 20))
 def test_kept_fraction_is_monotone_and_bounded(h1, h2):
     lo, hi = sorted((h1, h2))
@@ -54,7 +55,7 @@ def test_bad_config_is_named():
         PruningConfig(mass_threshold=1.5)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.integers(0, 2**31 - 1), st.sampled_from([1, 2, 3]), st.sampled_from([1, 3]))
 def test_block_bound_is_an_upper_bound_of_every_logit(seed, kvh, group):
     rng = np.random.default_rng(seed)

@@ -20,6 +20,7 @@ from etjax.errors import RequestError, TokenizerError
 from etjax.loaders.embedded import smollm2_gguf_path
 from etjax.tokenizer import ChatTemplate, IncrementalDetokenizer, Tokenizer
 from etjax.tokenizer.tokenizer import _BYTE_TO_CHAR
+from tests.hypothesis_profiles import examples
 
 transformers = pytest.importorskip("transformers")
 
@@ -146,7 +147,7 @@ def test_special_token_text_is_one_id(tok: Tokenizer) -> None:
     assert tok.encode("<|im_end|>") == [2]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=st.text(max_size=200))
 def test_random_text_ids_match_transformers_and_round_trip(tok: Tokenizer, hf, text: str) -> None:
     ids = tok.encode(text)
@@ -319,7 +320,7 @@ def test_incremental_invalid_bytes_stay_bounded(tok: Tokenizer) -> None:
     assert detok.pending == 0
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=st.text(max_size=120))
 def test_incremental_random_text(tok: Tokenizer, text: str) -> None:
     ids = tok.encode(text)

@@ -2,12 +2,23 @@
 without a device.
 
 Guarantees, whatever the policy:
-- Minimum advancement: a resident sequence that has not run for `min_advance_rounds` rounds
-  is put in the next batch before any other (oldest first). With at most
-  `min_advance_rounds * batch_size` resident sequences, each runs at least once every
-  `min_advance_rounds` rounds (`check_starvation_bound`). Each run produces up to
-  `steps_per_sync` tokens, so a sequence that stays resident finishes within
-  min_advance_rounds * ceil(max_new_tokens / steps_per_sync) rounds of becoming resident.
+- Minimum advancement: with R = `min_advance_rounds`, B = `max_batch_size` and at most R * B
+  resident sequences (`check_starvation_bound`), a resident sequence runs at least once in
+  every R rounds: if it last ran (or became resident) in round r, it runs again by round r + R.
+  A round counts once however many bursts it is split into (every batch member runs in it).
+  Each run produces up to `steps_per_sync` tokens, so a sequence that stays resident finishes
+  within R * ceil(max_new_tokens / steps_per_sync) rounds of becoming resident.
+
+  Why it holds (`forced_count`): give each resident sequence the deadline D = r + R. Running
+  "overdue sequences first" is not enough: several sequences that became resident in the same
+  round reach their deadline together, and a batch of B cannot serve more than B of them.
+  Instead each round forces the m earliest deadlines into the batch, with m the largest
+  excess of demand over supply in any window, m = max_d (#{D <= now + d} - B * d), d < R.
+  Induction shows #{D <= now + d} <= B * (d + 1) for every window, every round: the forced
+  picks cover each window's excess; a sequence that runs moves to now + R, outside every
+  window of the next round; a new resident (D = now + R) only enters the widest window, whose
+  count is all resident sequences, at most R * B. With d = 0 this says every deadline is met.
+  The policy fills the rest of the batch as it likes.
 - Admission is strictly in the policy's order (aging lives in the admission keys): when the
   first waiting request does not fit, none behind it is admitted, so a stream of short
   prompts cannot starve a long one.
@@ -36,13 +47,32 @@ def admission_order(waiting: Iterable[Sequence], policy: Policy, round_: int) ->
     return sorted(waiting, key=lambda s: policy.admission_key(s, round_))
 
 
+def forced_count(
+    last_runs: list[int], round_: int, batch_size: int, min_advance_rounds: int
+) -> int:
+    """How many of the earliest deadlines must run this round so that no resident sequence
+    ever waits more than `min_advance_rounds` rounds (the module docstring's argument).
+
+    last_runs: the round each resident sequence last ran or became resident."""
+    deadlines = sorted(r + min_advance_rounds for r in last_runs)
+    forced, due = 0, 0
+    for d in range(min_advance_rounds):
+        while due < len(deadlines) and deadlines[due] <= round_ + d:
+            due += 1
+        forced = max(forced, due - batch_size * d)
+    return min(forced, batch_size)
+
+
 def pick_batch(
     running: list[Sequence], policy: Policy, round_: int, batch_size: int, min_advance_rounds: int
 ) -> list[Sequence]:
-    """The resident sequences that decode this round: overdue ones first, then by priority."""
-    overdue = [s for s in running if round_ - s.last_run_round >= min_advance_rounds]
-    overdue.sort(key=lambda s: (s.last_run_round, s.order))
-    chosen = overdue[:batch_size]
+    """The resident sequences that decode this round: the earliest deadlines the guarantee
+    needs now (`forced_count`), then the policy's choice by priority."""
+    by_deadline = sorted(running, key=lambda s: (s.last_run_round, s.order))
+    forced = forced_count(
+        [s.last_run_round for s in running], round_, batch_size, min_advance_rounds
+    )
+    chosen = by_deadline[:forced]
     taken = {id(s) for s in chosen}
     rest = [s for s in running if id(s) not in taken]
     rest.sort(key=lambda s: (-policy.run_priority(s, round_), s.order))
