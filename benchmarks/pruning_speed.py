@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
 from benchmarks.pruning_settings import SETTINGS
+from etjax.attention import PlanSizes, padded_batch_plan, plan_segments
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
@@ -38,6 +39,7 @@ from etjax.runtime.state import DecodeState
 from etjax.runtime.steps import decode_steps, prefill_chunk
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import SamplerSettings, pack_sampler_params
+from pallas_kernels.ragged_attention import Segment
 
 BATCH, PAGE, CHUNK, STEPS, ROUNDS = 8, 16, 512, 8, 5
 COMPILES = [0]
@@ -82,13 +84,19 @@ def main() -> None:
             for start in range(0, BATCH, 4):
                 rows_ = list(range(start, start + 4))
                 tokens = np.array([prompts[b][r : r + CHUNK] for b in rows_], np.int32)
+                n = tokens.shape[1]
+                starts = np.full(4, r, np.int32)
+                plan, write_pages = padded_batch_plan(
+                    table[rows_], starts, np.full(4, n, np.int32), n, PAGE
+                )
                 out, cache = prefill_chunk(
                     model.weights,
                     cache,
-                    jnp.asarray(tokens),
-                    jnp.full((4,), r, jnp.int32),
-                    jnp.full((4,), tokens.shape[1], jnp.int32),
-                    jnp.asarray(table[rows_, : -(-(r + CHUNK) // PAGE)]),
+                    tokens.reshape(-1),
+                    (starts[:, None] + np.arange(n)).reshape(-1).astype(np.int32),
+                    write_pages,
+                    np.arange(4, dtype=np.int32) * n + n - 1,
+                    plan,
                     cfg=cfg,
                 )
                 logits = logits.at[jnp.asarray(rows_)].set(out)
@@ -111,8 +119,17 @@ def main() -> None:
                 )
                 compiles_before = COMPILES[0]
                 started = time.perf_counter()
+                plan = None
+                if not pruning.enabled:  # dense: each row reads its own pages (etjax/attention)
+                    lengths = np.asarray(state.lengths)
+                    segments = [
+                        Segment(b, 1, int(n), int(n) + STEPS - 1, table[b].tolist())
+                        for b, n in enumerate(lengths)
+                    ]
+                    sizes = PlanSizes.decode(BATCH, table.size + 1, PAGE)
+                    plan = plan_segments(segments, BATCH, sizes)
                 state, cache, out = decode_steps(
-                    model.weights, cache, state, cfg, cost, STEPS, pruning, max_kept
+                    model.weights, cache, state, cfg, cost, STEPS, pruning, max_kept, None, plan
                 )
                 jax.block_until_ready(out)
                 elapsed = time.perf_counter() - started

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from etjax.attention import padded_batch_plan
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.model.config import ModelConfig
 from etjax.model.transformer import forward, logits_from_hidden
@@ -19,16 +20,19 @@ def full_logits(weights: Weights, cfg: ModelConfig, ids: np.ndarray, page_size: 
     cache = init_kv_cache(cfg, 1 + b * pages_per_row, page_size)
     table = 1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row)
     positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
+    plan, write_pages = padded_batch_plan(
+        table, np.zeros(b, np.int32), np.full(b, s, np.int32), s, page_size
+    )
     hidden, _ = _forward(
         weights,
         cache,
-        jnp.asarray(ids, jnp.int32),
-        jnp.asarray(positions),
-        jnp.ones((b, s), bool),
-        jnp.asarray(table),
+        jnp.asarray(ids, jnp.int32).reshape(-1),
+        jnp.asarray(positions).reshape(-1),
+        write_pages,
         cfg,
+        plan,
     )
-    return np.asarray(logits_from_hidden(weights, hidden))
+    return np.asarray(logits_from_hidden(weights, hidden)).reshape(b, s, -1)
 
 
 _forward = jax.jit(forward, static_argnames="cfg")

@@ -19,13 +19,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from etjax.attention import attend, padded_batch_plan
 from pallas_kernels.block_sparse import (
     block_sparse_attention_reference,
     block_sparse_attention_xla,
 )
 from pallas_kernels.block_sparse.pallas_gpu import block_sparse_attention_gpu
 from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
-from pallas_kernels.paged_attention import paged_attention_xla
 from tests.hypothesis_profiles import examples
 
 TOLERANCE = {"float32": dict(out=2e-5, mass=1e-5), "bfloat16": dict(out=2e-2, mass=1e-5)}
@@ -135,7 +135,8 @@ def test_dense_is_sparse_with_every_block_and_equals_paged_attention():
     counts = jnp.broadcast_to(-(-lengths // ps)[:, None], (b, kvh)).astype(jnp.int32)
     sparse, _ = block_sparse_attention_xla(q, kp, vp, table, all_blocks, counts, lengths)
     # The model's own decode path (a different implementation) attends the same keys.
-    paged = paged_attention_xla(q[:, None], kp, vp, table, (lengths - 1)[:, None])[:, 0]
+    plan, _ = padded_batch_plan(np.asarray(table), np.asarray(lengths) - 1, np.ones(b), 1, ps)
+    paged = attend(q, kp, vp, lengths - 1, plan)
     np.testing.assert_allclose(np.asarray(sparse), np.asarray(paged), atol=2e-6)
 
 

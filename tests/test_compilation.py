@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.runtime.generate import RequestSettings, generate_ids
+from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
 from etjax.sampling import SamplerSettings
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -31,18 +31,24 @@ def test_no_recompilation_after_warmup(tiny_hf_dir, backend_compiles):
     model = etjax.load_model(tiny_hf_dir("llama"))
     rng = np.random.default_rng(0)
 
-    def run(lengths: list[int], max_new: int) -> None:
+    # A fixed pool: the shapes under test are those the prompts and budgets set.
+    options = RuntimeOptions(num_pages=64)
+
+    def run(lengths: list[int], max_new: list[int]) -> None:
         prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in lengths]
         settings = [
-            RequestSettings(max_new_tokens=max_new, sampler=SamplerSettings(temperature=0.7))
-        ] * len(prompts)
-        generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
+            RequestSettings(max_new_tokens=m, sampler=SamplerSettings(temperature=0.7))
+            for m in max_new
+        ]
+        generate_ids(model.weights, model.config, model.tokenizer, prompts, settings, options)
 
-    # Warm-up: two prompts in the 16-token prefill bucket, two in the 32-token one.
-    run([9, 20, 14, 30], max_new=20)
+    # Warm-up: the four prompts are prefilled as one flat batch of 73 tokens (bucket 128), and
+    # finish one by one, so decode batches of 4, 3 (bucket 4), 2 and 1 rows all run.
+    run([9, 20, 14, 30], max_new=[8, 16, 24, 32])
     warm = backend_compiles[0]
     assert warm > 0
-    # New lengths, new order, other token budgets: every shape falls in a warmed bucket.
-    run([27, 5, 18, 11], max_new=24)
-    run([12, 25, 31, 3], max_new=13)
+    # New lengths, new order, other token budgets: every shape falls in a warmed bucket (the
+    # prefill's by total tokens, 81 and 71; attention plans by the pool, not the lengths).
+    run([27, 25, 18, 11], max_new=[30, 12, 6, 20])
+    run([12, 25, 31, 3], max_new=[13, 13, 13, 13])
     assert backend_compiles[0] == warm

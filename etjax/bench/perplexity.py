@@ -18,13 +18,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from etjax.cache.kv_cache import KVCache, init_kv_cache
+from etjax.attention import PlanSizes, padded_batch_plan, plan_segments
+from etjax.cache.kv_cache import KVCache, init_kv_cache, token_pages
 from etjax.entropy.estimators import exact_entropy
 from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.buckets import kept_bucket
 from etjax.runtime.steps import prefill_chunk
+from pallas_kernels.ragged_attention import Segment
 
 EVAL_TOKENS = 512
 PAGE = 16
@@ -33,7 +35,7 @@ PREFILL_ROWS = 2
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "pruning", "max_kept"))
-def _teacher_forced(weights, cache, logits, tokens, start, table, cfg, pruning, max_kept):
+def _teacher_forced(weights, cache, logits, tokens, start, table, plan, cfg, pruning, max_kept):
     # Feed tokens[:, :-1] from position `start` [B]; score every token of `tokens` [B, T] (the
     # first by the prefill's logits). Returns per-token NLL, blocks read and blocks available.
     def step(carry, xs):
@@ -50,21 +52,23 @@ def _teacher_forced(weights, cache, logits, tokens, start, table, cfg, pruning, 
             kept = jnp.minimum(
                 kept_block_count(kept_fraction(signal, pruning), blocks, pruning), max_kept
             )
-            plan = SparsePlan(budget_blocks=kept, pruning=pruning, max_kept=max_kept)
+            sparse = SparsePlan(
+                budget_blocks=kept, page_table=table, pruning=pruning, max_kept=max_kept
+            )
         else:
-            kept, plan = blocks, None
-        rows = target.shape[0]
+            kept, sparse = blocks, None
+        write_pages = token_pages(table, position, jnp.ones_like(position, bool), PAGE)
         hidden, cache = forward(
             weights,
             cache,
-            target[:, None],
-            position[:, None],
-            jnp.ones((rows, 1), bool),
-            table,
+            target,
+            position,
+            write_pages,
             cfg,
-            plan,
+            plan=None if sparse is not None else plan,
+            sparse=sparse,
         )
-        return (cache, logits_from_hidden(weights, hidden[:, 0])), (nll, kept, blocks)
+        return (cache, logits_from_hidden(weights, hidden)), (nll, kept, blocks)
 
     offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     (cache, _), outs = jax.lax.scan(step, (cache, logits), (tokens.T, offsets))
@@ -109,13 +113,19 @@ def prefill_documents(model, docs: list[list[int]]) -> Prefilled:
         for r in range(0, prefix, CHUNK):
             n = min(r + CHUNK, prefix) - r
             tokens = np.array([docs[i][r : r + n] + [0] * (CHUNK - n) for i in group], np.int32)
+            starts = np.full(len(group), r, np.int32)
+            valid = np.full(len(group), n, np.int32)
+            plan, write_pages = padded_batch_plan(table[group], starts, valid, CHUNK, PAGE)
+            positions = (starts[:, None] + np.arange(CHUNK)).reshape(-1).astype(np.int32)
+            last = np.arange(len(group), dtype=np.int32) * CHUNK + n - 1
             out, cache = prefill_chunk(
                 model.weights,
                 cache,
-                jnp.asarray(tokens),
-                jnp.full((len(group),), r, jnp.int32),
-                jnp.full((len(group),), n, jnp.int32),
-                jnp.asarray(table[group]),
+                tokens.reshape(-1),
+                positions,
+                write_pages,
+                last,
+                plan,
                 cfg=cfg,
             )
             logits[group] = np.asarray(out)
@@ -134,6 +144,13 @@ def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
         needed = int(kept_block_count(jnp.asarray([top]), jnp.asarray([pages]), pruning)[0])
         max_kept = kept_bucket(needed, pages)
     tokens = jnp.asarray([d[prefix:] for d in prefilled.docs], jnp.int32)
+    rows, scored = tokens.shape
+    table_host = np.asarray(table)
+    # Dense steps read each document's pages up to the last scored position.
+    segments = [
+        Segment(b, 1, prefix, prefix + scored - 1, table_host[b].tolist()) for b in range(rows)
+    ]
+    plan = plan_segments(segments, rows, PlanSizes.decode(rows, table_host.size + 1, PAGE))
     nll, kept, blocks = _teacher_forced(
         model.weights,
         prefilled.cache,  # not donated: every setting starts from the same prefilled cache
@@ -141,6 +158,7 @@ def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
         tokens,
         jnp.full((len(prefilled.docs),), prefix, jnp.int32),
         table,
+        plan,
         model.config,
         pruning,
         max_kept,

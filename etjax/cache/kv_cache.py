@@ -65,33 +65,33 @@ def kv_cache_bytes(cfg: ModelConfig, num_pages: int, page_size: int) -> int:
 
 
 def write_kv(
-    layer: LayerKV,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    page_table: jax.Array,
-    positions: jax.Array,
-    valid: jax.Array,
+    layer: LayerKV, k_new: jax.Array, v_new: jax.Array, pages: jax.Array, positions: jax.Array
 ) -> LayerKV:
     """Scatter new keys and values into their pages and fold the keys into the page bounds.
 
-    k_new, v_new: [B, S, KVH, hd]; page_table: [B, P]; positions: [B, S] absolute positions;
-    valid: [B, S] bool. Invalid (padding) tokens are sent to the null page.
+    k_new, v_new: [T, KVH, hd]; pages: [T] int32 the page each token's position falls in (the
+    null page for padding tokens); positions: [T] absolute positions (the slot is
+    position % page_size).
     """
     page_size = layer.k.shape[2]
-    logical_page = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
-    page = jnp.take_along_axis(page_table, logical_page, axis=1)
-    page = jnp.where(valid, page, NULL_PAGE)
-    slot = jnp.where(valid, positions % page_size, 0)
-    # Advanced indices on axes 0 and 2 around the head slice put [B, S] first: [B, S, KVH, hd].
-    k = layer.k.at[page, :, slot].set(k_new.astype(layer.k.dtype), mode="drop")
-    v = layer.v.at[page, :, slot].set(v_new.astype(layer.v.dtype), mode="drop")
-    kvh, hd = k_new.shape[2:]
-    page, slot = page.reshape(-1), slot.reshape(-1)
-    k_min, k_max = update_key_bounds(
-        layer.k_min, layer.k_max, k_new.reshape(-1, kvh, hd), page, slot
-    )
-    block_mass = forget_mass(layer.block_mass, page, slot)
+    slot = jnp.where(pages == NULL_PAGE, 0, positions % page_size)
+    # Advanced indices on axes 0 and 2 around the head slice put [T] first: [T, KVH, hd].
+    k = layer.k.at[pages, :, slot].set(k_new.astype(layer.k.dtype), mode="drop")
+    v = layer.v.at[pages, :, slot].set(v_new.astype(layer.v.dtype), mode="drop")
+    k_min, k_max = update_key_bounds(layer.k_min, layer.k_max, k_new, pages, slot)
+    block_mass = forget_mass(layer.block_mass, pages, slot)
     return LayerKV(k=k, v=v, k_min=k_min, k_max=k_max, block_mass=block_mass)
+
+
+def token_pages(
+    page_table: jax.Array, positions: jax.Array, real: jax.Array, page_size: int
+) -> jax.Array:
+    """The page each token writes to, on the device (for decode steps, whose positions advance):
+    row t of page_table [T, P] is token t's sequence; positions: [T]; real: [T] bool. The null
+    page where not real."""
+    logical = jnp.clip(positions // page_size, 0, page_table.shape[1] - 1)
+    page = jnp.take_along_axis(page_table, logical[:, None], axis=1)[:, 0]
+    return jnp.where(real, page, NULL_PAGE)
 
 
 @flax.struct.dataclass

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from etjax.attention import PlanSizes, plan_segments
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.distributed.mesh import make_mesh
@@ -32,6 +33,7 @@ from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.steps import decode_steps, prefill_chunk
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import pack_sampler_params
+from pallas_kernels.ragged_attention import Segment
 
 
 @dataclass(frozen=True)
@@ -86,11 +88,15 @@ class DeviceBackend:
                 self.store, self.placement.state(self.store, cfg.vocab_size)
             )
         self._logits: dict[int, jax.Array] = {}  # prefill logits of rows whose context is done
+        # The longest page list a sequence can have: the model's context or the pool.
+        self.max_seq_pages = min(
+            pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
+        )
 
     # Prefill ----------------------------------------------------------------------------
 
     def prefill(self, jobs: list[PrefillJob]) -> list[tuple[float, float]]:
-        """Run chunks (one per sequence), grouped by padded length; returns (FLOPs, bytes) of
+        """Run chunks (one per sequence), packed into flat batches; returns (FLOPs, bytes) of
         each job. The logits after a job's last token are kept for `insert`."""
         opts, cost = self.options, self.cost
         costs = []
@@ -105,37 +111,48 @@ class DeviceBackend:
                     cost.weight_bytes / len(jobs) + cost.kv_bytes_per_key * float(keys.sum()),
                 )
             )
-        by_bucket: dict[tuple[int, int], list[PrefillJob]] = {}
-        for job in jobs:
-            bucket = prompt_bucket(len(job.tokens), opts.prefill_chunk)
-            width = pages_bucket(pages_needed(job.start + bucket, opts.page_size))
-            by_bucket.setdefault((bucket, width), []).append(job)
-        for (bucket, width), group in by_bucket.items():
-            for g in range(0, len(group), opts.max_prefill_rows):
-                part = group[g : g + opts.max_prefill_rows]
-                num = batch_bucket(len(part))
-                tokens = np.zeros((num, bucket), np.int32)
-                starts = np.zeros(num, np.int32)
-                num_valid = np.zeros(num, np.int32)
-                for j, job in enumerate(part):
-                    tokens[j, : len(job.tokens)] = job.tokens
-                    starts[j], num_valid[j] = job.start, len(job.tokens)
-                table = page_table_rows(
-                    [j.pages[:width] for j in part] + [[]] * (num - len(part)), width
-                )
-                logits, self.cache = prefill_chunk(
-                    self.weights,
-                    self.cache,
-                    jnp.asarray(tokens),
-                    jnp.asarray(starts),
-                    jnp.asarray(num_valid),
-                    jnp.asarray(table),
-                    cfg=self.cfg,
-                    placement=self.placement,
-                )
-                for j, job in enumerate(part):
-                    self._logits[job.row] = logits[j]
+        # Chunks are packed into flat batches of at most `prefill_chunk` tokens and
+        # `max_prefill_rows` sequences; each token reads only the pages its position sees.
+        for part in _pack(jobs, opts.prefill_chunk, opts.max_prefill_rows):
+            self._prefill_batch(part)
         return costs
+
+    def _prefill_batch(self, jobs: list[PrefillJob]) -> None:
+        opts = self.options
+        total = sum(len(j.tokens) for j in jobs)
+        num_tokens = prompt_bucket(total, max(opts.prefill_chunk, total))
+        rows = batch_bucket(opts.max_prefill_rows)
+        tokens = np.zeros(num_tokens, np.int32)
+        positions = np.zeros(num_tokens, np.int32)
+        write_pages = np.zeros(num_tokens, np.int32)  # padding writes to the null page
+        last_index = np.zeros(rows, np.int32)
+        segments, start = [], 0
+        for j, job in enumerate(jobs):
+            n = len(job.tokens)
+            span = slice(start, start + n)
+            tokens[span] = job.tokens
+            positions[span] = job.start + np.arange(n)
+            write_pages[span] = np.asarray(job.pages, np.int32)[positions[span] // opts.page_size]
+            last_index[j] = start + n - 1
+            reach = job.start + n - 1
+            pages = job.pages[: reach // opts.page_size + 1]
+            segments.append(Segment(start, n, job.start, reach, pages))
+            start += n
+        sizes = PlanSizes.prefill(num_tokens, rows, self.max_seq_pages, opts.page_size)
+        plan = plan_segments(segments, num_tokens, sizes)
+        logits, self.cache = prefill_chunk(
+            self.weights,
+            self.cache,
+            tokens,
+            positions,
+            write_pages,
+            last_index,
+            plan,
+            cfg=self.cfg,
+            placement=self.placement,
+        )
+        for j, job in enumerate(jobs):
+            self._logits[job.row] = logits[j]
 
     def insert(self, row: int, init: RowInit) -> None:
         """Make `row` the resident state of a sequence whose context was just prefilled."""
@@ -211,6 +228,14 @@ class DeviceBackend:
             blocks = np.array([pages_needed(r, opts.page_size) for r in reach])
             needed = np.asarray(kept_block_count(np.asarray(budgets), blocks, opts.pruning))
             max_kept = kept_bucket(int(needed.max()), width)
+        plan = None
+        if not opts.pruning.enabled:
+            segments = [
+                Segment(j, 1, n, n + k - 1, p[: pages_needed(n + k, opts.page_size)])
+                for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
+            ]
+            sizes = PlanSizes.decode(num, self.num_pages, opts.page_size)
+            plan = plan_segments(segments, num, sizes)
         batch = _take_rows(self.store, jnp.asarray(index)).replace(page_table=jnp.asarray(table))
         batch, self.cache, out = decode_steps(
             self.weights,
@@ -222,11 +247,27 @@ class DeviceBackend:
             opts.pruning,
             max_kept,
             self.placement,
+            plan,
         )
         self.store = _put_rows(self.store, jnp.asarray(index), batch.replace(page_table=None))
         out, budget = jax.device_get((out, batch.entropy.budget))
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
         return out, np.asarray(budget[: len(rows)])
+
+
+def _pack(jobs: list[PrefillJob], max_tokens: int, max_rows: int) -> list[list[PrefillJob]]:
+    # Consecutive jobs into batches of at most max_tokens tokens (a longer job alone) and
+    # max_rows sequences.
+    parts: list[list[PrefillJob]] = []
+    used = 0
+    for job in jobs:
+        n = len(job.tokens)
+        if not parts or used + n > max_tokens or len(parts[-1]) == max_rows:
+            parts.append([])
+            used = 0
+        parts[-1].append(job)
+        used += n
+    return parts
 
 
 @functools.partial(jax.jit, donate_argnums=0)

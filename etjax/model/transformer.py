@@ -1,8 +1,9 @@
 """The Llama-family decoder as pure functions over `Weights` and a paged `KVCache`.
 
-One forward pass serves every phase: prefill (many tokens per sequence starting at 0), chunked
-prefill (a chunk continuing a cached prefix) and decode (one token per sequence). New keys and
-values are written to their pages first, then the queries attend causally over the pages.
+One forward pass serves every phase over a flat batch of tokens: prefill (many tokens per
+sequence starting at 0), chunked prefill (a chunk continuing a cached prefix) and decode (one
+token per sequence), mixed freely. New keys and values are written to their pages first, then
+the queries attend causally over their own sequence's pages (etjax/attention).
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from etjax.cache.kv_cache import KVCache, LayerKV, cache_from_layers, cache_layers, write_kv
+from etjax.attention import AttentionPlan, attend
+from etjax.cache.kv_cache import (
+    NULL_PAGE,
+    KVCache,
+    LayerKV,
+    cache_from_layers,
+    cache_layers,
+    write_kv,
+)
 from etjax.model.config import ModelConfig
 from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu_mlp
 from etjax.model.weights import LayerWeights, Weights
@@ -19,7 +28,6 @@ from etjax.pruning.block_scores import block_upper_bounds, remember_mass
 from etjax.pruning.config import PruningConfig
 from etjax.pruning.selection import select_blocks
 from pallas_kernels.block_sparse import block_sparse_attention_xla
-from pallas_kernels.paged_attention import paged_attention_xla
 
 
 def forward(
@@ -27,30 +35,34 @@ def forward(
     cache: KVCache,
     tokens: jax.Array,
     positions: jax.Array,
-    valid: jax.Array,
-    page_table: jax.Array,
+    write_pages: jax.Array,
     cfg: ModelConfig,
+    plan: AttentionPlan | None = None,
     sparse: SparsePlan | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Run the decoder over new tokens, appending their keys and values to the cache.
+    """Run the decoder over a flat batch of new tokens, appending their keys and values.
 
     Args:
-      tokens: [B, S] int32 token ids.
-      positions: [B, S] int32 absolute positions (a sequence's tokens are contiguous).
-      valid: [B, S] bool; padding tokens are computed but neither cached nor meaningful.
-      page_table: [B, P] int32 pages of each sequence (see `kv_cache`).
-      sparse: for decode (S = 1), attend per layer and KV head only to the blocks the plan's
-        budget keeps, chosen by query-aware key bounds (etjax/pruning); None = dense.
+      tokens: [T] int32 token ids of any number of sequences (prefill chunks, decode tokens).
+      positions: [T] int32 absolute positions.
+      write_pages: [T] int32 the page each token's key and value go to; the null page for
+        padding tokens, which are computed but neither cached nor meaningful.
+      plan: what each token attends to (etjax/attention/plan.py), for dense attention.
+      sparse: instead of `plan`, for decode tokens (one per row of `sparse.page_table`): attend
+        per layer and KV head only to the blocks the budget keeps, chosen by query-aware key
+        bounds (etjax/pruning).
 
     Returns:
-      hidden: [B, S, D] final-normed hidden states in the model dtype, and the updated cache.
+      hidden: [T, D] final-normed hidden states in the model dtype, and the updated cache.
     """
+    if (plan is None) == (sparse is None):
+        raise ValueError("forward needs exactly one of an attention plan and a sparse plan")
     inv_freq = rope_inverse_frequencies(cfg)
     x = weights.embed[tokens]
     layers_kv = []
     for layer, kv in zip(weights.layers, cache_layers(cache), strict=True):
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        attn, kv = _attention(h, layer, kv, positions, valid, page_table, inv_freq, cfg, sparse)
+        attn, kv = _attention(h, layer, kv, positions, write_pages, inv_freq, cfg, plan, sparse)
         x = x + attn
         h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
         x = x + swiglu_mlp(h, layer.w_gate_up, layer.w_down)
@@ -64,6 +76,7 @@ class SparsePlan:
     """How a decode step prunes attention: per-row block budgets and the static settings."""
 
     budget_blocks: jax.Array  # [B] int32 blocks each row may read (all layers and KV heads)
+    page_table: jax.Array  # [B, P] int32 pages of each row's sequence
     pruning: PruningConfig = flax.struct.field(pytree_node=False)
     max_kept: int = flax.struct.field(pytree_node=False)  # static width of the kept table
 
@@ -83,33 +96,31 @@ def _attention(
     layer: LayerWeights,
     kv: LayerKV,
     positions: jax.Array,
-    valid: jax.Array,
-    page_table: jax.Array,
+    write_pages: jax.Array,
     inv_freq: jax.Array,
     cfg: ModelConfig,
+    plan: AttentionPlan | None,
     sparse: SparsePlan | None,
 ) -> tuple[jax.Array, LayerKV]:
-    # h: [B, S, D] -> attention output [B, S, D] and the layer's updated cache slice.
-    b, s, _ = h.shape
+    # h: [T, D] -> attention output [T, D] and the layer's updated cache slice.
+    t = h.shape[0]
     hd = cfg.head_dim
     qkv = h @ layer.wqkv
     if layer.bqkv is not None:
         qkv = qkv + layer.bqkv
     q_width, kv_width = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    q = qkv[..., :q_width].reshape(b, s, cfg.num_heads, hd)
-    k = qkv[..., q_width : q_width + kv_width].reshape(b, s, cfg.num_kv_heads, hd)
-    v = qkv[..., q_width + kv_width :].reshape(b, s, cfg.num_kv_heads, hd)
+    q = qkv[..., :q_width].reshape(t, cfg.num_heads, hd)
+    k = qkv[..., q_width : q_width + kv_width].reshape(t, cfg.num_kv_heads, hd)
+    v = qkv[..., q_width + kv_width :].reshape(t, cfg.num_kv_heads, hd)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    kv = write_kv(kv, k, v, page_table, positions, valid)
-    if sparse is not None and s == 1:
-        out, kv = _sparse_decode_attention(
-            q[:, 0], kv, positions[:, 0], valid[:, 0], page_table, sparse
-        )
-        out = out[:, None]
+    kv = write_kv(kv, k, v, write_pages, positions)
+    if sparse is not None:
+        real = write_pages != NULL_PAGE
+        out, kv = _sparse_decode_attention(q, kv, positions, real, sparse.page_table, sparse)
     else:
-        out = paged_attention_xla(q, kv.k, kv.v, page_table, positions)
-    return out.reshape(b, s, cfg.num_heads * hd) @ layer.wo, kv
+        out = attend(q, kv.k, kv.v, positions, plan)
+    return out.reshape(t, cfg.num_heads * hd) @ layer.wo, kv
 
 
 def _sparse_decode_attention(

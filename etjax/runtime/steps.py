@@ -1,4 +1,4 @@
-"""The jitted device programs: a prefill chunk, and K decode steps in one `lax.scan`.
+"""The jitted device programs: prefill chunks, and K decode steps in one `lax.scan`.
 
 Both donate the KV cache so pages are updated in place. Shapes are bucketed by the caller
 (`buckets.py`), so a run with varied prompts compiles a handful of programs once.
@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.lax import with_sharding_constraint as constrain
 
-from etjax.cache.kv_cache import KVCache
+from etjax.attention import AttentionPlan
+from etjax.cache.kv_cache import KVCache, token_pages
 from etjax.distributed.mesh import DATA, MODEL
 from etjax.distributed.placement import Placement
 from etjax.entropy.cost import CostModel
@@ -32,29 +33,25 @@ def prefill_chunk(
     weights: Weights,
     cache: KVCache,
     tokens: jax.Array,
-    starts: jax.Array,
-    num_valid: jax.Array,
-    page_table: jax.Array,
+    positions: jax.Array,
+    write_pages: jax.Array,
+    last_index: jax.Array,
+    plan: AttentionPlan,
     cfg: ModelConfig,
     placement: Placement | None = None,
 ) -> tuple[jax.Array, KVCache]:
-    """Append a chunk of prompt tokens per row; return the logits after its last token.
+    """Append prompt chunks of several sequences, flattened into one batch of tokens; return
+    the logits after each sequence's last token.
 
-    tokens: [B, S] int32 (padded); starts: [B] int32 position of tokens[:, 0]; num_valid: [B]
-    int32 real tokens in the chunk (0 for padding rows); page_table: [B, P]. `placement`:
-    the mesh shardings the cache and logits keep (etjax/distributed), or None on one device.
-    Returns float32 logits [B, V] at each row's last real position, and the updated cache.
+    tokens, positions, write_pages: [T] int32 (padding tokens write to the null page);
+    last_index: [S] int32 flat index of each sequence's last token; plan: the attention work
+    (each token reads its own sequence's pages up to its position). `placement`: the mesh
+    shardings the cache and logits keep (etjax/distributed), or None on one device.
+    Returns float32 logits [S, V] and the updated cache.
     """
     with _on_mesh(placement):
-        s = tokens.shape[1]
-        offsets = jnp.arange(s, dtype=jnp.int32)[None, :]
-        positions = starts[:, None] + offsets
-        valid = offsets < num_valid[:, None]
-        hidden, cache = forward(weights, cache, tokens, positions, valid, page_table, cfg)
-        last = jnp.clip(num_valid - 1, 0, s - 1)
-        logits = logits_from_hidden(
-            weights, jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0]
-        )
+        hidden, cache = forward(weights, cache, tokens, positions, write_pages, cfg, plan=plan)
+        logits = logits_from_hidden(weights, hidden[last_index])
         if placement is not None:
             logits = constrain(logits, placement.sharding(logits.shape, {0: DATA, 1: MODEL}))
             cache = constrain(cache, placement.cache(cache))
@@ -84,6 +81,7 @@ def decode_steps(
     pruning: PruningConfig = DENSE,
     max_kept: int = 0,
     placement: Placement | None = None,
+    plan: AttentionPlan | None = None,
 ) -> tuple[DecodeState, KVCache, StepOutputs]:
     """Run `num_steps` steps of: sample from each active row's logits, then run the model on it.
 
@@ -93,13 +91,15 @@ def decode_steps(
     entropy of the distribution the token was drawn from allows (the budget of step t comes
     from what step t - 1 computed). With a `placement`, the state, cache and outputs are held
     in its shardings on the way in and out (rows over `data`, logits over `model` too).
+    `plan`: the dense attention work of the burst, one decode token per row with items up to
+    each row's length after the burst (etjax/attention); required unless pruning.
     Returns the new state, the cache, and per-step outputs [num_steps, B].
     """
     with _on_mesh(placement):
         if placement is not None:
             state = constrain(state, placement.state(state, cfg.vocab_size))
         state, cache, outputs = _scan_steps(
-            weights, cache, state, cfg, cost, num_steps, pruning, max_kept
+            weights, cache, state, cfg, cost, num_steps, pruning, max_kept, plan
         )
         if placement is not None:
             state = constrain(state, placement.state(state, cfg.vocab_size))
@@ -108,7 +108,7 @@ def decode_steps(
         return state, cache, outputs
 
 
-def _scan_steps(weights, cache, state, cfg, cost, num_steps, pruning, max_kept):
+def _scan_steps(weights, cache, state, cfg, cost, num_steps, pruning, max_kept, plan):
     def step(carry: tuple[DecodeState, KVCache], _: None):
         state, cache = carry
         active = state.active
@@ -129,18 +129,24 @@ def _scan_steps(weights, cache, state, cfg, cost, num_steps, pruning, max_kept):
             signal = budget_entropy(state.logits, info.model_entropy, pruning)
             fraction = kept_fraction(signal, pruning)
             kept = jnp.minimum(kept_block_count(fraction, num_blocks, pruning), max_kept)
-            plan = SparsePlan(budget_blocks=kept, pruning=pruning, max_kept=max_kept)
+            sparse = SparsePlan(
+                budget_blocks=kept,
+                page_table=state.page_table,
+                pruning=pruning,
+                max_kept=max_kept,
+            )
         else:
-            fraction, kept, plan = jnp.ones_like(info.model_entropy), num_blocks, None
+            fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
+        write_pages = token_pages(state.page_table, state.lengths, runs, cost.page_size)
         hidden, cache = forward(
             weights,
             cache,
-            tokens[:, None],
-            state.lengths[:, None],
-            runs[:, None],
-            state.page_table,
+            tokens,
+            state.lengths,
+            write_pages,
             cfg,
-            plan,
+            plan=None if sparse is not None else plan,
+            sparse=sparse,
         )
         flops, nbytes = cost.token_cost((kept * cost.page_size).astype(jnp.float32), runs)
         entropy = advance_tau(state.entropy, info.model_entropy, active)
@@ -154,7 +160,7 @@ def _scan_steps(weights, cache, state, cfg, cost, num_steps, pruning, max_kept):
         )
         rows = jnp.arange(tokens.shape[0])
         state = state.replace(
-            logits=logits_from_hidden(weights, hidden[:, 0]),
+            logits=logits_from_hidden(weights, hidden),
             lengths=state.lengths + runs,
             num_generated=num_generated,
             active=runs,

@@ -1,0 +1,15 @@
+"""The attention seam: the model calls `attend`, the engine describes the work with a plan.
+
+- `plan.py`: `AttentionPlan` (what a step's tokens attend to, as device arrays) and the host
+  builders: `plan_segments` for a ragged batch of sequences, `padded_batch_plan` for a
+  padded [rows, tokens] batch.
+- `seam.py`: `attend`, which runs a plan on the chosen backend.
+
+The paged cache layout (etjax/cache/kv_cache.py) and the kernels (pallas_kernels/) sit below;
+the engine and the device programs (etjax/runtime/, etjax/engine/) above.
+"""
+
+from etjax.attention.plan import AttentionPlan, PlanSizes, padded_batch_plan, plan_segments
+from etjax.attention.seam import attend
+
+__all__ = ["AttentionPlan", "PlanSizes", "attend", "padded_batch_plan", "plan_segments"]

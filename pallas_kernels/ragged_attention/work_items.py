@@ -1,0 +1,106 @@
+"""The host's description of a ragged attention pass: query tiles and (tile, key tile) items.
+
+Built in NumPy on the host (as JAX's splash attention builds its block masks), sent to the
+device as small int32 arrays whose shapes are fixed by capacities, never by context lengths.
+
+A pass splits each sequence's new tokens into query tiles of `q_tile` tokens (a tile never
+mixes sequences) and pairs every tile with the key tiles it can see: runs of `kv_tile`
+consecutive logical pages of its sequence, from page 0 to the page of the tile's last
+position. The causal part of a prefill chunk is therefore read once per query tile, and a
+decode token reads its own pages only, not the widest row's.
+
+Two passes usually make a step: decode segments (a few tokens each) with small query tiles,
+and prefill chunks with large ones, so neither pads to the other's shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+NULL_PAGE = 0  # never allocated; pads item page lists (its keys are masked by position)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's new tokens in the flat batch.
+
+    token_start: index of its first token in the flat batch; num_tokens: how many (>= 1);
+    first_position: absolute position of the first; last_position: the furthest position its
+    queries reach while this description is used (first_position + num_tokens - 1 for one
+    step; more for a K-step decode burst, whose positions advance on the device);
+    pages: the sequence's pages in logical order, covering `last_position`.
+    """
+
+    token_start: int
+    num_tokens: int
+    first_position: int
+    last_position: int
+    pages: Sequence[int]
+
+
+class TilePass(NamedTuple):
+    """One pass of the XLA backend (device or host arrays). Nq tiles of Qt tokens, W items of
+    Kt pages; W is a multiple of the loop's chunk."""
+
+    tile_tokens: np.ndarray  # [Nq, Qt] int32 flat token index, T (out of range) for padding
+    item_tile: np.ndarray  # [W] int32 the query tile of each item
+    item_pages: np.ndarray  # [W, Kt] int32 physical pages of the item's key tile
+    item_key_start: np.ndarray  # [W] int32 position of the key tile's first key
+    num_items: np.ndarray  # [] int32 real items (the rest is padding the loop never runs)
+
+
+def build_pass(
+    segments: Sequence[Segment],
+    *,
+    page_size: int,
+    q_tile: int,
+    kv_tile: int,
+    num_tokens: int,
+    max_tiles: int,
+    max_items: int,
+) -> TilePass:
+    """Describe the attention of `segments` (tokens of a flat batch of `num_tokens`) as at most
+    `max_tiles` query tiles and `max_items` items; raises ValueError when they do not fit."""
+    tile_tokens = np.full((max_tiles, q_tile), num_tokens, np.int32)
+    item_tile = np.zeros(max_items, np.int32)
+    item_pages = np.full((max_items, kv_tile), NULL_PAGE, np.int32)
+    item_key_start = np.zeros(max_items, np.int32)
+    tiles = items = 0
+    for seg in segments:
+        extra = seg.last_position - (seg.first_position + seg.num_tokens - 1)
+        if seg.num_tokens < 1 or extra < 0:
+            raise ValueError(f"segment {seg}: needs num_tokens >= 1 and a reach past its tokens")
+        if len(seg.pages) * page_size <= seg.last_position:
+            raise ValueError(
+                f"segment at token {seg.token_start}: {len(seg.pages)} pages do not cover "
+                f"position {seg.last_position}"
+            )
+        pages = np.asarray(seg.pages, np.int32)
+        for first in range(0, seg.num_tokens, q_tile):
+            count = min(q_tile, seg.num_tokens - first)
+            if tiles == max_tiles:
+                raise ValueError(f"more than max_tiles={max_tiles} query tiles")
+            tile_tokens[tiles, :count] = seg.token_start + first + np.arange(count)
+            reach = seg.first_position + first + count - 1 + extra
+            key_tiles = (reach // page_size) // kv_tile + 1
+            if items + key_tiles > max_items:
+                raise ValueError(f"more than max_items={max_items} work items")
+            span = slice(items, items + key_tiles)
+            item_tile[span] = tiles
+            item_key_start[span] = np.arange(key_tiles) * kv_tile * page_size
+            padded = np.full(key_tiles * kv_tile, NULL_PAGE, np.int32)
+            visible = min(len(pages), key_tiles * kv_tile)
+            padded[:visible] = pages[:visible]
+            item_pages[span] = padded.reshape(key_tiles, kv_tile)
+            items += key_tiles
+            tiles += 1
+    return TilePass(tile_tokens, item_tile, item_pages, item_key_start, np.asarray(items, np.int32))
+
+
+def items_capacity(max_items: int, chunk: int) -> int:
+    """`max_items` rounded up to whole loop chunks (the loop slices `chunk` items at a time)."""
+    return max(chunk, -(-max_items // chunk) * chunk)

@@ -1,0 +1,128 @@
+"""Ragged paged attention (pallas_kernels/ragged_attention) against its float32 reference, over
+ragged batches drawn by hypothesis: one-token and long sequences, chunks that continue a cached
+prefix and cross page boundaries, decode bursts whose items reach past the current position,
+GQA, float32 and bfloat16 caches."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.ragged_attention import (
+    Segment,
+    build_pass,
+    ragged_attention_reference,
+    ragged_attention_xla,
+)
+from pallas_kernels.ragged_attention.work_items import items_capacity
+from tests.hypothesis_profiles import examples
+
+# Relative to max |out|: float32 differs from the reference only by summation order; bfloat16
+# queries and pages are rounded once before either computes in float32.
+TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-5}
+CHUNK = 8
+
+
+def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extra, seed):
+    # draw_lengths: (cached, new) per sequence; returns the inputs of both backends.
+    rng = np.random.default_rng(seed)
+    h = kvh * groups
+    need = [-(-(c + n + extra) // page_size) for c, n in draw_lengths]
+    num_pages = sum(need) + 3
+    order = rng.permutation(np.arange(1, num_pages))  # pages scattered through the pool
+    pages, taken = [], 0
+    for k in need:
+        pages.append(order[taken : taken + k].tolist())
+        taken += k
+    k_pages = jnp.asarray(rng.normal(size=(num_pages, kvh, page_size, hd)), dtype)
+    v_pages = jnp.asarray(rng.normal(size=(num_pages, kvh, page_size, hd)), dtype)
+    num_tokens = sum(n for _, n in draw_lengths) + 3  # trailing padding tokens
+    q = jnp.asarray(rng.normal(size=(num_tokens, h, hd)) * 2.0, dtype)
+    positions = np.full(num_tokens, -1, np.int32)
+    token_seq = np.full(num_tokens, -1, np.int32)
+    segments, start = [], 0
+    for s, ((cached, new), seq_pages) in enumerate(zip(draw_lengths, pages, strict=True)):
+        positions[start : start + new] = cached + np.arange(new)
+        token_seq[start : start + new] = s
+        segments.append(Segment(start, new, cached, cached + new - 1 + extra, seq_pages))
+        start += new
+    width = max(need)
+    table = np.zeros((len(pages), width), np.int32)
+    for s, seq_pages in enumerate(pages):
+        table[s, : len(seq_pages)] = seq_pages
+    max_tiles = sum(-(-n // q_tile) for _, n in draw_lengths)
+    max_items = items_capacity(max_tiles * (width // kv_tile + 1), CHUNK)
+    tile_pass = build_pass(
+        segments,
+        page_size=page_size,
+        q_tile=q_tile,
+        kv_tile=kv_tile,
+        num_tokens=num_tokens,
+        max_tiles=max_tiles + 1,
+        max_items=max_items,
+    )
+    return q, k_pages, v_pages, positions, token_seq, table, tile_pass
+
+
+@settings(max_examples=examples(40))
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 70), st.integers(1, 40)), min_size=1, max_size=5),
+    page_size=st.sampled_from([4, 8, 16]),
+    heads=st.sampled_from([(1, 1), (2, 3), (3, 1)]),
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+    tiles=st.sampled_from([(1, 1), (4, 2), (16, 4)]),
+    extra=st.integers(0, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_xla_matches_the_reference_on_any_ragged_batch(
+    lengths, page_size, heads, dtype, tiles, extra, seed
+):
+    kvh, groups = heads
+    q, k_pages, v_pages, positions, token_seq, table, tile_pass = _case(
+        lengths, page_size, kvh, groups, 16, dtype, *tiles, extra, seed
+    )
+    ours = ragged_attention_xla(
+        q, k_pages, v_pages, jnp.asarray(positions), (tile_pass,), chunk=CHUNK
+    )
+    truth = ragged_attention_reference(
+        q, k_pages, v_pages, jnp.asarray(positions), jnp.asarray(token_seq), jnp.asarray(table)
+    )
+    ours, truth = np.asarray(ours, np.float32), np.asarray(truth)
+    scale = np.max(np.abs(truth))
+    tolerance = TOLERANCE[dtype] if dtype == jnp.float32 else 1e-2  # output rounded to bf16
+    assert np.max(np.abs(ours - truth)) <= tolerance * scale
+    assert np.all(ours[token_seq < 0] == 0)
+
+
+def test_a_prefill_chunk_reads_only_its_causal_part():
+    # A 64-token chunk after 64 cached tokens, pages of 8, query tiles of 16 and key tiles of
+    # one page: tile j (positions 64 + 16j .. 64 + 16j + 15) sees pages 0 .. 9 + 2j, so the
+    # pass holds 10 + 12 + 14 + 16 = 52 items, not 4 x 16 (the padded square).
+    pages = list(range(1, 17))
+    tile_pass = build_pass(
+        [Segment(0, 64, 64, 127, pages)],
+        page_size=8,
+        q_tile=16,
+        kv_tile=1,
+        num_tokens=64,
+        max_tiles=4,
+        max_items=64,
+    )
+    assert int(tile_pass.num_items) == 52
+    assert list(np.bincount(tile_pass.item_tile[:52])) == [10, 12, 14, 16]
+
+
+def test_a_segment_whose_pages_do_not_cover_its_reach_is_refused():
+    with pytest.raises(ValueError, match="do not cover position 16"):
+        build_pass(
+            [Segment(0, 1, 15, 16, [3])],
+            page_size=16,
+            q_tile=1,
+            kv_tile=1,
+            num_tokens=1,
+            max_tiles=1,
+            max_items=8,
+        )
