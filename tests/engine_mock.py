@@ -44,6 +44,9 @@ class MockBackend:
     # What a burst costs beyond its rows (burst_bytes); so large by default that splitting a
     # batch never pays, which keeps one burst per round unless a test lowers it.
     weight_bytes: float = 1e12
+    # Whether a round's decode rows and prefill chunks share one step (as the device does
+    # without pruning); False runs them as two calls, as under pruning.
+    mixes_decode: bool = True
 
     def __post_init__(self) -> None:
         self.rows: dict[int, _Row] = {}
@@ -62,7 +65,15 @@ class MockBackend:
             assert holder == row, f"page {page} held by rows {holder} and {row}"
             self.owner[page] = row
 
-    def prefill(self, jobs: list[PrefillJob]) -> list[tuple[float, float]]:
+    def mixed(self, rows, pages, lengths, jobs: list[PrefillJob]):
+        # One step: the rows decode one token each, the jobs are cached.
+        costs = self._prefill(jobs)
+        if not rows:
+            return None, np.ones(0, np.float32), costs
+        out, budgets = self._decode(rows, pages, lengths, 1)
+        return out, budgets, costs
+
+    def _prefill(self, jobs: list[PrefillJob]) -> list[tuple[float, float]]:
         for job in jobs:
             assert job.row not in self.rows, "prefill into a row that is still resident"
             assert self.prefilled.get(job.row, 0) == job.start or job.start == 0
@@ -103,7 +114,10 @@ class MockBackend:
         return self.weight_bytes + len(lengths) * max(lengths)
 
     def decode(self, rows, pages, lengths, budgets):
-        k, n = self.steps_per_sync, len(rows)
+        return self._decode(rows, pages, lengths, self.steps_per_sync)
+
+    def _decode(self, rows, pages, lengths, k):
+        n = len(rows)
         arrays = {
             name: np.zeros((k, n), np.float32)
             for name in (

@@ -176,14 +176,17 @@ workloads = st.lists(
     batch=st.integers(1, 3),
     rounds=st.integers(1, 3),
     pages=st.integers(12, 40),
+    mixes=st.booleans(),
 )
 def test_any_workload_finishes_without_starvation_leaks_or_lost_tokens(
-    workload, policy, batch, rounds, pages
+    workload, policy, batch, rounds, pages, mixes
 ):
     resident = batch * rounds
     entropy = {r: (4.0 + r % 3, 0.1 * (r % 4)) for r in range(1, len(workload) + 1)}
     eos = {r: w[4] for r, w in enumerate(workload, start=1) if w[4] is not None}
-    engine, backend = _engine(policy, batch, resident, pages, rounds, entropy=entropy, eos_at=eos)
+    engine, backend = _engine(
+        policy, batch, resident, pages, rounds, entropy=entropy, eos_at=eos, mixes_decode=mixes
+    )
     handles = []
     for r, (length, new, arrival, priority, _) in enumerate(workload, start=1):
         if -(-(length + new) // PAGE) > pages - 1:
@@ -207,10 +210,12 @@ def test_any_workload_finishes_without_starvation_leaks_or_lost_tokens(
     unpreempted = [s for s in engine.sequences if s.preemptions == 0]
     gaps = _max_gaps(backend.decode_log)
     assert all(gaps[s.prompt[0]] <= rounds for s in unpreempted if s.prompt[0] in gaps)
-    # ...so a resident sequence finishes within rounds * ceil(max_new_tokens / K) rounds.
+    # ...and every run yields a token (K when nothing is prefilling), so a resident sequence
+    # finishes within rounds * (its runs) rounds, with at most max_new_tokens runs.
     for s in unpreempted:
-        bound = rounds * -(-s.settings.max_new_tokens // K)
-        assert s.finish_round - s.resident_round <= bound
+        runs = sum(s.prompt[0] in ids for ids in backend.decode_log)
+        assert runs <= s.settings.max_new_tokens
+        assert s.finish_round - s.resident_round <= rounds * runs
     assert engine.pages_in_use == 0 and len(engine.free_rows) == resident
 
 

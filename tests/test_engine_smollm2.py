@@ -1,5 +1,5 @@
 """On SmolLM2: greedy outputs do not depend on the scheduling policy, the batch composition,
-or preemption and recompute."""
+mixing with prefill, or preemption and recompute."""
 
 from __future__ import annotations
 
@@ -32,17 +32,15 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
     assert engine.pages_in_use == 0
 
 
-def test_greedy_outputs_are_the_same_when_a_long_row_runs_in_its_own_burst(smollm2, lee):
-    # A 3K-token document beside three short prompts: at float32, four rows read at its width
-    # cost more KV traffic than a second read of the weights, so the grouped engine runs it
-    # in a burst of its own (etjax/engine/grouping.py). Tokens must not change.
+def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
+    # A 3K-token document beside three short prompts: the short rows decode while the document
+    # is prefilled in the same ragged steps, then all four decode together, each reading only
+    # its own pages. So the dense engine never splits the batch by width (grouping.py pays
+    # only under pruning), and every row's tokens equal those it gets alone.
     document = smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:3000]
     prompts = [document] + [smollm2.tokenizer.encode(lee[20 + i])[:40] for i in range(3)]
     pages = 1 + sum(pages_needed(len(p) + NEW + 8, 16) for p in prompts)
-    one, single = _run(
-        smollm2, prompts, RuntimeOptions(max_batch_size=4, max_batch_groups=1), pages
-    )
-    grouped, split = _run(smollm2, prompts, RuntimeOptions(max_batch_size=4), pages)
-    assert single.decode_bursts == single.decode_rounds
-    assert split.decode_bursts > split.decode_rounds
-    assert grouped == one
+    batched, engine = _run(smollm2, prompts, RuntimeOptions(max_batch_size=4), pages)
+    assert engine.decode_bursts == engine.decode_rounds
+    alone = [_run(smollm2, [p], RuntimeOptions(max_batch_size=4), pages)[0][0] for p in prompts]
+    assert batched == alone

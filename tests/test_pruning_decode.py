@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import etjax
+from etjax.attention import resolve_backend
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
 
@@ -15,9 +16,11 @@ def tiny(tiny_hf_dir):
     return etjax.load_model(tiny_hf_dir("llama"))
 
 
-def _run(model, prompts, pruning: PruningConfig, new_tokens: int = 12):
+def _run(model, prompts, pruning: PruningConfig, new_tokens: int = 12, attention_backend="xla"):
     settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
-    options = RuntimeOptions(page_size=4, steps_per_sync=4, pruning=pruning)
+    options = RuntimeOptions(
+        page_size=4, steps_per_sync=4, pruning=pruning, attention_backend=attention_backend
+    )
     return generate_ids(model.weights, model.config, model.tokenizer, prompts, settings, options)
 
 
@@ -65,3 +68,29 @@ def test_low_budget_reads_fewer_blocks_and_costs_less(tiny):
 def test_decode_accepts_pruning_flag(tiny):
     (result,) = etjax.decode("The river", model=tiny, max_new_tokens=6, pruning=True)
     assert len(result.kept_blocks) == len(result.token_ids)
+
+
+@pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
+def test_pruned_decode_runs_each_pallas_kernel_with_the_xla_outputs(tiny, backend):
+    # The engine's pruned path through each Pallas kernel (interpret mode on this CPU) gives
+    # the tokens and entropies of the XLA kernel, with a budget that really drops blocks.
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (41, 13)]
+    pruning = PruningConfig(
+        enabled=True, min_fraction=0.3, entropy_low=50.0, entropy_high=60.0, min_blocks=3
+    )
+    xla = _run(tiny, prompts, pruning, new_tokens=6)
+    pallas = _run(tiny, prompts, pruning, new_tokens=6, attention_backend=backend)
+    for a, b in zip(xla, pallas, strict=True):
+        assert a.kept_blocks == b.kept_blocks and max(a.kept_blocks) < -(-47 // 4)
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.entropy, b.entropy, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_backend_follows_the_platform():
+    assert resolve_backend("auto", "cpu") == "xla"
+    assert resolve_backend("auto", "tpu") == "pallas_tpu"
+    assert resolve_backend("auto", "gpu") == "pallas_gpu"
+    assert resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"
+    with pytest.raises(ValueError, match="attention_backend"):
+        RuntimeOptions(attention_backend="triton")

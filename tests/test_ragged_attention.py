@@ -26,12 +26,17 @@ TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 2e-5}
 CHUNK = 8
 
 
+# Shapes are padded to these bounds so that each (page size, heads, dtype, tiles) compiles once.
+MAX_SEQS, MAX_CACHED, MAX_NEW, MAX_EXTRA = 5, 70, 40, 5
+
+
 def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extra, seed):
     # draw_lengths: (cached, new) per sequence; returns the inputs of both backends.
     rng = np.random.default_rng(seed)
     h = kvh * groups
     need = [-(-(c + n + extra) // page_size) for c, n in draw_lengths]
-    num_pages = sum(need) + 3
+    most = -(-(MAX_CACHED + MAX_NEW + MAX_EXTRA) // page_size)
+    num_pages = MAX_SEQS * most + 3
     order = rng.permutation(np.arange(1, num_pages))  # pages scattered through the pool
     pages, taken = [], 0
     for k in need:
@@ -39,7 +44,7 @@ def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extr
         taken += k
     k_pages = jnp.asarray(rng.normal(size=(num_pages, kvh, page_size, hd)), dtype)
     v_pages = jnp.asarray(rng.normal(size=(num_pages, kvh, page_size, hd)), dtype)
-    num_tokens = sum(n for _, n in draw_lengths) + 3  # trailing padding tokens
+    num_tokens = MAX_SEQS * MAX_NEW + 3  # trailing padding tokens
     q = jnp.asarray(rng.normal(size=(num_tokens, h, hd)) * 2.0, dtype)
     positions = np.full(num_tokens, -1, np.int32)
     token_seq = np.full(num_tokens, -1, np.int32)
@@ -49,11 +54,11 @@ def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extr
         token_seq[start : start + new] = s
         segments.append(Segment(start, new, cached, cached + new - 1 + extra, seq_pages))
         start += new
-    width = max(need)
-    table = np.zeros((len(pages), width), np.int32)
+    width = most
+    table = np.zeros((MAX_SEQS, width), np.int32)
     for s, seq_pages in enumerate(pages):
         table[s, : len(seq_pages)] = seq_pages
-    max_tiles = sum(-(-n // q_tile) for _, n in draw_lengths)
+    max_tiles = MAX_SEQS * -(-MAX_NEW // q_tile)
     max_items = items_capacity(max_tiles * (width // kv_tile + 1), CHUNK)
     tile_pass = build_pass(
         segments,
@@ -61,7 +66,7 @@ def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extr
         q_tile=q_tile,
         kv_tile=kv_tile,
         num_tokens=num_tokens,
-        max_tiles=max_tiles + 1,
+        max_tiles=max_tiles,
         max_items=max_items,
     )
     return q, k_pages, v_pages, positions, token_seq, table, tile_pass

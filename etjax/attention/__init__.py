@@ -3,13 +3,25 @@
 - `plan.py`: `AttentionPlan` (what a step's tokens attend to, as device arrays) and the host
   builders: `plan_segments` for a ragged batch of sequences, `padded_batch_plan` for a
   padded [rows, tokens] batch.
-- `seam.py`: `attend`, which runs a plan on the chosen backend.
+- `seam.py`: `attend`, which runs a plan, and `resolve_backend`, the kernels by platform.
+- `pruned.py`: `pruned_decode_attention`, block selection by Quest bounds and the
+  block-sparse kernel of the chosen backend.
 
 The paged cache layout (etjax/cache/kv_cache.py) and the kernels (pallas_kernels/) sit below;
 the engine and the device programs (etjax/runtime/, etjax/engine/) above.
 """
 
 from etjax.attention.plan import AttentionPlan, PlanSizes, padded_batch_plan, plan_segments
-from etjax.attention.seam import attend
+from etjax.attention.pruned import pruned_decode_attention
+from etjax.attention.seam import BACKENDS, attend, resolve_backend
 
-__all__ = ["AttentionPlan", "PlanSizes", "attend", "padded_batch_plan", "plan_segments"]
+__all__ = [
+    "BACKENDS",
+    "AttentionPlan",
+    "PlanSizes",
+    "attend",
+    "padded_batch_plan",
+    "plan_segments",
+    "pruned_decode_attention",
+    "resolve_backend",
+]

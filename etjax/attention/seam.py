@@ -1,9 +1,11 @@
-"""`attend`: dense attention of a step's tokens over the paged cache, as its plan describes.
+"""`attend`: dense attention of a step's tokens over the paged cache, as its plan describes;
+and `resolve_backend`, the choice of kernels by platform.
 
-The one call the model makes for dense attention. Today every platform runs the XLA backend
-(pallas_kernels/ragged_attention/xla.py); the plan's layout is the one JAX's TPU ragged paged
-attention kernel also takes apart (per-sequence query offsets, KV lengths and page lists), so a
-kernel backend slots in here without the model or the engine changing.
+Dense attention runs the XLA backend on every platform today
+(pallas_kernels/ragged_attention/xla.py); its plan carries what JAX's TPU ragged paged attention
+kernel also takes (per-sequence query offsets, KV lengths and page lists), so a kernel backend
+slots in here without the model or the engine changing. Pruned decode attention
+(pruned.py) runs the project's block-sparse kernels: Pallas on TPU and GPU, XLA elsewhere.
 """
 
 from __future__ import annotations
@@ -12,6 +14,19 @@ import jax
 
 from etjax.attention.plan import AttentionPlan
 from pallas_kernels.ragged_attention import ragged_attention_xla
+
+BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+
+
+def resolve_backend(name: str, platform: str | None = None) -> str:
+    """The kernels `name` selects on `platform` (default: JAX's default backend): "auto" is
+    "pallas_tpu" on a TPU, "pallas_gpu" on a GPU and "xla" elsewhere."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention_backend={name!r}; must be one of {BACKENDS}")
+    if name != "auto":
+        return name
+    platform = platform or jax.default_backend()
+    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 
 
 def attend(

@@ -1,11 +1,14 @@
-"""`DeviceBackend`: the engine's device half — the KV pool, resident rows, prefill and decode.
+"""`DeviceBackend`: the engine's device half — the KV pool, resident rows, and a round's step.
 
 The engine (engine.py) decides; this executes. Resident sequences each own a row of one
-`DecodeState` store on device with `rows + 1` rows (the last is a never-active pad row). A
-decode burst gathers the rows the scheduler picked into a batch, runs `decode_steps` on it and
-scatters the rows back, so which sequences share a device batch can change every round while
-every shape stays bucketed. Page tables live on the host (the engine's page lists) and are
-packed for each call.
+`DecodeState` store on device with `rows + 1` rows (the last is a never-active pad row). A round
+runs one program (etjax/runtime/steps.py): `mixed`, one ragged step in which the decoding rows
+each advance a token and prefill chunks of other sequences ride along in the same flat batch,
+or `decode`, K steps of the rows in one scan when nothing is prefilling. Under pruning a step
+cannot mix (a pruned decode token and a dense chunk take different attention paths), so the
+chunks run as a `mixed` step without rows and the rows decode after. Every program gathers its
+rows from the store and scatters them back itself. Page lists live on the host (the engine's)
+and each call gets just the arrays its plan needs (etjax/attention/plan.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from etjax.attention import PlanSizes, plan_segments
+from etjax.attention import PlanSizes, plan_segments, resolve_backend
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.distributed.mesh import make_mesh
@@ -27,10 +30,10 @@ from etjax.entropy.state import initial_entropy_state
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
-from etjax.runtime.buckets import batch_bucket, kept_bucket, pages_bucket, prompt_bucket
+from etjax.runtime.buckets import batch_bucket, kept_bucket, next_power_of_two, pages_bucket
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.runtime.steps import decode_steps, prefill_chunk
+from etjax.runtime.steps import FlatBatch, decode_steps, mixed_step
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import pack_sampler_params
 from pallas_kernels.ragged_attention import Segment
@@ -88,45 +91,46 @@ class DeviceBackend:
                 self.store, self.placement.state(self.store, cfg.vocab_size)
             )
         self._logits: dict[int, jax.Array] = {}  # prefill logits of rows whose context is done
+        self.prefill_rows = batch_bucket(options.max_prefill_rows)  # chunks per step, padded
+        self.attention_backend = resolve_backend(options.attention_backend)
         # The longest page list a sequence can have: the model's context or the pool.
         self.max_seq_pages = min(
             pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
         )
 
-    # Prefill ----------------------------------------------------------------------------
+    @property
+    def mixes_decode(self) -> bool:
+        """Whether decoding rows and prefill chunks share one step (not under pruning)."""
+        return not self.options.pruning.enabled
 
-    def prefill(self, jobs: list[PrefillJob]) -> list[tuple[float, float]]:
-        """Run chunks (one per sequence), packed into flat batches; returns (FLOPs, bytes) of
-        each job. The logits after a job's last token are kept for `insert`."""
-        opts, cost = self.options, self.cost
-        costs = []
-        for job in jobs:
-            keys = np.asarray(
-                cost.keys_read(np.arange(job.start + 1, job.start + len(job.tokens) + 1))
-            )
-            costs.append(
-                (
-                    len(job.tokens) * cost.matmul_flops_per_token
-                    + cost.attention_flops_per_key * float(keys.sum()),
-                    cost.weight_bytes / len(jobs) + cost.kv_bytes_per_key * float(keys.sum()),
-                )
-            )
-        # Chunks are packed into flat batches of at most `prefill_chunk` tokens and
-        # `max_prefill_rows` sequences; each token reads only the pages its position sees.
-        for part in _pack(jobs, opts.prefill_chunk, opts.max_prefill_rows):
-            self._prefill_batch(part)
-        return costs
+    # One ragged step ------------------------------------------------------------------------
 
-    def _prefill_batch(self, jobs: list[PrefillJob]) -> None:
-        opts = self.options
-        total = sum(len(j.tokens) for j in jobs)
-        num_tokens = prompt_bucket(total, max(opts.prefill_chunk, total))
-        rows = batch_bucket(opts.max_prefill_rows)
+    def mixed(
+        self, rows: list[int], pages: list[list[int]], lengths: list[int], jobs: list[PrefillJob]
+    ) -> tuple[StepOutputs, np.ndarray, list[tuple[float, float]]]:
+        """One step: each row of `rows` (with its pages and cached length) decodes one token,
+        and each job appends its chunk. Returns the rows' outputs [1, len(rows)], their budget
+        fractions, and the (FLOPs, bytes) of each job; a job's logits are kept for `insert`."""
+        opts, cfg = self.options, self.cfg
+        if len(rows) > opts.max_batch_size:
+            raise ValueError(f"{len(rows)} decoding rows; max_batch_size={opts.max_batch_size}")
+        total = len(rows) + sum(len(j.tokens) for j in jobs)
+        num_tokens = self.token_bucket(total)
+        if total > num_tokens:
+            raise ValueError(f"a step of {total} tokens exceeds token_budget={opts.token_budget}")
+        width = batch_bucket(opts.max_batch_size)
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         write_pages = np.zeros(num_tokens, np.int32)  # padding writes to the null page
-        last_index = np.zeros(rows, np.int32)
-        segments, start = [], 0
+        index = np.full(width, self.rows, np.int32)  # pad rows: the never-active last row
+        decode_slot = np.full(width, num_tokens, np.int32)  # out of range: dropped
+        last_index = np.zeros(self.prefill_rows, np.int32)
+        segments = []
+        for j, (row, row_pages, n) in enumerate(zip(rows, pages, lengths, strict=True)):
+            index[j], decode_slot[j], positions[j] = row, j, n
+            write_pages[j] = row_pages[n // opts.page_size]
+            segments.append(Segment(j, 1, n, n, row_pages[: n // opts.page_size + 1]))
+        start = len(rows)
         for j, job in enumerate(jobs):
             n = len(job.tokens)
             span = slice(start, start + n)
@@ -135,43 +139,80 @@ class DeviceBackend:
             write_pages[span] = np.asarray(job.pages, np.int32)[positions[span] // opts.page_size]
             last_index[j] = start + n - 1
             reach = job.start + n - 1
-            pages = job.pages[: reach // opts.page_size + 1]
-            segments.append(Segment(start, n, job.start, reach, pages))
+            segments.append(
+                Segment(start, n, job.start, reach, job.pages[: reach // opts.page_size + 1])
+            )
             start += n
-        sizes = PlanSizes.prefill(num_tokens, rows, self.max_seq_pages, opts.page_size)
-        plan = plan_segments(segments, num_tokens, sizes)
-        logits, self.cache = prefill_chunk(
+        plan = plan_segments(segments, num_tokens, self._mixed_sizes(num_tokens))
+        batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index)
+        self.store, self.cache, out, logits = mixed_step(
             self.weights,
             self.cache,
-            tokens,
-            positions,
-            write_pages,
-            last_index,
+            self.store,
+            index,
+            batch,
             plan,
-            cfg=self.cfg,
-            placement=self.placement,
+            cfg,
+            self.cost,
+            self.placement,
         )
         for j, job in enumerate(jobs):
             self._logits[job.row] = logits[j]
+        out, budget = jax.device_get((out, self.store.entropy.budget[index[: len(rows)]]))
+        out = jax.tree.map(lambda x: x[:, : len(rows)], out)
+        return out, np.asarray(budget), [self._prefill_cost(job, len(jobs)) for job in jobs]
+
+    def token_bucket(self, num_tokens: int) -> int:
+        """Padded token count of a ragged step (a power of two from 16 up)."""
+        return next_power_of_two(num_tokens, minimum=16)
+
+    def _mixed_sizes(self, num_tokens: int) -> PlanSizes:
+        opts = self.options
+        decode = PlanSizes.decode(batch_bucket(opts.max_batch_size), self.num_pages, opts.page_size)
+        prefill = PlanSizes.prefill(
+            num_tokens, self.prefill_rows, self.max_seq_pages, opts.page_size
+        )
+        return PlanSizes(opts.page_size, decode.passes + prefill.passes)
+
+    def _prefill_cost(self, job: PrefillJob, num_jobs: int) -> tuple[float, float]:
+        cost = self.cost
+        keys = float(
+            np.asarray(
+                cost.keys_read(np.arange(job.start + 1, job.start + len(job.tokens) + 1))
+            ).sum()
+        )
+        flops = len(job.tokens) * cost.matmul_flops_per_token + cost.attention_flops_per_key * keys
+        return flops, cost.weight_bytes / num_jobs + cost.kv_bytes_per_key * keys
 
     def insert(self, row: int, init: RowInit) -> None:
         """Make `row` the resident state of a sequence whose context was just prefilled."""
         logits = self._logits.pop(row)
         length = len(init.prompt) + len(init.generated)
         if init.saved is None:
-            one = _initial_row(self.cfg, init, self.eos_ids)
-        else:
-            one = init.saved
-            one = one.replace(
-                entropy=one.entropy.replace(
-                    cost_flops=one.entropy.cost_flops + init.prefill_flops,
-                    cost_bytes=one.entropy.cost_bytes + init.prefill_bytes,
-                )
+            in_prompt = np.zeros((1, self.cfg.vocab_size), bool)
+            in_prompt[0, np.asarray(init.prompt, np.int64)] = True
+            self.store = _insert_new_row(
+                self.store,
+                np.int32(row),
+                logits,
+                np.int32(length),
+                pack_sampler_params([init.settings.sampler], 1, xp=np),
+                np.int32(init.settings.max_new_tokens),
+                np.bool_(not init.settings.ignore_eos),
+                in_prompt,
+                np.float32(init.prefill_flops),
+                np.float32(init.prefill_bytes),
             )
-        one = one.replace(
-            logits=logits[None], lengths=jnp.asarray([length], jnp.int32), page_table=None
-        )
-        self.store = _put_rows(self.store, jnp.asarray([row], jnp.int32), one)
+        else:
+            self.store = _restore_row(
+                self.store,
+                np.int32(row),
+                logits,
+                np.int32(length),
+                init.saved,
+                np.float32(init.prefill_flops),
+                np.float32(init.prefill_bytes),
+            )
 
     def release(self, row: int) -> None:
         """Forget a row whose sequence finished or was preempted (its state is overwritten by
@@ -180,13 +221,12 @@ class DeviceBackend:
 
     def save(self, row: int) -> DecodeState:
         """The row's state on the host, to restore after its KV is recomputed."""
-        one = _take_rows(self.store, jnp.asarray([row], jnp.int32))
-        return jax.device_get(one.replace(logits=None, page_table=None, eos_ids=None))
+        return jax.device_get(_save_row(self.store, np.int32(row)))
 
     # Decode -----------------------------------------------------------------------------
 
     def row_width(self, length: int, budget: float) -> int:
-        """Blocks a row of `length` tokens with budget fraction `budget` needs in a burst: its
+        """Blocks a row of `length` tokens with budget fraction `budget` reads in a burst: its
         pages, or under pruning the blocks its budget keeps (what pads a burst's tables)."""
         opts = self.options
         blocks = pages_needed(length + opts.steps_per_sync, opts.page_size)
@@ -195,19 +235,19 @@ class DeviceBackend:
         return int(kept_block_count(np.asarray([budget]), np.asarray([blocks]), opts.pruning)[0])
 
     def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
-        """Estimated bytes one step of a burst over these rows reads, with the shapes `decode`
-        would give it: the weights once, every padded row's KV over the padded width (or the
-        kept-block table under pruning, plus the per-page key bounds the selection scores)."""
+        """Estimated bytes one step of a burst over these rows reads: the weights once, then
+        dense, each row's own pages (the ragged attention reads no padding, so splitting a
+        batch never pays); pruned, every padded row over the widest kept-block table, plus the
+        per-page key bounds the selection scores."""
         opts, cfg, cost = self.options, self.cfg, self.cost
-        num = batch_bucket(len(lengths))
         pages = [pages_needed(n + opts.steps_per_sync, opts.page_size) for n in lengths]
+        if not opts.pruning.enabled:
+            return cost.weight_bytes + sum(pages) * opts.page_size * cost.kv_bytes_per_key
+        num = batch_bucket(len(lengths))
         width = pages_bucket(max(pages))
-        read = width
-        scored = 0.0
-        if opts.pruning.enabled:
-            widest = max(self.row_width(n, b) for n, b in zip(lengths, budgets, strict=True))
-            read = kept_bucket(widest, width)
-            scored = num * width * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+        widest = max(self.row_width(n, b) for n, b in zip(lengths, budgets, strict=True))
+        read = kept_bucket(widest, width)
+        scored = num * width * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
         return cost.weight_bytes + num * read * opts.page_size * cost.kv_bytes_per_key + scored
 
     def decode(
@@ -216,31 +256,43 @@ class DeviceBackend:
         """Run `steps_per_sync` steps on `rows`; returns the outputs [K, len(rows)] and each
         row's budget fraction for its next step (host arrays)."""
         opts = self.options
-        k = opts.steps_per_sync
+        k, ps = opts.steps_per_sync, opts.page_size
         num = batch_bucket(len(rows))
         index = np.full(num, self.rows, np.int32)  # pad rows: the never-active last row
         index[: len(rows)] = rows
-        reach = [n + k for n in lengths]
-        width = pages_bucket(max(pages_needed(r, opts.page_size) for r in reach))
-        table = page_table_rows([p[:width] for p in pages] + [[]] * (num - len(rows)), width)
-        max_kept = 0
+        max_kept, plan = 0, None
         if opts.pruning.enabled:
-            blocks = np.array([pages_needed(r, opts.page_size) for r in reach])
+            # The whole table: the block selection scores every page of a row.
+            reach = [n + k for n in lengths]
+            width = pages_bucket(max(pages_needed(r, ps) for r in reach))
+            table = page_table_rows([p[:width] for p in pages] + [[]] * (num - len(rows)), width)
+            base = np.zeros(num, np.int32)
+            blocks = np.array([pages_needed(r, ps) for r in reach])
             needed = np.asarray(kept_block_count(np.asarray(budgets), blocks, opts.pruning))
             max_kept = kept_bucket(int(needed.max()), width)
-        plan = None
-        if not opts.pruning.enabled:
+        else:
+            # Dense: writes need only the pages the burst's positions fall in, and attention
+            # reads each row's own pages up to its length after the burst.
+            width = (k - 1) // ps + 2
+            base = np.zeros(num, np.int32)
+            base[: len(rows)] = [n // ps for n in lengths]
+            table = page_table_rows(
+                [p[b : b + width] for p, b in zip(pages, base, strict=False)]
+                + [[]] * (num - len(rows)),
+                width,
+            )
             segments = [
-                Segment(j, 1, n, n + k - 1, p[: pages_needed(n + k, opts.page_size)])
+                Segment(j, 1, n, n + k - 1, p[: pages_needed(n + k, ps)])
                 for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
             ]
-            sizes = PlanSizes.decode(num, self.num_pages, opts.page_size)
-            plan = plan_segments(segments, num, sizes)
-        batch = _take_rows(self.store, jnp.asarray(index)).replace(page_table=jnp.asarray(table))
-        batch, self.cache, out = decode_steps(
+            plan = plan_segments(segments, num, PlanSizes.decode(num, self.num_pages, ps))
+        self.store, self.cache, out = decode_steps(
             self.weights,
             self.cache,
-            batch,
+            self.store,
+            index,
+            table,
+            base,
             self.cfg,
             self.cost,
             k,
@@ -248,46 +300,63 @@ class DeviceBackend:
             max_kept,
             self.placement,
             plan,
+            self.attention_backend,
         )
-        self.store = _put_rows(self.store, jnp.asarray(index), batch.replace(page_table=None))
-        out, budget = jax.device_get((out, batch.entropy.budget))
+        out, budget = jax.device_get((out, self.store.entropy.budget[index[: len(rows)]]))
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
-        return out, np.asarray(budget[: len(rows)])
-
-
-def _pack(jobs: list[PrefillJob], max_tokens: int, max_rows: int) -> list[list[PrefillJob]]:
-    # Consecutive jobs into batches of at most max_tokens tokens (a longer job alone) and
-    # max_rows sequences.
-    parts: list[list[PrefillJob]] = []
-    used = 0
-    for job in jobs:
-        n = len(job.tokens)
-        if not parts or used + n > max_tokens or len(parts[-1]) == max_rows:
-            parts.append([])
-            used = 0
-        parts[-1].append(job)
-        used += n
-    return parts
+        return out, np.asarray(budget)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _put_rows(store: DecodeState, rows: jax.Array, batch: DecodeState) -> DecodeState:
-    # Scatter batch rows into the store; the shared eos ids and the (host-owned) page table
-    # are not per-row state. Pad rows all point at the last row: whichever write wins there
-    # is harmless, it never runs active.
+def _insert_new_row(
+    store, row, logits, length, params, max_new_tokens, stop_on_eos, in_prompt, flops, nbytes
+) -> DecodeState:
+    # A fresh row: the request's sampler, no output yet, the prefill's cost counted.
+    one = DecodeState(
+        logits=logits[None],
+        lengths=length[None],
+        page_table=None,
+        active=jnp.ones(1, bool),
+        num_generated=jnp.zeros(1, jnp.int32),
+        max_new_tokens=max_new_tokens[None],
+        stop_on_eos=stop_on_eos[None],
+        eos_ids=None,
+        token_counts=jnp.zeros((1, store.token_counts.shape[1]), jnp.int32),
+        in_prompt=in_prompt,
+        sampler=params,
+        entropy=initial_entropy_state(initial_sampler_state(params), flops[None], nbytes[None]),
+    )
+    return _set_row(store, row, one)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _restore_row(store, row, logits, length, saved, flops, nbytes) -> DecodeState:
+    # A preempted row back: its saved state, the recomputed prefill's cost added.
+    entropy = saved.entropy
+    one = saved.replace(
+        logits=logits[None],
+        lengths=length[None],
+        entropy=entropy.replace(
+            cost_flops=entropy.cost_flops + flops, cost_bytes=entropy.cost_bytes + nbytes
+        ),
+    )
+    return _set_row(store, row, one)
+
+
+def _set_row(store: DecodeState, row: jax.Array, one: DecodeState) -> DecodeState:
     shared = dict(eos_ids=store.eos_ids, page_table=store.page_table)
     body = jax.tree.map(
-        lambda s, b: s.at[rows].set(b.astype(s.dtype)),
+        lambda s, b: s.at[row].set(b[0].astype(s.dtype)),
         store.replace(eos_ids=None, page_table=None),
-        batch.replace(eos_ids=None, page_table=None),
+        one.replace(eos_ids=None, page_table=None),
     )
     return body.replace(**shared)
 
 
 @jax.jit
-def _take_rows(store: DecodeState, rows: jax.Array) -> DecodeState:
-    body = jax.tree.map(lambda s: s[rows], store.replace(eos_ids=None, page_table=None))
-    return body.replace(eos_ids=store.eos_ids, page_table=None)
+def _save_row(store: DecodeState, row: jax.Array) -> DecodeState:
+    one = jax.tree.map(lambda s: s[row][None], store.replace(eos_ids=None, page_table=None))
+    return one.replace(logits=None, lengths=None)
 
 
 def _empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> DecodeState:
@@ -307,29 +376,5 @@ def _empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> Decod
         sampler=params,
         entropy=initial_entropy_state(
             initial_sampler_state(params), jnp.asarray(zeros), jnp.asarray(zeros.copy())
-        ),
-    )
-
-
-def _initial_row(cfg: ModelConfig, init: RowInit, eos_ids: tuple[int, ...]) -> DecodeState:
-    in_prompt = np.zeros((1, cfg.vocab_size), bool)
-    in_prompt[0, np.asarray(init.prompt, np.int64)] = True
-    params = pack_sampler_params([init.settings.sampler], 1)
-    return DecodeState(
-        logits=None,
-        lengths=None,
-        page_table=None,
-        active=jnp.ones(1, bool),
-        num_generated=jnp.zeros(1, jnp.int32),
-        max_new_tokens=jnp.asarray([init.settings.max_new_tokens], jnp.int32),
-        stop_on_eos=jnp.asarray([not init.settings.ignore_eos]),
-        eos_ids=None,
-        token_counts=jnp.zeros((1, cfg.vocab_size), jnp.int32),
-        in_prompt=jnp.asarray(in_prompt),
-        sampler=params,
-        entropy=initial_entropy_state(
-            initial_sampler_state(params),
-            jnp.asarray([init.prefill_flops], jnp.float32),
-            jnp.asarray([init.prefill_bytes], jnp.float32),
         ),
     )

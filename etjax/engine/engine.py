@@ -4,20 +4,26 @@ A round (`step`):
   1. cancelled requests release their row and pages;
   2. waiting requests are admitted in the policy's order while a resident row and pages for
      their context plus one burst are free, keeping a reserve so resident sequences can grow;
-  3. each admitted sequence prefills one chunk of its context (at most `max_prefill_rows`
-     chunks a round), so long prompts interleave with decoding; a finished context makes the
-     sequence resident;
-  4. the scheduler picks up to `max_batch_size` resident sequences (overdue ones first, then by
-     the policy's priority); each gets pages for the coming burst, preempting the policy's
-     least valuable resident sequence if the pool is short (recompute: its pages are freed,
-     its sampler and entropy state are kept on the host, and its prompt plus generated tokens
-     are prefilled again when it is readmitted);
-  5. the device runs `steps_per_sync` decode steps on the batch in one `lax.scan` (or in a few
-     bursts of rows of similar attention width, when that reads fewer bytes: grouping.py);
-     the host streams the new tokens, applies stop strings and frees finished sequences.
+  3. the scheduler picks up to `max_batch_size` resident sequences (the deadlines the
+     minimum-advancement guarantee needs first, then by the policy's priority); each gets
+     pages for a burst, preempting the policy's least valuable resident sequence if the pool
+     is short (recompute: its pages are freed, its sampler and entropy state are kept on the
+     host, and its prompt plus generated tokens are prefilled again when it is readmitted);
+  4. admitted sequences get their next prompt chunk (at most `prefill_chunk` tokens each, at
+     most `max_prefill_rows` of them) within what the token budget leaves after one token per
+     picked sequence;
+  5. the device runs one ragged step: the batch's sequences decode a token each and the chunks
+     are appended, in one flat batch; a finished context makes its sequence resident. With
+     nothing to prefill, the batch runs `steps_per_sync` decode steps in one `lax.scan`
+     instead (as a few bursts of rows of similar attention width when that reads fewer bytes:
+     grouping.py; with ragged attention that only pays under pruning). The host streams the
+     new tokens, applies stop strings and frees finished sequences.
 
-The host loop is plain, single-threaded Python over a small backend interface (prefill,
-insert, save, release, decode, and row_width / burst_bytes for the grouping), so the same
+Under pruning (the backend's `mixes_decode` is False) the chunks run first as a step of their
+own, and the burst follows in the same round.
+
+The host loop is plain, single-threaded Python over a small backend interface (`mixed`,
+`decode`, insert, save, release, and row_width / burst_bytes for the grouping), so the same
 code runs on the device (`DeviceBackend`) and on a mock with hand-computable outputs in the tests.
 """
 
@@ -169,8 +175,34 @@ class Engine:
                 self._stamp_finish(seq, now)
         arrived = [s for s in live if not s.finished and s.arrival_time <= now]
         self._admit([s for s in arrived if s.status is Status.WAITING])
-        device += self._prefill([s for s in arrived if s.status is Status.PREFILLING])
-        running = [s for s in arrived if s.status is Status.RUNNING]
+        budget = self.options.token_budget
+        if self.backend.mixes_decode:
+            # One ragged step: the decoding rows first (prefill never starves decode), then
+            # chunks up to the token budget; with nothing to prefill, a K-step burst. (Pages
+            # for the batch may preempt a prefilling sequence: list those after.)
+            batch = self._pick_batch([s for s in arrived if s.status is Status.RUNNING])
+            prefilling = [s for s in arrived if s.status is Status.PREFILLING]
+            jobs = self._prefill_jobs(prefilling, budget - len(batch))
+            if jobs:
+                device += self._mixed(batch, jobs)
+            elif batch:
+                device += self._decode(batch)
+        else:
+            # Pruned decode cannot share a step with prefill: chunks first, then a burst that
+            # may already include the sequences they completed.
+            prefilling = [s for s in arrived if s.status is Status.PREFILLING]
+            jobs = self._prefill_jobs(prefilling, budget)
+            if jobs:
+                device += self._mixed([], jobs)
+            batch = self._pick_batch([s for s in arrived if s.status is Status.RUNNING])
+            if batch:
+                device += self._decode(batch)
+        self.round += 1
+        self.device_seconds += device
+        self.host_seconds += time.perf_counter() - started - device
+        return any(not s.finished for s in self.sequences)
+
+    def _pick_batch(self, running: list[Sequence]) -> list[Sequence]:
         batch = scheduler.pick_batch(
             running,
             self.policy,
@@ -178,13 +210,7 @@ class Engine:
             self.options.max_batch_size,
             self.options.min_advance_rounds,
         )
-        batch = self._reserve_burst_pages(batch, running)
-        if batch:
-            device += self._decode(batch)
-        self.round += 1
-        self.device_seconds += device
-        self.host_seconds += time.perf_counter() - started - device
-        return any(not s.finished for s in self.sequences)
+        return self._reserve_burst_pages(batch, running)
 
     def _admit(self, waiting: list[Sequence]) -> None:
         opts = self.options
@@ -206,40 +232,62 @@ class Engine:
                 seq.admitted_time = self.clock()
             resident += 1
 
-    def _prefill(self, prefilling: list[Sequence]) -> float:
+    def _prefill_jobs(
+        self, prefilling: list[Sequence], budget: int
+    ) -> list[tuple[Sequence, PrefillJob]]:
+        # The next chunk of each admitted sequence, oldest admission first, within the token
+        # budget and `max_prefill_rows`.
         opts = self.options
-        order = sorted(prefilling, key=lambda s: (s.admitted_round, s.order))
-        jobs, owners = [], []
-        for seq in order[: opts.max_prefill_rows]:
-            end = min(seq.prefilled + opts.prefill_chunk, len(seq.context))
-            jobs.append(
-                PrefillJob(seq.row, seq.context[seq.prefilled : end], seq.prefilled, seq.pages)
-            )
-            owners.append((seq, end))
-        if not jobs:
-            return 0.0
+        jobs = []
+        for seq in sorted(prefilling, key=lambda s: (s.admitted_round, s.order)):
+            if len(jobs) == opts.max_prefill_rows or budget <= 0:
+                break
+            end = min(seq.prefilled + opts.prefill_chunk, len(seq.context), seq.prefilled + budget)
+            chunk = seq.context[seq.prefilled : end]
+            jobs.append((seq, PrefillJob(seq.row, chunk, seq.prefilled, seq.pages)))
+            budget -= len(chunk)
+        return jobs
+
+    def _mixed(self, batch: list[Sequence], jobs: list[tuple[Sequence, PrefillJob]]) -> float:
+        # One ragged step: the batch's rows decode a token each, the jobs append their chunks.
+        batch = sorted(batch, key=lambda s: s.row)
         started = time.perf_counter()
-        costs = self.backend.prefill(jobs)
-        for (seq, end), (flops, nbytes) in zip(owners, costs, strict=True):
-            seq.prefilled = end
-            seq.recompute_flops += flops
-            seq.recompute_bytes += nbytes
-            if end == len(seq.context):
-                self.backend.insert(
-                    seq.row,
-                    RowInit(
-                        prompt=seq.prompt,
-                        generated=list(seq.output.token_ids),
-                        settings=seq.settings,
-                        saved=seq.saved_row,
-                        prefill_flops=seq.recompute_flops,
-                        prefill_bytes=seq.recompute_bytes,
-                    ),
-                )
-                seq.saved_row, seq.recompute_flops, seq.recompute_bytes = None, 0.0, 0.0
-                seq.status = Status.RUNNING
-                seq.resident_round = seq.last_run_round = self.round  # the advancement clock
-        return time.perf_counter() - started
+        out, budgets, costs = self.backend.mixed(
+            [s.row for s in batch],
+            [s.pages for s in batch],
+            [s.length for s in batch],
+            [job for _, job in jobs],
+        )
+        elapsed = time.perf_counter() - started
+        if batch:
+            self.decode_rounds += 1
+            self.decode_bursts += 1
+            self._collect(batch, out, budgets)
+        for (seq, job), (flops, nbytes) in zip(jobs, costs, strict=True):
+            self._prefilled(seq, seq.prefilled + len(job.tokens), flops, nbytes)
+        return elapsed
+
+    def _prefilled(self, seq: Sequence, end: int, flops: float, nbytes: float) -> None:
+        # A chunk of `seq` is cached up to `end`; a finished context makes it resident.
+        seq.prefilled = end
+        seq.recompute_flops += flops
+        seq.recompute_bytes += nbytes
+        if end < len(seq.context):
+            return
+        self.backend.insert(
+            seq.row,
+            RowInit(
+                prompt=seq.prompt,
+                generated=list(seq.output.token_ids),
+                settings=seq.settings,
+                saved=seq.saved_row,
+                prefill_flops=seq.recompute_flops,
+                prefill_bytes=seq.recompute_bytes,
+            ),
+        )
+        seq.saved_row, seq.recompute_flops, seq.recompute_bytes = None, 0.0, 0.0
+        seq.status = Status.RUNNING
+        seq.resident_round = seq.last_run_round = self.round  # the advancement clock
 
     def _reserve_burst_pages(
         self, batch: list[Sequence], running: list[Sequence]
@@ -309,8 +357,13 @@ class Engine:
             [s.budget for s in batch],
         )
         elapsed = time.perf_counter() - started
-        now = self.clock()
         self.decode_bursts += 1
+        self._collect(batch, out, budgets)
+        return elapsed
+
+    def _collect(self, batch: list[Sequence], out, budgets) -> None:
+        # Stream the rows' new tokens [steps, rows], apply stops, free finished sequences.
+        now = self.clock()
         for j, seq in enumerate(batch):
             seq.last_run_round = self.round
             seq.budget = float(budgets[j])
@@ -337,7 +390,6 @@ class Engine:
                 self._release(seq)
                 seq.close()
                 self._stamp_finish(seq, now)
-        return elapsed
 
     def _stamp_finish(self, seq: Sequence, now: float) -> None:
         seq.finish_time, seq.finish_round = now, self.round

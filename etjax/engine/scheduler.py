@@ -6,8 +6,10 @@ Guarantees, whatever the policy:
   resident sequences (`check_starvation_bound`), a resident sequence runs at least once in
   every R rounds: if it last ran (or became resident) in round r, it runs again by round r + R.
   A round counts once however many bursts it is split into (every batch member runs in it).
-  Each run produces up to `steps_per_sync` tokens, so a sequence that stays resident finishes
-  within R * ceil(max_new_tokens / steps_per_sync) rounds of becoming resident.
+  A run produces one token in a round that also prefills (a ragged step) and up to
+  `steps_per_sync` in a round that only decodes, so a sequence that stays resident finishes
+  within R * max_new_tokens rounds of becoming resident, and within
+  R * ceil(max_new_tokens / steps_per_sync) rounds while nothing else is prefilling.
 
   Why it holds (`forced_count`): give each resident sequence the deadline D = r + R. Running
   "overdue sequences first" is not enough: several sequences that became resident in the same

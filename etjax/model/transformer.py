@@ -12,7 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from etjax.attention import AttentionPlan, attend
+from etjax.attention import AttentionPlan, attend, pruned_decode_attention
 from etjax.cache.kv_cache import (
     NULL_PAGE,
     KVCache,
@@ -24,10 +24,7 @@ from etjax.cache.kv_cache import (
 from etjax.model.config import ModelConfig
 from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu_mlp
 from etjax.model.weights import LayerWeights, Weights
-from etjax.pruning.block_scores import block_upper_bounds, remember_mass
 from etjax.pruning.config import PruningConfig
-from etjax.pruning.selection import select_blocks
-from pallas_kernels.block_sparse import block_sparse_attention_xla
 
 
 def forward(
@@ -79,6 +76,7 @@ class SparsePlan:
     page_table: jax.Array  # [B, P] int32 pages of each row's sequence
     pruning: PruningConfig = flax.struct.field(pytree_node=False)
     max_kept: int = flax.struct.field(pytree_node=False)  # static width of the kept table
+    backend: str = flax.struct.field(pytree_node=False, default="xla")  # the kernel
 
 
 def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
@@ -117,34 +115,17 @@ def _attention(
     kv = write_kv(kv, k, v, write_pages, positions)
     if sparse is not None:
         real = write_pages != NULL_PAGE
-        out, kv = _sparse_decode_attention(q, kv, positions, real, sparse.page_table, sparse)
+        out, kv = pruned_decode_attention(
+            q,
+            kv,
+            positions,
+            real,
+            sparse.page_table,
+            sparse.budget_blocks,
+            sparse.pruning,
+            sparse.max_kept,
+            sparse.backend,
+        )
     else:
         out = attend(q, kv.k, kv.v, positions, plan)
     return out.reshape(t, cfg.num_heads * hd) @ layer.wo, kv
-
-
-def _sparse_decode_attention(
-    q: jax.Array,
-    kv: LayerKV,
-    position: jax.Array,
-    valid: jax.Array,
-    page_table: jax.Array,
-    plan: SparsePlan,
-) -> tuple[jax.Array, LayerKV]:
-    # q: [B, H, hd] at `position` [B]; the key just written is part of the last block.
-    page_size = kv.k.shape[2]
-    lengths = position + 1
-    num_blocks = (lengths + page_size - 1) // page_size
-    scores = block_upper_bounds(q, kv.k_min, kv.k_max, page_table)  # [B, KVH, P]
-    last_mass = kv.block_mass[page_table].transpose(0, 2, 1)  # [B, KVH, P]
-    if plan.pruning.share_heads:
-        scores = scores.max(axis=1, keepdims=True)
-        last_mass = last_mass.max(axis=1, keepdims=True)
-    kept, counts = select_blocks(
-        scores, num_blocks, plan.budget_blocks, plan.pruning, plan.max_kept, last_mass
-    )
-    out, mass = block_sparse_attention_xla(q, kv.k, kv.v, page_table, kept, counts, lengths)
-    if plan.pruning.mass_threshold > 0:
-        physical = jnp.take_along_axis(page_table[:, None, :], kept, axis=2)
-        kv = kv.replace(block_mass=remember_mass(kv.block_mass, physical, mass, counts, valid))
-    return out, kv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from etjax.attention.seam import BACKENDS as ATTENTION_BACKENDS
 from etjax.distributed.mesh import MeshShape
 from etjax.pruning.config import PruningConfig
 from etjax.sampling.settings import SamplerSettings
@@ -30,12 +31,20 @@ class RuntimeOptions:
       which of them fill the device batch each round. None = 2 x max_batch_size.
     num_pages: KV pool size including the null page; None sizes it for the work at hand when
       the engine is built for a known set of requests (`generate_ids`), else 4096.
-    steps_per_sync: decode steps per burst (one `lax.scan`) between scheduler decisions.
-      Larger amortises host work; smaller streams more smoothly and reacts faster.
+    steps_per_sync: decode steps per burst (one `lax.scan`) between scheduler decisions, in
+      rounds with nothing to prefill. Larger amortises host work; smaller streams more
+      smoothly and reacts faster.
+    prefill_chunk: the most tokens of one prompt a round prefills; max_prefill_rows: the most
+      prompts a round prefills.
+    token_budget: the most tokens one ragged step runs: a token for each decoding row, then
+      prefill chunks up to the rest (must exceed max_batch_size, so prefill always advances).
     policy: "fcfs", "priority" or "entropic" (etjax/engine/policies.py).
     min_advance_rounds: every resident sequence runs at least once in this many rounds.
     max_batch_groups: a round's batch may run as up to this many bursts of rows of similar
       attention width, when that reads fewer bytes (etjax/engine/grouping.py); 1 = one burst.
+    attention_backend: the kernels of pruned decode attention: "auto" (Pallas on a TPU or a
+      GPU, XLA elsewhere), "xla", "pallas_tpu" or "pallas_gpu". Dense attention runs the
+      ragged XLA path on every platform (etjax/attention/seam.py).
     mesh: "DATAxMODEL" devices of this process to run on ("2x4": rows split two ways, weights,
       KV heads and vocabulary four ways; etjax/distributed). "1x1" = the default device.
     """
@@ -46,11 +55,13 @@ class RuntimeOptions:
     num_pages: int | None = None
     prefill_chunk: int = 512
     max_prefill_rows: int = 8
+    token_budget: int = 512
     steps_per_sync: int = 8
     pruning: PruningConfig = field(default_factory=PruningConfig)
     policy: str = "fcfs"
     min_advance_rounds: int = 4
     max_batch_groups: int = 4
+    attention_backend: str = "auto"
     mesh: str = "1x1"
 
     def __post_init__(self) -> None:
@@ -61,6 +72,7 @@ class RuntimeOptions:
             "max_batch_size",
             "prefill_chunk",
             "max_prefill_rows",
+            "token_budget",
             "steps_per_sync",
             "min_advance_rounds",
             "max_batch_groups",
@@ -73,6 +85,15 @@ class RuntimeOptions:
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name}={value!r}; must be a positive integer or omitted")
         MeshShape.parse(self.mesh)  # raises ConfigError naming the value
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r}; must be one of {ATTENTION_BACKENDS}"
+            )
+        if self.token_budget <= self.max_batch_size:
+            raise ValueError(
+                f"token_budget={self.token_budget} must exceed max_batch_size="
+                f"{self.max_batch_size}: a step holds a token per decoding row and prefill"
+            )
         if self.max_resident is not None and self.max_resident < self.max_batch_size:
             raise ValueError(
                 f"max_resident={self.max_resident} < max_batch_size={self.max_batch_size}; "

@@ -1,7 +1,17 @@
-"""The jitted device programs: prefill chunks, and K decode steps in one `lax.scan`.
+"""The jitted device programs of a round, over the resident store of rows.
 
-Both donate the KV cache so pages are updated in place. Shapes are bucketed by the caller
-(`buckets.py`), so a run with varied prompts compiles a handful of programs once.
+- `mixed_step`: one ragged step. A flat batch of tokens holds the next token of each decoding
+  row (sampled here from the row's logits) followed by prefill chunks of other sequences; the
+  model runs once over all of them, each token attending to its own sequence's pages
+  (etjax/attention). Returns the logits after each chunk.
+- `prefill_chunk`: the same flat prefill without rows to decode and without the store.
+- `decode_steps`: K decode steps of a batch of rows in one `lax.scan`, for rounds with nothing
+  to prefill (fewer host round trips).
+
+Both gather their rows from the store and scatter them back inside the program, and donate the
+store and the KV cache. Shapes: `mixed_step` by its token bucket, `decode_steps` by its row
+bucket (and, under pruning, the page-table and kept-table widths); the host sizes every other
+array from the engine's fixed sizes, so a run compiles a bounded set of programs once.
 """
 
 from __future__ import annotations
@@ -9,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.lax import with_sharding_constraint as constrain
 
 from etjax.attention import AttentionPlan
-from etjax.cache.kv_cache import KVCache, token_pages
+from etjax.cache.kv_cache import KVCache
 from etjax.distributed.mesh import DATA, MODEL
 from etjax.distributed.placement import Placement
 from etjax.entropy.cost import CostModel
@@ -26,6 +37,68 @@ from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.sampling.sampler import sample_next
+
+
+@flax.struct.dataclass
+class FlatBatch:
+    """The host-built part of a ragged step's flat batch. T = tokens, Bm = decoding rows
+    (padded), Sp = prefill sequences (padded)."""
+
+    tokens: jax.Array  # [T] int32 prefill tokens; decode slots are filled on the device
+    positions: jax.Array  # [T] int32
+    write_pages: jax.Array  # [T] int32 page of each token's position; null page for padding
+    decode_slot: jax.Array  # [Bm] int32 flat index of each row's token (T for padding rows)
+    last_index: jax.Array  # [Sp] int32 flat index of each prefill sequence's last token
+
+
+@functools.partial(
+    jax.jit, static_argnames=("cfg", "cost", "placement"), donate_argnames=("cache", "store")
+)
+def mixed_step(
+    weights: Weights,
+    cache: KVCache,
+    store: DecodeState,
+    rows: jax.Array,
+    batch: FlatBatch,
+    plan: AttentionPlan,
+    cfg: ModelConfig,
+    cost: CostModel,
+    placement: Placement | None = None,
+) -> tuple[DecodeState, KVCache, StepOutputs, jax.Array]:
+    """One ragged step: every row in `rows` [Bm] (the store's pad row for padding) samples its
+    next token, which runs through the model together with the prefill tokens of `batch`.
+
+    Returns the store, the cache, the rows' outputs [1, Bm] and float32 logits [Sp, V] after
+    each prefill sequence's last token.
+    """
+    with _on_mesh(placement):
+        state = _take_rows(store, rows)
+        prefill_hidden = []
+
+        def run_model(tokens, runs, sparse):
+            del sparse  # a ragged step is dense
+            slot = batch.decode_slot
+            flat = batch.tokens.at[slot].set(tokens, mode="drop")
+            # A row that finished on this token writes nothing (its token is not run).
+            write_pages = batch.write_pages.at[slot].set(
+                jnp.where(runs, batch.write_pages.at[slot].get(mode="fill", fill_value=0), 0),
+                mode="drop",
+            )
+            hidden, new_cache = forward(
+                weights, cache, flat, batch.positions, write_pages, cfg, plan=plan
+            )
+            prefill_hidden.append(hidden[batch.last_index])
+            return hidden.at[slot].get(mode="fill", fill_value=0), new_cache
+
+        state, cache, outputs = _decode_step(weights, state, cfg, cost, DENSE, 0, run_model)
+        logits = logits_from_hidden(weights, prefill_hidden[0])
+        store = _put_rows(store, rows, state)
+        if placement is not None:
+            logits = constrain(logits, placement.sharding(logits.shape, {0: DATA, 1: MODEL}))
+            store = constrain(store, placement.state(store, cfg.vocab_size))
+            cache = constrain(cache, placement.cache(cache))
+        outputs = jax.tree.map(lambda x: x[None], outputs)
+        return store, cache, outputs, logits
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "placement"), donate_argnames="cache")
@@ -41,7 +114,8 @@ def prefill_chunk(
     placement: Placement | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Append prompt chunks of several sequences, flattened into one batch of tokens; return
-    the logits after each sequence's last token.
+    the logits after each sequence's last token. Without rows to decode: teacher-forced
+    perplexity (etjax/bench) and benchmarks prefill with it; the engine uses `mixed_step`.
 
     tokens, positions, write_pages: [T] int32 (padding tokens write to the null page);
     last_index: [S] int32 flat index of each sequence's last token; plan: the attention work
@@ -68,13 +142,24 @@ DENSE = PruningConfig()  # pruning disabled: every block of the context is read
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "cost", "num_steps", "pruning", "max_kept", "placement"),
-    donate_argnames=("cache", "state"),
+    static_argnames=(
+        "cfg",
+        "cost",
+        "num_steps",
+        "pruning",
+        "max_kept",
+        "placement",
+        "attention_backend",
+    ),
+    donate_argnames=("cache", "store"),
 )
 def decode_steps(
     weights: Weights,
     cache: KVCache,
-    state: DecodeState,
+    store: DecodeState,
+    rows: jax.Array,
+    page_table: jax.Array,
+    page_base: jax.Array,
     cfg: ModelConfig,
     cost: CostModel,
     num_steps: int,
@@ -82,104 +167,138 @@ def decode_steps(
     max_kept: int = 0,
     placement: Placement | None = None,
     plan: AttentionPlan | None = None,
+    attention_backend: str = "xla",
 ) -> tuple[DecodeState, KVCache, StepOutputs]:
-    """Run `num_steps` steps of: sample from each active row's logits, then run the model on it.
+    """Run `num_steps` steps of: sample from each row's logits, then run the model on it.
 
-    A row finishes when it samples an eos id (unless `stop_on_eos` is off) or reaches its
-    `max_new_tokens`; a finished row is not run again. With `pruning.enabled`, the forward pass
-    of a token reads at most `max_kept` blocks per layer (and KV head), and as many as the
-    entropy of the distribution the token was drawn from allows (the budget of step t comes
-    from what step t - 1 computed). With a `placement`, the state, cache and outputs are held
-    in its shardings on the way in and out (rows over `data`, logits over `model` too).
-    `plan`: the dense attention work of the burst, one decode token per row with items up to
-    each row's length after the burst (etjax/attention); required unless pruning.
-    Returns the new state, the cache, and per-step outputs [num_steps, B].
+    rows: [B] int32 store rows (the pad row for padding). page_table: [B, W] int32 pages of
+    each row from logical page `page_base` [B] on: under pruning the whole table (base 0), for
+    the block selection; dense, just the pages the burst writes to. A row finishes when it
+    samples an eos id (unless `stop_on_eos` is off) or reaches its `max_new_tokens`; a
+    finished row is not run again. With `pruning.enabled`, the forward pass of a token reads
+    at most `max_kept` blocks per layer (and KV head), and as many as the entropy of the
+    distribution the token was drawn from allows (the budget of step t comes from what step
+    t - 1 computed). `plan`: the dense attention work of the burst, one decode token per row
+    with items up to each row's length after the burst (etjax/attention); required unless
+    pruning. `attention_backend`: the block-sparse kernel of pruned steps (etjax/attention).
+    With a `placement`, the store, cache and outputs keep its shardings (rows over
+    `data`, logits over `model` too). Returns the store, the cache, and outputs [K, B].
     """
     with _on_mesh(placement):
+        state = _take_rows(store, rows).replace(page_table=page_table)
+
+        def step(carry: tuple[DecodeState, KVCache], _: None):
+            state, cache = carry
+
+            def run_model(tokens, runs, sparse):
+                logical = state.lengths // cost.page_size - page_base
+                pages = jnp.take_along_axis(
+                    state.page_table, jnp.clip(logical, 0, page_table.shape[1] - 1)[:, None], 1
+                )[:, 0]
+                write_pages = jnp.where(runs, pages, 0)
+                return forward(
+                    weights,
+                    cache,
+                    tokens,
+                    state.lengths,
+                    write_pages,
+                    cfg,
+                    plan=None if sparse is not None else plan,
+                    sparse=sparse,
+                )
+
+            state, cache, outputs = _decode_step(
+                weights, state, cfg, cost, pruning, max_kept, run_model, attention_backend
+            )
+            return (state, cache), outputs
+
+        (state, cache), outputs = jax.lax.scan(step, (state, cache), None, length=num_steps)
+        store = _put_rows(store, rows, state)
         if placement is not None:
-            state = constrain(state, placement.state(state, cfg.vocab_size))
-        state, cache, outputs = _scan_steps(
-            weights, cache, state, cfg, cost, num_steps, pruning, max_kept, plan
-        )
-        if placement is not None:
-            state = constrain(state, placement.state(state, cfg.vocab_size))
+            store = constrain(store, placement.state(store, cfg.vocab_size))
             cache = constrain(cache, placement.cache(cache))
             outputs = constrain(outputs, placement.outputs(outputs))
-        return state, cache, outputs
+        return store, cache, outputs
 
 
-def _scan_steps(weights, cache, state, cfg, cost, num_steps, pruning, max_kept, plan):
-    def step(carry: tuple[DecodeState, KVCache], _: None):
-        state, cache = carry
-        active = state.active
-        tokens, info, sampler_state = sample_next(
-            state.logits,
-            state.sampler,
-            state.entropy.sampler,
-            state.token_counts,
-            state.in_prompt,
-            state.num_generated,
-        )
-        num_generated = state.num_generated + active
-        hit_eos = state.stop_on_eos & jnp.any(tokens[:, None] == state.eos_ids, axis=-1)
-        runs = active & ~(hit_eos | (num_generated >= state.max_new_tokens))
+def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backend="xla"):
+    # One step of every row of `state`: sample from its logits, run the model on the token
+    # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache)`), account.
+    active = state.active
+    tokens, info, sampler_state = sample_next(
+        state.logits,
+        state.sampler,
+        state.entropy.sampler,
+        state.token_counts,
+        state.in_prompt,
+        state.num_generated,
+    )
+    num_generated = state.num_generated + active
+    hit_eos = state.stop_on_eos & jnp.any(tokens[:, None] == state.eos_ids, axis=-1)
+    runs = active & ~(hit_eos | (num_generated >= state.max_new_tokens))
 
-        num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
-        if pruning.enabled:
-            signal = budget_entropy(state.logits, info.model_entropy, pruning)
-            fraction = kept_fraction(signal, pruning)
-            kept = jnp.minimum(kept_block_count(fraction, num_blocks, pruning), max_kept)
-            sparse = SparsePlan(
-                budget_blocks=kept,
-                page_table=state.page_table,
-                pruning=pruning,
-                max_kept=max_kept,
-            )
-        else:
-            fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
-        write_pages = token_pages(state.page_table, state.lengths, runs, cost.page_size)
-        hidden, cache = forward(
-            weights,
-            cache,
-            tokens,
-            state.lengths,
-            write_pages,
-            cfg,
-            plan=None if sparse is not None else plan,
-            sparse=sparse,
+    num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
+    if pruning.enabled:
+        signal = budget_entropy(state.logits, info.model_entropy, pruning)
+        fraction = kept_fraction(signal, pruning)
+        kept = jnp.minimum(kept_block_count(fraction, num_blocks, pruning), max_kept)
+        sparse = SparsePlan(
+            budget_blocks=kept,
+            page_table=state.page_table,
+            pruning=pruning,
+            max_kept=max_kept,
+            backend=backend,
         )
-        flops, nbytes = cost.token_cost((kept * cost.page_size).astype(jnp.float32), runs)
-        entropy = advance_tau(state.entropy, info.model_entropy, active)
-        entropy = entropy.replace(
-            budget=jnp.where(active, fraction, entropy.budget),
-            sampled_entropy=jnp.where(active, info.sampled_entropy, entropy.sampled_entropy),
-            temperature=jnp.where(active, info.temperature, entropy.temperature),
-            cost_flops=entropy.cost_flops + flops,
-            cost_bytes=entropy.cost_bytes + nbytes,
-            sampler=sampler_state,
-        )
-        rows = jnp.arange(tokens.shape[0])
-        state = state.replace(
-            logits=logits_from_hidden(weights, hidden),
-            lengths=state.lengths + runs,
-            num_generated=num_generated,
-            active=runs,
-            token_counts=state.token_counts.at[rows, tokens].add(active.astype(jnp.int32)),
-            entropy=entropy,
-        )
-        outputs = StepOutputs(
-            tokens=tokens,
-            model_entropy=info.model_entropy,
-            logprob=info.logprob,
-            sampled_entropy=info.sampled_entropy,
-            temperature=info.temperature,
-            tau=entropy.tau,
-            cost_flops=entropy.cost_flops,
-            cost_bytes=entropy.cost_bytes,
-            kept_blocks=jnp.where(runs, kept, 0).astype(jnp.int32),
-            emitted=active,
-        )
-        return (state, cache), outputs
-
-    (state, cache), outputs = jax.lax.scan(step, (state, cache), None, length=num_steps)
+    else:
+        fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
+    hidden, cache = run_model(tokens, runs, sparse)
+    flops, nbytes = cost.token_cost((kept * cost.page_size).astype(jnp.float32), runs)
+    entropy = advance_tau(state.entropy, info.model_entropy, active)
+    entropy = entropy.replace(
+        budget=jnp.where(active, fraction, entropy.budget),
+        sampled_entropy=jnp.where(active, info.sampled_entropy, entropy.sampled_entropy),
+        temperature=jnp.where(active, info.temperature, entropy.temperature),
+        cost_flops=entropy.cost_flops + flops,
+        cost_bytes=entropy.cost_bytes + nbytes,
+        sampler=sampler_state,
+    )
+    rows = jnp.arange(tokens.shape[0])
+    state = state.replace(
+        logits=logits_from_hidden(weights, hidden),
+        lengths=state.lengths + runs,
+        num_generated=num_generated,
+        active=runs,
+        token_counts=state.token_counts.at[rows, tokens].add(active.astype(jnp.int32)),
+        entropy=entropy,
+    )
+    outputs = StepOutputs(
+        tokens=tokens,
+        model_entropy=info.model_entropy,
+        logprob=info.logprob,
+        sampled_entropy=info.sampled_entropy,
+        temperature=info.temperature,
+        tau=entropy.tau,
+        cost_flops=entropy.cost_flops,
+        cost_bytes=entropy.cost_bytes,
+        kept_blocks=jnp.where(runs, kept, 0).astype(jnp.int32),
+        emitted=active,
+    )
     return state, cache, outputs
+
+
+def _take_rows(store: DecodeState, rows: jax.Array) -> DecodeState:
+    # The rows' state; the shared eos ids ride along, the page table is the caller's.
+    body = jax.tree.map(lambda s: s[rows], store.replace(eos_ids=None, page_table=None))
+    return body.replace(eos_ids=store.eos_ids, page_table=None)
+
+
+def _put_rows(store: DecodeState, rows: jax.Array, batch: DecodeState) -> DecodeState:
+    # Scatter batch rows into the store. Pad rows all point at the store's last row: whichever
+    # write wins there is harmless, it is never active.
+    shared = dict(eos_ids=store.eos_ids, page_table=store.page_table)
+    body = jax.tree.map(
+        lambda s, b: s.at[rows].set(b.astype(s.dtype)),
+        store.replace(eos_ids=None, page_table=None),
+        batch.replace(eos_ids=None, page_table=None),
+    )
+    return body.replace(**shared)

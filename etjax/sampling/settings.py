@@ -124,16 +124,19 @@ class SamplerParams:
     controller: ControllerParams
 
 
-def pack_sampler_params(settings: Sequence[SamplerSettings], rows: int) -> SamplerParams:
-    """Stack settings into [rows] arrays; padding rows beyond len(settings) are greedy."""
+def pack_sampler_params(settings: Sequence[SamplerSettings], rows: int, xp=jnp) -> SamplerParams:
+    """Stack settings into [rows] arrays; padding rows beyond len(settings) are greedy.
+
+    xp=np packs host arrays: no device dispatch per field (each eager `jnp.asarray` costs
+    milliseconds on the host), for a program that takes them as inputs."""
     padded = list(settings) + [SamplerSettings()] * (rows - len(settings))
 
     def column(name: str, dtype) -> jax.Array:
-        return jnp.asarray(np.array([getattr(s, name) for s in padded], dtype=dtype))
+        return xp.asarray(np.array([getattr(s, name) for s in padded], dtype=dtype))
 
     f32 = np.float32
     return SamplerParams(
-        kind=jnp.asarray(np.array([SAMPLERS.index(s.sampler) for s in padded], np.int32)),
+        kind=xp.asarray(np.array([SAMPLERS.index(s.sampler) for s in padded], np.int32)),
         temperature=column("temperature", f32),
         top_k=column("top_k", np.int32),
         top_p=column("top_p", f32),
@@ -150,8 +153,8 @@ def pack_sampler_params(settings: Sequence[SamplerSettings], rows: int) -> Sampl
         edt_base=column("edt_base", f32),
         controller=ControllerParams(
             target_entropy=column("target_entropy", f32),
-            log_t_min=jnp.log(column("t_min", f32)),
-            log_t_max=jnp.log(column("t_max", f32)),
+            log_t_min=xp.log(column("t_min", f32)),
+            log_t_max=xp.log(column("t_max", f32)),
             gain=column("gain", f32),
             max_step=column("max_step", f32),
             entropy_floor=column("entropy_floor", f32),

@@ -28,7 +28,7 @@ def ragged_attention_xla(
     v_pages: jax.Array,
     q_positions: jax.Array,
     passes: tuple[TilePass, ...],
-    chunk: int = 64,
+    chunk: int = 16,
 ) -> jax.Array:
     """q: [T, H, hd]; k_pages, v_pages: [N, KVH, ps, hd]; q_positions: [T] int32; `passes`
     together cover every real token once (work_items.py). Returns [T, H, hd] in q's dtype;
