@@ -94,3 +94,27 @@ def test_sampled_sequence_is_the_same_alone_and_batched(tiny):
     alone = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts[1:2], settings[1:2])
     assert alone[0].token_ids == batched[1].token_ids
     assert batched[0].token_ids != batched[2].token_ids  # different seeds, different draws
+
+
+def test_prompts_prefilled_beside_decoding_rows_match_full_passes(tiny):
+    # Two short prompts decode while a third is prefilled in chunks of 8 beside them in the
+    # same ragged steps; its 17 tokens end in a one-token chunk next to a full decode batch.
+    # Every greedy continuation must equal the argmax of one full pass over prompt + output.
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (5, 6, 17)]
+    settings = [RequestSettings(max_new_tokens=10, ignore_eos=True)] * 3
+    options = RuntimeOptions(
+        page_size=4,
+        max_batch_size=2,
+        max_resident=3,
+        prefill_chunk=8,
+        max_prefill_rows=1,
+        token_budget=10,
+        steps_per_sync=3,
+    )
+    outs = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts, settings, options)
+    for prompt, out in zip(prompts, outs, strict=True):
+        sequence = np.array([prompt + out.token_ids], dtype=np.int32)
+        logits = full_logits(tiny.weights, tiny.config, sequence, page_size=4)
+        predicting = logits[0, len(prompt) - 1 : len(prompt) - 1 + 10]
+        np.testing.assert_array_equal(predicting.argmax(-1), out.token_ids)

@@ -11,7 +11,13 @@ The paged cache layout (etjax/cache/kv_cache.py) and the kernels (pallas_kernels
 the engine and the device programs (etjax/runtime/, etjax/engine/) above.
 """
 
-from etjax.attention.plan import AttentionPlan, PlanSizes, padded_batch_plan, plan_segments
+from etjax.attention.plan import (
+    AttentionPlan,
+    PlanSizes,
+    padded_batch_plan,
+    plan_passes,
+    plan_segments,
+)
 from etjax.attention.pruned import pruned_decode_attention
 from etjax.attention.seam import BACKENDS, attend, resolve_backend
 
@@ -21,6 +27,7 @@ __all__ = [
     "PlanSizes",
     "attend",
     "padded_batch_plan",
+    "plan_passes",
     "plan_segments",
     "pruned_decode_attention",
     "resolve_backend",

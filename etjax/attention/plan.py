@@ -30,7 +30,9 @@ from pallas_kernels.ragged_attention.work_items import (
 # tokens against key tiles of 4 pages; prefill tiles of 64 queries against 4 pages. Per layer,
 # 8 rows of 8 pages took 0.32 ms (the padded gather it replaced: 0.30 ms) and 32 rows of
 # 128 pages 22 ms (57 ms); a 512-token chunk after 3584 cached tokens 103 ms (173 ms). Larger
-# trips waste more of the last one on short rows (chunk 64: 0.69 ms for the 8 x 8 case).
+# trips waste more of the last one on short rows (chunk 64: 0.69 ms for the 8 x 8 case). A
+# tile-major layout for prefill (a trip's items all of one tile, scored as one 512-key block,
+# only that tile's accumulator touched) measured slower: 111-189 ms against 97 ms.
 CHUNK = 16
 DECODE_KV_TILE = 4
 PREFILL_Q_TILE = 64
@@ -82,7 +84,8 @@ class AttentionPlan:
 
 
 def plan_segments(segments: Sequence[Segment], num_tokens: int, sizes: PlanSizes) -> AttentionPlan:
-    """The plan of a flat batch of `num_tokens` tokens holding `segments` (host arrays)."""
+    """The plan of a flat batch of `num_tokens` tokens holding `segments` (host arrays), each
+    routed by length: to the first pass whose q_tile holds its tokens, else to the last."""
     routed: list[list[Segment]] = [[] for _ in sizes.passes]
     for seg in segments:
         index = next(
@@ -90,6 +93,14 @@ def plan_segments(segments: Sequence[Segment], num_tokens: int, sizes: PlanSizes
             len(sizes.passes) - 1,
         )
         routed[index].append(seg)
+    return plan_passes(routed, num_tokens, sizes)
+
+
+def plan_passes(
+    groups: Sequence[Sequence[Segment]], num_tokens: int, sizes: PlanSizes
+) -> AttentionPlan:
+    """The plan of a flat batch whose segments are already grouped by pass (a one-token
+    prefill chunk belongs with the chunks, not the decode rows, whose tiles are counted)."""
     passes = tuple(
         build_pass(
             group,
@@ -100,7 +111,7 @@ def plan_segments(segments: Sequence[Segment], num_tokens: int, sizes: PlanSizes
             max_tiles=shape.max_tiles,
             max_items=shape.max_items,
         )
-        for group, shape in zip(routed, sizes.passes, strict=True)
+        for group, shape in zip(groups, sizes.passes, strict=True)
     )
     return AttentionPlan(passes=passes, chunk=sizes.chunk)
 

@@ -11,6 +11,8 @@ writes from padding tokens land in it, so real pages only ever hold real tokens.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -44,8 +46,10 @@ class KVCache:
         return self.k[0].shape[2]
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int) -> KVCache:
-    """Zero-filled cache with `num_pages` pages (page 0 included) of `page_size` tokens."""
+    """Zero-filled cache with `num_pages` pages (page 0 included) of `page_size` tokens (one
+    compiled program per size)."""
     shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     zeros = lambda: jnp.zeros(shape, cfg.jnp_dtype)  # noqa: E731
     bounds = (num_pages, cfg.num_kv_heads, cfg.head_dim)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from etjax.attention import PlanSizes, plan_segments, resolve_backend
+from etjax.attention import PlanSizes, plan_passes, plan_segments, resolve_backend
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.distributed.mesh import make_mesh
@@ -90,7 +90,8 @@ class DeviceBackend:
             self.store = jax.device_put(
                 self.store, self.placement.state(self.store, cfg.vocab_size)
             )
-        self._logits: dict[int, jax.Array] = {}  # prefill logits of rows whose context is done
+        # Rows whose context is done: the logits of their last step [Sp, V] and their index.
+        self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self.prefill_rows = batch_bucket(options.max_prefill_rows)  # chunks per step, padded
         self.attention_backend = resolve_backend(options.attention_backend)
         # The longest page list a sequence can have: the model's context or the pool.
@@ -125,11 +126,11 @@ class DeviceBackend:
         index = np.full(width, self.rows, np.int32)  # pad rows: the never-active last row
         decode_slot = np.full(width, num_tokens, np.int32)  # out of range: dropped
         last_index = np.zeros(self.prefill_rows, np.int32)
-        segments = []
+        decoding, chunks = [], []
         for j, (row, row_pages, n) in enumerate(zip(rows, pages, lengths, strict=True)):
             index[j], decode_slot[j], positions[j] = row, j, n
             write_pages[j] = row_pages[n // opts.page_size]
-            segments.append(Segment(j, 1, n, n, row_pages[: n // opts.page_size + 1]))
+            decoding.append(Segment(j, 1, n, n, row_pages[: n // opts.page_size + 1]))
         start = len(rows)
         for j, job in enumerate(jobs):
             n = len(job.tokens)
@@ -139,11 +140,11 @@ class DeviceBackend:
             write_pages[span] = np.asarray(job.pages, np.int32)[positions[span] // opts.page_size]
             last_index[j] = start + n - 1
             reach = job.start + n - 1
-            segments.append(
+            chunks.append(
                 Segment(start, n, job.start, reach, job.pages[: reach // opts.page_size + 1])
             )
             start += n
-        plan = plan_segments(segments, num_tokens, self._mixed_sizes(num_tokens))
+        plan = plan_passes([decoding, chunks], num_tokens, self._mixed_sizes(num_tokens))
         batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index)
         self.store, self.cache, out, logits = mixed_step(
             self.weights,
@@ -157,10 +158,11 @@ class DeviceBackend:
             self.placement,
         )
         for j, job in enumerate(jobs):
-            self._logits[job.row] = logits[j]
-        out, budget = jax.device_get((out, self.store.entropy.budget[index[: len(rows)]]))
+            self._logits[job.row] = (logits, np.int32(j))  # sliced inside the insert program
+        out, budget = jax.device_get((out, self.store.entropy.budget))
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
-        return out, np.asarray(budget), [self._prefill_cost(job, len(jobs)) for job in jobs]
+        budget = np.asarray(budget)[index[: len(rows)]]
+        return out, budget, [self._prefill_cost(job, len(jobs)) for job in jobs]
 
     def token_bucket(self, num_tokens: int) -> int:
         """Padded token count of a ragged step (a power of two from 16 up)."""
@@ -186,7 +188,7 @@ class DeviceBackend:
 
     def insert(self, row: int, init: RowInit) -> None:
         """Make `row` the resident state of a sequence whose context was just prefilled."""
-        logits = self._logits.pop(row)
+        logits, index = self._logits.pop(row)
         length = len(init.prompt) + len(init.generated)
         if init.saved is None:
             in_prompt = np.zeros((1, self.cfg.vocab_size), bool)
@@ -195,6 +197,7 @@ class DeviceBackend:
                 self.store,
                 np.int32(row),
                 logits,
+                index,
                 np.int32(length),
                 pack_sampler_params([init.settings.sampler], 1, xp=np),
                 np.int32(init.settings.max_new_tokens),
@@ -208,6 +211,7 @@ class DeviceBackend:
                 self.store,
                 np.int32(row),
                 logits,
+                index,
                 np.int32(length),
                 init.saved,
                 np.float32(init.prefill_flops),
@@ -302,18 +306,19 @@ class DeviceBackend:
             plan,
             self.attention_backend,
         )
-        out, budget = jax.device_get((out, self.store.entropy.budget[index[: len(rows)]]))
+        out, budget = jax.device_get((out, self.store.entropy.budget))
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
-        return out, np.asarray(budget)
+        return out, np.asarray(budget)[index[: len(rows)]]
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _insert_new_row(
-    store, row, logits, length, params, max_new_tokens, stop_on_eos, in_prompt, flops, nbytes
+    store, row, logits, index, length, params, max_new_tokens, stop_on_eos, in_prompt, flops, nbytes
 ) -> DecodeState:
-    # A fresh row: the request's sampler, no output yet, the prefill's cost counted.
+    # A fresh row: the request's sampler, no output yet, the prefill's cost counted. logits:
+    # [Sp, V] of the step that finished its context, row `index` its own.
     one = DecodeState(
-        logits=logits[None],
+        logits=logits[index][None],
         lengths=length[None],
         page_table=None,
         active=jnp.ones(1, bool),
@@ -330,11 +335,11 @@ def _insert_new_row(
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _restore_row(store, row, logits, length, saved, flops, nbytes) -> DecodeState:
+def _restore_row(store, row, logits, index, length, saved, flops, nbytes) -> DecodeState:
     # A preempted row back: its saved state, the recomputed prefill's cost added.
     entropy = saved.entropy
     one = saved.replace(
-        logits=logits[None],
+        logits=logits[index][None],
         lengths=length[None],
         entropy=entropy.replace(
             cost_flops=entropy.cost_flops + flops, cost_bytes=entropy.cost_bytes + nbytes
@@ -359,7 +364,9 @@ def _save_row(store: DecodeState, row: jax.Array) -> DecodeState:
     return one.replace(logits=None, lengths=None)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> DecodeState:
+    # One program (eager zeros would compile one small program per shape and dtype).
     params = pack_sampler_params([], rows)
     zeros = np.zeros(rows, np.float32)
     return DecodeState(

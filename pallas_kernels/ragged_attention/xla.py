@@ -46,7 +46,7 @@ def _run_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int)
     _, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
     g = h // kvh
-    tile_tokens, item_tile, item_pages, item_key_start, num_items = tile_pass
+    tile_tokens, item_tile, item_pages, item_key_start, num_items = map(jnp.asarray, tile_pass)
     nq, qt = tile_tokens.shape
     w, kt = item_pages.shape
     if w % chunk:
