@@ -224,7 +224,7 @@ def _markdown(raw: dict) -> str:
     first, warm, prefill = raw["first_call"], raw["warm_calls"], raw["prefill"]
     host = warm["host_share"]
     lines = [
-        "## user_calls",
+        "## `decode()` as a user meets it (SmolLM2-135M, float32, greedy)",
         "",
         f"`benchmarks/user_calls.py`, {raw['date']}, {raw['machine']}. SmolLM2-135M float32, "
         "greedy; median (min-max) over interleaved repetitions after a warm-up.",

@@ -8,8 +8,8 @@
 - `decode_steps`: K decode steps of a batch of rows in one `lax.scan`, for rounds with nothing
   to prefill (fewer host round trips).
 
-Both gather their rows from the store and scatter them back inside the program, and donate the
-store and the KV cache. Shapes: `mixed_step` by its token bucket, `decode_steps` by its row
+`mixed_step` and `decode_steps` gather their rows from the store and scatter them back inside
+the program, and donate the store and the KV cache. Shapes: `mixed_step` by its token bucket, `decode_steps` by its row
 bucket (and, under pruning, the page-table and kept-table widths); the host sizes every other
 array from the engine's fixed sizes, so a run compiles a bounded set of programs once.
 """
