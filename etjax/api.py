@@ -12,6 +12,7 @@ from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
 from etjax.pruning.config import PruningConfig
 from etjax.request_checks import (
+    flag,
     positive_int,
     sampler_settings,
     stop_strings,
@@ -106,14 +107,17 @@ def decode(
       One `Result` per prompt, in order.
     """
     prompt_list = _prompt_list(prompts)
+    chat, raise_on_invalid = flag("chat", chat), flag("raise_on_invalid", raise_on_invalid)
     settings = RequestSettings(
         max_new_tokens=positive_int("max_new_tokens", max_new_tokens),
-        ignore_eos=bool(ignore_eos),
+        ignore_eos=flag("ignore_eos", ignore_eos),
         stop=stop_strings(stop),
         sampler=sampler_settings(sampler, temperature, seed, sampler_options),
     )
     if isinstance(pruning, bool):
         pruning = PruningConfig(enabled=pruning)
+    elif not isinstance(pruning, PruningConfig):
+        raise RequestError(f"pruning={pruning!r}; must be True, False or a PruningConfig")
     options = RuntimeOptions(
         page_size=positive_int("page_size", page_size),
         max_batch_size=positive_int("max_batch_size", max_batch_size),

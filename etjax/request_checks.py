@@ -51,6 +51,13 @@ def tokenize_prompt(
     return ids, None
 
 
+def flag(name: str, value: object) -> bool:
+    """A yes/no setting: a bool, nothing else ("no" is a non-empty string, hence truthy)."""
+    if not isinstance(value, bool):
+        raise RequestError(f"{name}={value!r}; must be True or False")
+    return value
+
+
 def positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise RequestError(f"{name}={value!r}; must be a positive integer")

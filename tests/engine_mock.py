@@ -47,6 +47,7 @@ class MockBackend:
     # Whether a round's decode rows and prefill chunks share one step (as the device does
     # without pruning); False runs them as two calls, as under pruning.
     mixes_decode: bool = True
+    vocab_size: int = 1000  # prompts hold request ids and 5; token_of stays below 910
 
     def __post_init__(self) -> None:
         self.rows: dict[int, _Row] = {}

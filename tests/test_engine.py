@@ -142,6 +142,24 @@ def test_a_request_larger_than_the_pool_is_refused_by_name():
         engine.submit(_prompt(1, 20), RequestSettings(12))
 
 
+@pytest.mark.parametrize(
+    "prompt, new, match",
+    [
+        ([], 4, "no tokens"),
+        ([3, 1000], 4, r"token 1 is 1000; token ids must be in \[0, 1000\)"),
+        ([3, -1], 4, r"token 1 is -1"),
+        ([3, 2.5], 4, "token ids are integers"),
+        ([3, 4], 0, "max_new_tokens=0"),
+    ],
+)
+def test_a_bad_request_is_refused_at_submit_and_the_engine_stays_usable(prompt, new, match):
+    engine, _ = _engine("fcfs")
+    with pytest.raises(RequestError, match=match):
+        engine.submit(prompt, RequestSettings(new))
+    good = engine.submit(_prompt(7, 5), RequestSettings(3))
+    assert good.result().token_ids == [token_of(7, i) for i in range(3)]
+
+
 def test_resident_limit_beyond_the_starvation_bound_is_refused():
     with pytest.raises(ValueError, match="min_advance_rounds"):
         _engine("fcfs", batch=2, resident=9, rounds=4)

@@ -92,6 +92,11 @@ def test_corrupt_safetensors(tiny_hf_dir, tmp_path):
         (dict(temperature=float("nan")), "temperature=nan"),
         (dict(stop=[""]), "stop"),
         (dict(seed=-1), "seed=-1"),
+        # A flag is a bool: "no" is a non-empty string and would read as True.
+        (dict(chat="no"), "chat='no'; must be True or False"),
+        (dict(ignore_eos="no"), "ignore_eos='no'; must be True or False"),
+        (dict(raise_on_invalid=1), "raise_on_invalid=1; must be True or False"),
+        (dict(pruning="yes"), "pruning='yes'; must be True, False or a PruningConfig"),
     ],
 )
 def test_bad_settings_are_rejected_before_running(tiny, kwargs, match):

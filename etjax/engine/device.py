@@ -73,6 +73,7 @@ class DeviceBackend:
         num_pages: int,
     ) -> None:
         self.cfg, self.options = cfg, options
+        self.vocab_size = cfg.vocab_size  # token ids the engine accepts
         self.cost = CostModel.for_model(cfg, options.page_size)
         self.num_pages = num_pages
         self.rows = options.resident_rows

@@ -121,8 +121,26 @@ class Engine:
         priority: float = 0.0,
         arrival_time: float | None = None,
     ) -> RequestHandle:
-        """Queue a tokenized prompt; `arrival_time` (engine clock) defaults to now."""
+        """Queue a tokenized prompt; `arrival_time` (engine clock) defaults to now.
+
+        A request the engine cannot serve (no tokens, an id outside the vocabulary, nothing to
+        generate, more pages than the pool) raises `RequestError` here, before it can reach a
+        round: the engine and every other request go on as if it had never been submitted."""
         prompt = list(prompt)
+        if not prompt:
+            raise RequestError("the prompt has no tokens; a request needs at least one")
+        vocab = self.backend.vocab_size
+        for i, token in enumerate(prompt):
+            if isinstance(token, bool) or not isinstance(token, int | np.integer):
+                raise RequestError(f"prompt token {i} is {token!r}; token ids are integers")
+            if not 0 <= token < vocab:
+                raise RequestError(
+                    f"prompt token {i} is {token}; token ids must be in [0, {vocab})"
+                )
+        if settings.max_new_tokens < 1:
+            raise RequestError(
+                f"max_new_tokens={settings.max_new_tokens}; must be a positive integer"
+            )
         need = pages_needed(len(prompt) + settings.max_new_tokens, self.options.page_size)
         if need > self.allocator.num_pages - 1:
             raise RequestError(

@@ -9,9 +9,10 @@
   to prefill (fewer host round trips).
 
 `mixed_step` and `decode_steps` gather their rows from the store and scatter them back inside
-the program, and donate the store and the KV cache. Shapes: `mixed_step` by its token bucket, `decode_steps` by its row
-bucket (and, under pruning, the page-table and kept-table widths); the host sizes every other
-array from the engine's fixed sizes, so a run compiles a bounded set of programs once.
+the program, and donate the store and the KV cache. Shapes: `mixed_step` by its token bucket,
+`decode_steps` by its row bucket (and, under pruning, the page-table and kept-table widths);
+the host sizes every other array from the engine's fixed sizes, so a run compiles a bounded
+set of programs once.
 """
 
 from __future__ import annotations
