@@ -84,13 +84,13 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument(
         "--process-index",
         type=int,
-        default=int(os.environ.get("ETJAX_PROCESS_INDEX", 0)),
+        default=None,
         help="this process's shard of the input (env ETJAX_PROCESS_INDEX)",
     )
     batch.add_argument(
         "--process-count",
         type=int,
-        default=int(os.environ.get("ETJAX_PROCESS_COUNT", 1)),
+        default=None,
         help="how many processes share the input (env ETJAX_PROCESS_COUNT)",
     )
     batch.add_argument(
@@ -260,11 +260,19 @@ def _generate(args: argparse.Namespace) -> int:
 def _batch(args: argparse.Namespace) -> int:
     import json
 
+    from etjax import path_checks
     from etjax.distributed import processes
     from etjax.jobs.batch import run_batch, shard_path
     from etjax.loaders.resolve import load_model
     from etjax.run_config import is_model_preset, load_run_config
 
+    # Paths and environment first: a mistake there costs a second, not a model load.
+    if args.process_index is None:
+        args.process_index = path_checks.env_int("ETJAX_PROCESS_INDEX", 0, minimum=0)
+    if args.process_count is None:
+        args.process_count = path_checks.env_int("ETJAX_PROCESS_COUNT", 1, minimum=1)
+    path_checks.input_file(args.input)
+    path_checks.output_file(args.output, args.input)
     group = processes.ProcessGroup(args.process_index, args.process_count, distributed=False)
     parts = lambda count: [shard_path(args.output, i, count) for i in range(count)]  # noqa: E731
     if args.merge:
@@ -300,9 +308,11 @@ def _batch(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from etjax import path_checks
     from etjax.loaders.checkpoint import save_model
     from etjax.loaders.resolve import load_model
 
+    path_checks.new_directory(args.destination)
     started = time.perf_counter()
     model = load_model(args.source, dtype=args.dtype)
     save_model(model, args.destination)

@@ -57,3 +57,39 @@ def test_batch_runs_a_model_preset_as_it_runs_the_model_it_names(tiny_hf_dir, tm
     argv = ["batch", "--input", str(src), "--output", str(tmp_path / "x.jsonl")]
     assert main([*argv, "--model", str(missing), "--no-progress"]) == 2
     assert "model preset" in capsys.readouterr().err
+
+
+def _batch_error(capsys, *args: str) -> str:
+    # The model path does not exist: these errors must come before any model is loaded.
+    code = main(["batch", *args, "--model", "/nonexistent/model", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("etjax: error:") and "Traceback" not in err
+    assert "/nonexistent/model" not in err
+    return err
+
+
+def test_bad_paths_and_environment_fail_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    source = tmp_path / "in.jsonl"
+    source.write_text('{"prompt": "hi"}\n')
+    out = tmp_path / "out.jsonl"
+    err = _batch_error(capsys, "--input", str(tmp_path), "--output", str(out))
+    assert f"input {tmp_path} is a directory" in err
+    err = _batch_error(capsys, "--input", str(tmp_path / "absent.jsonl"), "--output", str(out))
+    assert "not found" in err
+    err = _batch_error(capsys, "--input", str(source), "--output", str(tmp_path))
+    assert f"output {tmp_path} is a directory" in err
+    err = _batch_error(capsys, "--input", str(source), "--output", str(source))
+    assert "is the input file" in err
+    err = _batch_error(capsys, "--input", str(source), "--output", str(tmp_path / "no" / "o"))
+    assert "does not exist" in err
+    monkeypatch.setenv("ETJAX_PROCESS_INDEX", "abc")
+    err = _batch_error(capsys, "--input", str(source), "--output", str(out))
+    assert "ETJAX_PROCESS_INDEX='abc'; must be an integer >= 0" in err
+
+
+def test_convert_refuses_an_existing_file_as_destination(tmp_path, capsys):
+    target = tmp_path / "taken"
+    target.write_text("x")
+    code = main(["convert", "/nonexistent/model", str(target)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"destination {target} is an existing file" in err

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from etjax import path_checks
 from etjax.errors import ConfigError
 from etjax.jobs.progress import Progress
 from etjax.jobs.records import ParsedRecord, parse_record
@@ -46,8 +47,8 @@ def run_batch(
         raise ConfigError(
             f"process index {process_index} out of range for {process_count} processes"
         )
-    if not input_path.is_file():
-        raise ConfigError(f"input file {input_path} not found")
+    path_checks.input_file(input_path)
+    path_checks.output_file(output_path, input_path)
     output = shard_path(output_path, process_index, process_count)
     results = ResultsFile(output)
     records: list[ParsedRecord] = []
