@@ -36,6 +36,15 @@ def tokenize_prompt(
         return [], f"prompt {index} is a {type(prompt).__name__}, not a string"
     if not prompt.strip():
         return [], f"prompt {index} is empty"
+    for name, text in (("prompt", prompt), ("system_prompt", system or "")):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            # A lone surrogate ("\ud800" in JSON) is a str but no text: no tokenizer takes it.
+            return [], (
+                f"{name} {index} holds a lone surrogate {text[e.start]!r} at character "
+                f"{e.start}; it is not text"
+            )
     if chat:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})

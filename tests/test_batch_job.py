@@ -141,3 +141,28 @@ def test_killed_job_resumes_with_nothing_lost_or_duplicated(tiny_hf_dir, tmp_pat
     assert {r["id"]: r["token_ids"] for r in resumed} == {
         r["id"]: r["token_ids"] for r in _results(clean)
     }
+
+
+def test_a_line_that_is_not_text_becomes_an_error_and_the_rest_run(tiny, tmp_path):
+    # A byte that is not UTF-8, and a JSON string holding a lone surrogate: each is one error
+    # result; the records around them are generated.
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(
+        b'{"id": "a", "prompt": "The river"}\n'
+        b'{"id": "b", "prompt": "caf\xe9"}\n'
+        b'{"id": "c", "prompt": "x \\ud800 y"}\n'
+        b'{"id": "d", "prompt": "Cats and dogs"}\n'
+    )
+    out = tmp_path / "out.jsonl"
+    config = load_run_config(_config(tmp_path))
+    run_batch(source, out, config, tiny, show_progress=False)
+    by_id = {r["id"]: r for r in _results(out)}
+    assert by_id["2"]["error"] == "line 2: not UTF-8 (byte 0xe9 at column 27)"
+    assert "lone surrogate '\\ud800' at character 2" in by_id["c"]["error"]
+    assert by_id["a"]["error"] is None and by_id["d"]["error"] is None
+    assert len(by_id["a"]["token_ids"]) > 0 and len(by_id["d"]["token_ids"]) > 0
+
+
+def test_decode_reports_a_lone_surrogate_per_prompt(tiny):
+    results = etjax.decode(["x \ud800", "Hello"], model=tiny, max_new_tokens=2)
+    assert "lone surrogate" in results[0].error and results[1].error is None

@@ -53,11 +53,23 @@ def run_batch(
     results = ResultsFile(output)
     records: list[ParsedRecord] = []
     seen: set[str] = set()
-    with open(input_path, encoding="utf-8") as f:
-        for number, text in enumerate(f):
-            if number % process_count != process_index or not text.strip():
+    # Bytes, decoded line by line: one line that is not UTF-8 becomes an error result
+    # instead of stopping the job.
+    with open(input_path, "rb") as f:
+        for number, raw_line in enumerate(f):
+            if number % process_count != process_index or not raw_line.strip():
                 continue
-            rec = parse_record(text, number + 1, model, config)
+            try:
+                text = raw_line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                rec = ParsedRecord(
+                    str(number + 1),
+                    number + 1,
+                    error=f"line {number + 1}: not UTF-8 (byte {raw_line[e.start]:#04x} at "
+                    f"column {e.start + 1})",
+                )
+            else:
+                rec = parse_record(text, number + 1, model, config)
             if rec.id in seen:
                 rec.error = f"line {rec.line}: duplicate id {rec.id!r}"
                 rec.id = f"{rec.id}@line{rec.line}"
