@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for the other processes to join and to finish (with --coordinator)",
     )
     batch.add_argument(
+        "--redo-changed",
+        action="store_true",
+        help="run again the records whose stored result came from a different prompt or "
+        "settings (without it, such a rerun stops and names the first)",
+    )
+    batch.add_argument(
         "--merge",
         action="store_true",
         help="only merge the part files of --process-count processes into --output",
@@ -296,6 +302,7 @@ def _batch(args: argparse.Namespace) -> int:
         group.index,
         group.count,
         show_progress=not args.no_progress,
+        redo_changed=args.redo_changed,
     )
     print(json.dumps(summary, indent=2), file=sys.stderr)
     if group.distributed and group.count > 1:

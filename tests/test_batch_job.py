@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import etjax
+from etjax.errors import ConfigError
 from etjax.jobs.batch import run_batch, shard_path
 from etjax.jobs.results_file import ResultsFile
 from etjax.run_config import load_run_config
@@ -69,13 +70,13 @@ def test_bad_records_become_error_records_and_the_rest_run(tiny, tmp_path):
     by_id = {r["id"]: r for r in _results(out)}
     assert len(by_id) == len(lines) == len(_results(out))
     assert by_id["a"]["error"] is None and len(by_id["a"]["token_ids"]) == 6
-    assert "line 2: not valid JSON" in by_id["2"]["error"]
+    assert "line 2: not valid JSON" in by_id[2]["error"]  # known by its line number
     assert 'missing "prompt"' in by_id["c"]["error"]
     assert "unknown field 'temprature'" in by_id["d"]["error"]
     assert "temperature=-1" in by_id["e"]["error"]
     assert "empty" in by_id["f"]["error"]
     assert "duplicate id 'a'" in by_id["a@line7"]["error"]
-    assert len(by_id["8"]["token_ids"]) == 3  # the record's own max_new_tokens
+    assert len(by_id[8]["token_ids"]) == 3  # the record's own max_new_tokens
     assert summary["records"] == 8 and summary["generated_tokens"] == 9
     m = by_id["a"]["metrics"]
     assert m["end_to_end_latency"] >= m["time_to_first_token"] >= 0
@@ -157,7 +158,7 @@ def test_a_line_that_is_not_text_becomes_an_error_and_the_rest_run(tiny, tmp_pat
     config = load_run_config(_config(tmp_path))
     run_batch(source, out, config, tiny, show_progress=False)
     by_id = {r["id"]: r for r in _results(out)}
-    assert by_id["2"]["error"] == "line 2: not UTF-8 (byte 0xe9 at column 27)"
+    assert by_id[2]["error"] == "line 2: not UTF-8 (byte 0xe9 at column 27)"
     assert "lone surrogate '\\ud800' at character 2" in by_id["c"]["error"]
     assert by_id["a"]["error"] is None and by_id["d"]["error"] is None
     assert len(by_id["a"]["token_ids"]) > 0 and len(by_id["d"]["token_ids"]) > 0
@@ -166,3 +167,55 @@ def test_a_line_that_is_not_text_becomes_an_error_and_the_rest_run(tiny, tmp_pat
 def test_decode_reports_a_lone_surrogate_per_prompt(tiny):
     results = etjax.decode(["x \ud800", "Hello"], model=tiny, max_new_tokens=2)
     assert "lone surrogate" in results[0].error and results[1].error is None
+
+
+def test_a_rerun_retries_errors_and_refuses_changed_records(tiny, tmp_path):
+    config = load_run_config(_config(tmp_path, new=3))
+    out = tmp_path / "out.jsonl"
+    first = [
+        json.dumps({"id": "a", "prompt": "The river bank"}),
+        json.dumps({"id": "b", "prompt": "x", "temperature": -1}),  # an error, fixed below
+    ]
+    run_batch(_write(tmp_path / "in.jsonl", first), out, config, tiny, show_progress=False)
+    stored = {r["id"]: r for r in _results(out)}
+    assert stored["b"]["error"] and stored["a"]["error"] is None
+
+    fixed = [first[0], json.dumps({"id": "b", "prompt": "x", "temperature": 0.0})]
+    summary = run_batch(
+        _write(tmp_path / "in.jsonl", fixed), out, config, tiny, show_progress=False
+    )
+    again = _results(out)
+    assert sorted(r["id"] for r in again) == ["a", "b"]  # each id once: the error was replaced
+    assert {r["id"]: r for r in again}["b"]["error"] is None
+    assert summary["retried_errors"] == 1 and summary["run_now"] == 1
+    assert {r["id"]: r for r in again}["a"] == stored["a"]  # the done record was not rerun
+
+    changed = [json.dumps({"id": "a", "prompt": "The river mouth"}), fixed[1]]
+    source = _write(tmp_path / "in.jsonl", changed)
+    with pytest.raises(ConfigError, match="id 'a' \\(line 1\\) made from a different request"):
+        run_batch(source, out, config, tiny, show_progress=False)
+    summary = run_batch(source, out, config, tiny, show_progress=False, redo_changed=True)
+    assert summary["redone_changed"] == 1
+    results = _results(out)
+    assert sorted(r["id"] for r in results) == ["a", "b"]
+    assert {r["id"]: r for r in results}["a"]["fingerprint"] != stored["a"]["fingerprint"]
+
+
+def test_generated_ids_never_collide_and_ids_of_a_wrong_type_are_errors(tiny, tmp_path):
+    lines = [
+        json.dumps({"prompt": "no id here"}),  # known as line 1, a number
+        json.dumps({"id": "1", "prompt": "a given id that reads like line 1"}),
+        json.dumps({"id": None, "prompt": "x"}),
+        json.dumps({"id": {"k": 1}, "prompt": "x"}),
+        json.dumps({"id": 2.5, "prompt": "x"}),
+        json.dumps({"id": True, "prompt": "x"}),
+    ]
+    out = tmp_path / "out.jsonl"
+    config = load_run_config(_config(tmp_path, new=2))
+    run_batch(_write(tmp_path / "in.jsonl", lines), out, config, tiny, show_progress=False)
+    by_id = {r["id"]: r for r in _results(out)}
+    assert by_id[1]["error"] is None and by_id["1"]["error"] is None
+    for line, shown in ((3, "None"), (4, "{'k': 1}"), (5, "2.5"), (6, "True")):
+        assert by_id[line]["error"] == (
+            f"line {line}: id={shown}; must be a non-empty string or an integer"
+        )

@@ -82,15 +82,15 @@ def merge_shards(input_path: Path, output: Path, parts: list[Path]) -> int:
     file and renamed, so `output` is either absent or complete."""
     from etjax.jobs.records import record_id
 
-    order: dict[str, int] = {}
-    with open(input_path, encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if text.strip():
+    order: dict[str | int, int] = {}
+    with open(input_path, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
                 try:
-                    raw = json.loads(text)
-                except ValueError:
+                    raw = json.loads(line.decode("utf-8"))
+                except ValueError:  # not JSON, or not UTF-8: known by its line number
                     raw = None
-                order.setdefault(record_id(raw, number), number)
+                order.setdefault(record_id(raw, number)[0], number)
     results = []
     for part in parts:
         if not part.is_file():
@@ -101,8 +101,8 @@ def merge_shards(input_path: Path, output: Path, parts: list[Path]) -> int:
 
     def position(record: dict) -> int:
         # A duplicated id was renamed "ID@lineN" by the job: its own line is its position.
-        rid = str(record["id"])
-        if "@line" in rid and rid.rsplit("@line", 1)[1].isdigit():
+        rid = record["id"]
+        if isinstance(rid, str) and "@line" in rid and rid.rsplit("@line", 1)[1].isdigit():
             return int(rid.rsplit("@line", 1)[1])
         return order.get(rid, len(order) + 1)
 
@@ -110,7 +110,7 @@ def merge_shards(input_path: Path, output: Path, parts: list[Path]) -> int:
     temporary = output.with_name(output.name + ".merging")
     with open(temporary, "w", encoding="utf-8") as f:
         for record in results:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
         f.flush()
         os.fsync(f.fileno())
     temporary.replace(output)

@@ -8,7 +8,9 @@ results file are skipped, so a killed job loses nothing and duplicates nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -40,9 +42,14 @@ def run_batch(
     process_index: int = 0,
     process_count: int = 1,
     show_progress: bool = True,
+    redo_changed: bool = False,
 ) -> dict:
     """Run the job (or resume it); returns the run's summary (also written beside the output
-    as `<output>.summary.json`)."""
+    as `<output>.summary.json`).
+
+    On a rerun, records whose stored result is an error run again. A record whose stored
+    result came from a different request (its fingerprint differs: the prompt or a setting
+    changed) stops the job with ConfigError, unless `redo_changed`, which runs it again."""
     if not 0 <= process_index < process_count:
         raise ConfigError(
             f"process index {process_index} out of range for {process_count} processes"
@@ -63,10 +70,11 @@ def run_batch(
                 text = raw_line.decode("utf-8")
             except UnicodeDecodeError as e:
                 rec = ParsedRecord(
-                    str(number + 1),
+                    number + 1,  # no id can be read: known by its line number
                     number + 1,
                     error=f"line {number + 1}: not UTF-8 (byte {raw_line[e.start]:#04x} at "
                     f"column {e.start + 1})",
+                    fingerprint="line:" + hashlib.sha256(raw_line).hexdigest()[:16],
                 )
             else:
                 rec = parse_record(text, number + 1, model, config)
@@ -75,11 +83,31 @@ def run_batch(
                 rec.id = f"{rec.id}@line{rec.line}"
             seen.add(rec.id)
             records.append(rec)
+    changed = [
+        r
+        for r in records
+        if r.id in results.done and results.fingerprints.get(r.id) not in (None, r.fingerprint)
+    ]
+    if changed and not redo_changed:
+        results.close()
+        first = changed[0]
+        raise ConfigError(
+            f"{output} holds a result for id {first.id!r} (line {first.line}) made from a "
+            f"different request: its prompt or settings changed ({len(changed)} such records). "
+            "Write to a new --output, or pass --redo-changed to run those records again"
+        )
+    retried = {r.id for r in records if r.id in results.errors}
+    results.forget(retried | {r.id for r in changed})
+    if retried:
+        print(
+            f"retrying {len(retried)} records whose earlier result in {output} was an error",
+            file=sys.stderr,
+        )
     pending = [r for r in records if r.id not in results.done]
     progress = Progress(len(records), len(records) - len(pending)) if show_progress else None
     for rec in pending:
         if rec.error is not None:
-            results.append({"id": rec.id, "error": rec.error})
+            results.append({"id": rec.id, "error": rec.error, "fingerprint": rec.fingerprint})
             if progress:
                 progress.update(requests=1)
     valid = [r for r in pending if r.error is None]
@@ -90,6 +118,8 @@ def run_batch(
         progress.close()
     results.close()
     summary = _summary(outputs, wall, len(records), len(pending), output)
+    summary["retried_errors"] = len(retried)
+    summary["redone_changed"] = len(changed)
     Path(f"{output}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
@@ -130,6 +160,7 @@ def _result_record(rec: ParsedRecord, out: SequenceOutput) -> dict:
         "prompt_tokens": len(rec.prompt_ids),
         "metrics": out.metrics | {"mean_entropy": float(np.mean(out.entropy)) if n else 0.0},
         "error": None,
+        "fingerprint": rec.fingerprint,
     }
 
 

@@ -1,15 +1,18 @@
 """Input records of a batch job: one JSON object per line, validated one at a time.
 
-Fields: "prompt" (required, a string); optional "id" (string or number; default: the line
-number), "max_new_tokens", "ignore_eos", "chat", "system_prompt", "stop", "priority", and any
-`SamplerSettings` field ("sampler", "temperature", "seed", "top_p", ...). Missing fields take
-the run config's defaults. A record that fails validation becomes an error result; it never
-stops the job.
+Fields: "prompt" (required, a string); optional "id" (a non-empty string or an integer,
+written back as a string; without one, a record is known by its line number, written back as
+a JSON number, so a generated id never equals a given one), "max_new_tokens", "ignore_eos",
+"chat", "system_prompt", "stop", "priority", and any `SamplerSettings` field ("sampler",
+"temperature", "seed", "top_p", ...). Missing fields take the run config's defaults. A record
+that fails validation becomes an error result; it never stops the job. Each record carries a
+fingerprint of what its result depends on, so a rerun can tell a changed record from a done one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -23,30 +26,56 @@ _REQUEST_FIELDS = {"id", "prompt", "max_new_tokens", "ignore_eos", "chat", "syst
 _REQUEST_FIELDS |= {"stop", "priority"}
 
 
+RecordId = str | int  # a given id (always a string) or a line number (always an int)
+
+
 @dataclass
 class ParsedRecord:
-    id: str
+    id: RecordId
     line: int  # 1-based line number in the input
     prompt_ids: list[int] | None = None
     settings: RequestSettings | None = None
     priority: float = 0.0
     error: str | None = None
+    fingerprint: str = ""  # of what the result depends on (`request_fingerprint`)
 
 
-def record_id(raw: object, line: int) -> str:
-    """The id a line's result carries: its "id" field if usable, else its line number."""
-    if isinstance(raw, dict) and isinstance(raw.get("id"), str | int) and raw.get("id") != "":
-        return str(raw["id"])
-    return str(line)
+def record_id(raw: object, line: int) -> tuple[RecordId, str | None]:
+    """The id a line's result carries, and an error if its "id" field is unusable: a given
+    non-empty string or integer (as a string), else the line number (as an int)."""
+    if not isinstance(raw, dict) or "id" not in raw:
+        return line, None
+    value = raw["id"]
+    if isinstance(value, str) and value != "":
+        return value, None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value), None
+    return line, f"line {line}: id={value!r}; must be a non-empty string or an integer"
+
+
+def request_fingerprint(prompt_ids: list[int], settings: RequestSettings) -> str:
+    """A digest of the prompt's tokens and every setting that shapes the result: a rerun
+    whose record hashes differently would not reproduce the stored result."""
+    described = json.dumps(
+        {"prompt": prompt_ids, "settings": dataclasses.asdict(settings)}, sort_keys=True
+    )
+    return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
 def parse_record(text: str, line: int, model: Model, config: RunConfig) -> ParsedRecord:
     """Validate one input line against the model and the config's defaults."""
+    broken = "line:" + hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:16]
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as e:
-        return ParsedRecord(str(line), line, error=f"line {line}: not valid JSON ({e.msg})")
-    rec = ParsedRecord(record_id(raw, line), line)
+        return ParsedRecord(
+            line, line, error=f"line {line}: not valid JSON ({e.msg})", fingerprint=broken
+        )
+    key, id_error = record_id(raw, line)
+    rec = ParsedRecord(key, line, fingerprint=broken)
+    if id_error is not None:
+        rec.error = id_error
+        return rec
     if not isinstance(raw, dict):
         rec.error = f"line {line}: a record must be a JSON object, got {type(raw).__name__}"
         return rec
@@ -64,6 +93,7 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
         if error is not None:
             raise RequestError(error)
         rec.prompt_ids = ids
+        rec.fingerprint = request_fingerprint(ids, rec.settings)
     except EtjaxError as e:
         rec.error = f"line {line}: {e}"
     return rec
