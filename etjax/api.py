@@ -118,9 +118,12 @@ def decode(
         pruning = PruningConfig(enabled=pruning)
     elif not isinstance(pruning, PruningConfig):
         raise RequestError(f"pruning={pruning!r}; must be True, False or a PruningConfig")
+    max_batch_size = positive_int("max_batch_size", max_batch_size)
     options = RuntimeOptions(
         page_size=positive_int("page_size", page_size),
-        max_batch_size=positive_int("max_batch_size", max_batch_size),
+        max_batch_size=max_batch_size,
+        # A step holds a token per decoding row before any prefill: grow the budget with them.
+        token_budget=max(RuntimeOptions.token_budget, 2 * max_batch_size),
         pruning=pruning,
         mesh=mesh,
     )

@@ -7,7 +7,9 @@ import json
 import pytest
 
 import etjax
-from etjax.errors import ModelLoadError, RequestError
+from etjax.errors import ConfigError, ModelLoadError, RequestError
+from etjax.runtime.footprint import check_fits, engine_bytes
+from etjax.runtime.generate import RuntimeOptions, build_engine
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +138,28 @@ def test_cli_reports_errors_without_traceback(capsys, tmp_path):
     captured = capsys.readouterr()
     assert code == 2
     assert captured.err.startswith("etjax: error:") and "Traceback" not in captured.err
+
+
+def test_sizes_that_cannot_fit_are_refused_before_allocating(tiny):
+    with pytest.raises(ConfigError, match="2000000 resident rows") as refused:
+        etjax.decode("hello", model=tiny, max_batch_size=10**6)
+    assert "GiB but the device has" in str(refused.value)
+    options = RuntimeOptions(num_pages=10**9)  # as a config's [engine] num_pages would say
+    with pytest.raises(ConfigError, match="num_pages=1000000000 x page_size=16"):
+        build_engine(tiny.weights, tiny.config, tiny.tokenizer, options)
+    with pytest.raises(ValueError, match="page_size=1000000; must be at most 1024"):
+        etjax.decode("hello", model=tiny, page_size=10**6)
+
+
+def test_the_engine_footprint_is_the_pool_and_the_row_state(tiny):
+    # Tiny llama: 2 layers, 2 KV heads, head_dim 16, vocabulary 49152, float32. Pages of 4
+    # tokens: K and V are 2 x 2 x 2 x 16 x 4 bytes per token, bounds and mass 2 x 2 x 33 x 4 per
+    # page; three [rows + 1, V] arrays of 4 + 4 + 1 bytes.
+    need = engine_bytes(tiny.config, num_pages=10, page_size=4, rows=3)
+    assert need == {
+        "kv_cache": 10 * 4 * (2 * 2 * 2 * 16 * 4) + 10 * 2 * 2 * 33 * 4,
+        "row_state": 4 * 49152 * 9,
+    }
+    check_fits(tiny.config, 10, 4, 3, free=sum(need.values()))  # exactly fits
+    with pytest.raises(ConfigError, match="num_pages=10 x page_size=4"):
+        check_fits(tiny.config, 10, 4, 3, free=sum(need.values()) - 1)

@@ -31,6 +31,7 @@ from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
 from etjax.runtime.buckets import batch_bucket, kept_bucket, next_power_of_two, pages_bucket
+from etjax.runtime.footprint import check_fits
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.steps import FlatBatch, decode_steps, mixed_step
@@ -83,6 +84,7 @@ class DeviceBackend:
         # sharded once here, and every program keeps those shardings (etjax/distributed).
         self.placement = None if shape.size == 1 else Placement(make_mesh(shape))
         self.weights = weights
+        check_fits(cfg, num_pages, options.page_size, self.rows)  # before allocating anything
         self.cache = init_kv_cache(cfg, num_pages, options.page_size)
         self.store = _empty_store(cfg, self.rows + 1, self.eos_ids)
         if self.placement is not None:

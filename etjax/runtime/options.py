@@ -10,6 +10,7 @@ from etjax.pruning.config import PruningConfig
 from etjax.sampling.settings import SamplerSettings
 
 POLICIES = ("fcfs", "priority", "entropic")
+MAX_PAGE_SIZE = 1024
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,11 @@ class RuntimeOptions:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r}; must be one of {ATTENTION_BACKENDS}"
+            )
+        if self.page_size > MAX_PAGE_SIZE:
+            raise ValueError(
+                f"page_size={self.page_size}; must be at most {MAX_PAGE_SIZE} tokens (a page is "
+                "one attention tile: every step gathers whole pages)"
             )
         if self.token_budget <= self.max_batch_size:
             raise ValueError(
