@@ -143,6 +143,29 @@ def _read(path: Path, tables) -> dict:
     return data
 
 
+# The field annotations of the config dataclasses, and what a TOML value must be for each.
+_TYPES = {
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "tuple[str, ...]": (
+        "a list of strings",
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    ),
+}
+
+
+def _check_type(path: Path, table: str, key: str, value: object, annotation: str) -> None:
+    # "int | None" and the like: TOML has no null, so the value must be the other type.
+    name = annotation.removesuffix(" | None")
+    if name not in _TYPES:
+        return  # a type the dataclass checks itself
+    allowed, ok = _TYPES[name]
+    if not ok(value):
+        raise ConfigError(f"{path}: [{table}] {key} = {value!r}; must be {allowed}")
+
+
 def _build(path: Path, table: str, cls, values: object):
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: [{table}] must be a table of key = value pairs")
@@ -152,8 +175,9 @@ def _build(path: Path, table: str, cls, values: object):
     for key, value in values.items():
         if key not in allowed:
             raise ConfigError(f"{path}: [{table}] unknown key {key!r}; allowed: {sorted(allowed)}")
-        expected = {f.name: f.type for f in dataclasses.fields(cls)}[key]
-        if "float" in str(expected) and isinstance(value, int) and not isinstance(value, bool):
+        expected = str({f.name: f.type for f in dataclasses.fields(cls)}[key])
+        _check_type(path, table, key, value, expected)
+        if "float" in expected and isinstance(value, int) and not isinstance(value, bool):
             values[key] = float(value)  # TOML writes 1 for 1.0
         if key == "stop" and isinstance(value, list):
             values[key] = tuple(value)

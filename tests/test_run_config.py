@@ -34,6 +34,26 @@ def test_config_errors_name_the_file_table_and_key(tmp_path):
         load_run_config("no-such-config")
 
 
+@pytest.mark.parametrize(
+    "table, line, message",
+    [
+        ("request", 'chat = "yes"', "[request] chat = 'yes'; must be true or false"),
+        ("request", "stop = [1]", "[request] stop = [1]; must be a list of strings"),
+        ("model", "name = 5", "[model] name = 5; must be a string"),
+        ("engine", "max_batch_size = 2.5", "[engine] max_batch_size = 2.5; must be an integer"),
+        ("engine", "num_pages = true", "[engine] num_pages = True; must be an integer"),
+        ("pruning", 'enabled = "no"', "[pruning] enabled = 'no'; must be true or false"),
+        ("sampler", 'top_p = "0.9"', "[sampler] top_p = '0.9'; must be a number"),
+    ],
+)
+def test_every_key_is_checked_against_its_type(tmp_path, table, line, message):
+    bad = tmp_path / "typed.toml"
+    bad.write_text(f"[{table}]\n{line}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_run_config(bad)
+    assert str(refused.value) == f"{bad}: {message}"
+
+
 def test_shipped_configs_load_and_differ_in_one_level_each():
     assert set(ABLATION) | {"default"} <= set(available_configs())
     configs = {name: load_run_config(name) for name in ("default", *ABLATION)}
