@@ -11,12 +11,17 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import etjax
 from etjax.errors import ConfigError
 from etjax.jobs.batch import run_batch, shard_path
+from etjax.jobs.records import parse_record
 from etjax.jobs.results_file import ResultsFile
 from etjax.run_config import load_run_config
+from etjax.sampling import SamplerSettings
+from tests.hypothesis_profiles import examples
 from tests.subprocess_env import subprocess_env
 
 CONFIG = """
@@ -219,3 +224,26 @@ def test_generated_ids_never_collide_and_ids_of_a_wrong_type_are_errors(tiny, tm
         assert by_id[line]["error"] == (
             f"line {line}: id={shown}; must be a non-empty string or an integer"
         )
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
+    max_leaves=6,
+)
+_FIELDS = sorted(
+    {"id", "prompt", "max_new_tokens", "ignore_eos", "chat", "system_prompt", "stop", "priority"}
+    | set(SamplerSettings.__dataclass_fields__)
+)
+
+
+@settings(max_examples=examples(150), suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(field=st.sampled_from(_FIELDS), value=_JSON)
+def test_any_json_value_in_any_field_is_a_result_never_a_traceback(tiny, tmp_path, field, value):
+    config = load_run_config(_config(tmp_path))
+    raw = {"id": "r", "prompt": "The river bank", field: value}
+    rec = parse_record(json.dumps(raw), 1, tiny, config)
+    if rec.error is None:  # accepted: then it is a request the engine can run
+        assert rec.prompt_ids and rec.settings.max_new_tokens >= 1
+    else:
+        assert rec.error.startswith("line 1: ")
