@@ -12,6 +12,7 @@ Writes the "entropy_cost" section of docs/PERF.md.
 from __future__ import annotations
 
 import datetime
+import inspect
 import sys
 import time
 from pathlib import Path
@@ -126,6 +127,7 @@ def _decode_step_ms(model, RequestSettings, RuntimeOptions, bare_stage: bool = F
     # Time whole decode bursts through the engine's own loop: 32 prompts of 64 tokens, 128 new.
     # With bare_stage the entropy-and-sampling stage is replaced by a bare argmax, so the
     # difference is what the stage costs inside the step (fused with the rest), not alone.
+    from etjax.engine import device
     from etjax.runtime import generate as gen
     from etjax.runtime import steps
     from etjax.sampling import sampler
@@ -137,22 +139,23 @@ def _decode_step_ms(model, RequestSettings, RuntimeOptions, bare_stage: bool = F
     prompts = [[100 + i] * 64 for i in range(BATCH)]
     settings = [RequestSettings(max_new_tokens=128, ignore_eos=True)] * BATCH
     times: list[float] = []
-    original = gen.decode_steps
+    original = device.decode_steps  # the name the engine's backend calls
 
     def timed(*args, **kwargs):
         started = time.perf_counter()
         out = original(*args, **kwargs)
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - started) / kwargs.get("num_steps", args[-1]))
+        steps_run = inspect.signature(original).bind(*args, **kwargs).arguments["num_steps"]
+        times.append((time.perf_counter() - started) / steps_run)
         return out
 
-    gen.decode_steps = timed
+    device.decode_steps = timed
     try:
         gen.generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)  # warm
         times.clear()
         gen.generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
     finally:
-        gen.decode_steps = original
+        device.decode_steps = original
         steps.sample_next = sampler.sample_next
         jax.clear_caches()
     return [t * 1e3 for t in times]

@@ -128,8 +128,21 @@ def main() -> None:
                     ]
                     sizes = PlanSizes.decode(BATCH, table.size + 1, PAGE)
                     plan = plan_segments(segments, BATCH, sizes)
+                # The batch is the whole store: rows 0..B-1, each row's full page table.
                 state, cache, out = decode_steps(
-                    model.weights, cache, state, cfg, cost, STEPS, pruning, max_kept, None, plan
+                    model.weights,
+                    cache,
+                    state,
+                    np.arange(BATCH, dtype=np.int32),
+                    table,
+                    np.zeros(BATCH, np.int32),
+                    cfg,
+                    cost,
+                    STEPS,
+                    pruning,
+                    max_kept,
+                    None,
+                    plan,
                 )
                 jax.block_until_ready(out)
                 elapsed = time.perf_counter() - started
