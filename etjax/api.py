@@ -70,6 +70,7 @@ def decode(
     ignore_eos: bool = False,
     chat: bool = False,
     system_prompt: str | None = None,
+    trusted_chat: bool = False,
     raise_on_invalid: bool = False,
     max_batch_size: int = 32,
     page_size: int = 16,
@@ -92,6 +93,9 @@ def decode(
       ignore_eos: keep generating past end-of-sequence tokens (exactly `max_new_tokens`).
       chat: wrap each prompt as a user turn in the model's chat template.
       system_prompt: optional system turn when `chat` is set.
+      trusted_chat: with `chat`, parse special-token text inside prompts (and the system
+        prompt) as special tokens. Off by default: a prompt holding `<|im_start|>system` is
+        tokenized as that text and cannot open a turn of its own.
       raise_on_invalid: raise `RequestError` for an invalid prompt instead of returning a
         `Result` with `error` set (the other prompts are generated either way otherwise).
       pruning: True (default settings) or a `PruningConfig`: entropic attention pruning — each
@@ -108,6 +112,7 @@ def decode(
     """
     prompt_list = _prompt_list(prompts)
     chat, raise_on_invalid = flag("chat", chat), flag("raise_on_invalid", raise_on_invalid)
+    trusted_chat = flag("trusted_chat", trusted_chat)
     settings = RequestSettings(
         max_new_tokens=positive_int("max_new_tokens", max_new_tokens),
         ignore_eos=flag("ignore_eos", ignore_eos),
@@ -131,7 +136,9 @@ def decode(
     results = [Result() for _ in prompt_list]
     valid: list[int] = []
     for i, prompt in enumerate(prompt_list):
-        ids, error = tokenize_prompt(model, prompt, i, chat, system_prompt, settings.max_new_tokens)
+        ids, error = tokenize_prompt(
+            model, prompt, i, chat, system_prompt, settings.max_new_tokens, trusted_chat
+        )
         results[i].prompt_token_ids = ids
         if error is None:
             valid.append(i)

@@ -30,7 +30,13 @@ def sampler_settings(
 
 
 def tokenize_prompt(
-    model: Model, prompt: object, index: int, chat: bool, system: str | None, max_new: int
+    model: Model,
+    prompt: object,
+    index: int,
+    chat: bool,
+    system: str | None,
+    max_new: int,
+    trusted_chat: bool = False,
 ) -> tuple[list[int], str | None]:
     if not isinstance(prompt, str):
         return [], f"prompt {index} is a {type(prompt).__name__}, not a string"
@@ -48,7 +54,10 @@ def tokenize_prompt(
     if chat:
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": prompt})
-        ids = model.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        # Untrusted unless said otherwise: special-token text in the content stays text.
+        ids = model.tokenizer.encode_chat(
+            messages, add_generation_prompt=True, trusted=trusted_chat
+        )
     else:
         ids = model.tokenizer.encode(prompt)
     context = model.config.max_position_embeddings

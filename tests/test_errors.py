@@ -98,6 +98,7 @@ def test_corrupt_safetensors(tiny_hf_dir, tmp_path):
         (dict(chat="no"), "chat='no'; must be True or False"),
         (dict(ignore_eos="no"), "ignore_eos='no'; must be True or False"),
         (dict(raise_on_invalid=1), "raise_on_invalid=1; must be True or False"),
+        (dict(trusted_chat="yes"), "trusted_chat='yes'; must be True or False"),
         (dict(pruning="yes"), "pruning='yes'; must be True, False or a PruningConfig"),
     ],
 )

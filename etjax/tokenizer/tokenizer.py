@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,9 @@ class Tokenizer:
         )
         self._special_ids = frozenset(
             i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        )
+        self._special_texts = tuple(
+            t.content for t in backend.get_added_tokens_decoder().values() if t.special
         )
         self._eos_token_ids = self._stop_ids(eos_token_id, extra_eos_token_ids)
         probe = backend.encode("", add_special_tokens=True).ids
@@ -598,14 +602,57 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        *,
+        trusted: bool = False,
         **kwargs: Any,
     ) -> list[int]:
         """Render ``messages`` with the chat template and tokenize the result. Returns ids.
 
         Like transformers, no BOS/EOS is added: the template writes the special tokens it wants.
+        Message content is untrusted by default: special-token text inside it (a user writing
+        ``<|im_start|>system``) is tokenized as plain text, so it cannot open a turn of its own;
+        only the template's own markup becomes special tokens. Content without such text
+        tokenizes exactly as transformers does. ``trusted=True`` parses it as transformers
+        does always.
         """
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        if trusted or not any(self._holds_special_text(m.get("content")) for m in messages):
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_untrusted(messages, add_generation_prompt, text, **kwargs)
+
+    def _holds_special_text(self, content: object) -> bool:
+        return isinstance(content, str) and any(t in content for t in self._special_texts)
+
+    def _encode_untrusted(self, messages, add_generation_prompt, text, **kwargs) -> list[int]:
+        # Render with a marker in place of each content, tokenize the template's pieces with
+        # special tokens parsed and each content with them read as text.
+        marked = [
+            {**m, "content": f"\ue000{i}\ue001"} if isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)
+        ]
+        template = self.apply_chat_template(marked, add_generation_prompt, **kwargs)
+        pieces = re.split("\ue000(\\d+)\ue001", template)
+        contents = [messages[int(p)]["content"] for p in pieces[1::2]]
+        rebuilt = "".join(
+            piece if k % 2 == 0 else contents[k // 2] for k, piece in enumerate(pieces)
+        )
+        if rebuilt != text:
+            raise TokenizerError(
+                f"{self._source}'s chat template rewrites message content, so special-token "
+                "text inside it cannot be kept as text; remove it, or pass trusted=True if "
+                "the content is yours"
+            )
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:
+                ids += self._backend.encode(piece, add_special_tokens=False).ids if piece else []
+                continue
+            self._backend.encode_special_tokens = True  # special-token text stays text
+            try:
+                ids += self._backend.encode(contents[k // 2], add_special_tokens=False).ids
+            finally:
+                self._backend.encode_special_tokens = False
+        return ids
 
     # ----------------------------------------------------------------------------- internals
 
