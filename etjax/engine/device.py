@@ -119,9 +119,9 @@ class DeviceBackend:
         if len(rows) > opts.max_batch_size:
             raise ValueError(f"{len(rows)} decoding rows; max_batch_size={opts.max_batch_size}")
         total = len(rows) + sum(len(j.tokens) for j in jobs)
-        num_tokens = self.token_bucket(total)
-        if total > num_tokens:
+        if total > opts.token_budget:
             raise ValueError(f"a step of {total} tokens exceeds token_budget={opts.token_budget}")
+        num_tokens = self.token_bucket(total)
         width = batch_bucket(opts.max_batch_size)
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
