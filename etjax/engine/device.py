@@ -34,7 +34,7 @@ from etjax.runtime.buckets import batch_bucket, kept_bucket, next_power_of_two, 
 from etjax.runtime.footprint import check_fits
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.runtime.steps import FlatBatch, decode_steps, mixed_step
+from etjax.runtime.steps import FlatBatch, decode_steps, mixed_step, put_rows, take_rows
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import pack_sampler_params
 from pallas_kernels.ragged_attention import Segment
@@ -334,7 +334,7 @@ def _insert_new_row(
         sampler=params,
         entropy=initial_entropy_state(initial_sampler_state(params), flops[None], nbytes[None]),
     )
-    return _set_row(store, row, one)
+    return put_rows(store, row[None], one)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -348,23 +348,13 @@ def _restore_row(store, row, logits, index, length, saved, flops, nbytes) -> Dec
             cost_flops=entropy.cost_flops + flops, cost_bytes=entropy.cost_bytes + nbytes
         ),
     )
-    return _set_row(store, row, one)
-
-
-def _set_row(store: DecodeState, row: jax.Array, one: DecodeState) -> DecodeState:
-    shared = dict(eos_ids=store.eos_ids, page_table=store.page_table)
-    body = jax.tree.map(
-        lambda s, b: s.at[row].set(b[0].astype(s.dtype)),
-        store.replace(eos_ids=None, page_table=None),
-        one.replace(eos_ids=None, page_table=None),
-    )
-    return body.replace(**shared)
+    return put_rows(store, row[None], one)
 
 
 @jax.jit
 def _save_row(store: DecodeState, row: jax.Array) -> DecodeState:
-    one = jax.tree.map(lambda s: s[row][None], store.replace(eos_ids=None, page_table=None))
-    return one.replace(logits=None, lengths=None)
+    one = take_rows(store, row[None])
+    return one.replace(logits=None, lengths=None, eos_ids=None)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

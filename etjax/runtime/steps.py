@@ -73,7 +73,7 @@ def mixed_step(
     each prefill sequence's last token.
     """
     with _on_mesh(placement):
-        state = _take_rows(store, rows)
+        state = take_rows(store, rows)
         prefill_hidden = []
 
         def run_model(tokens, runs, sparse):
@@ -93,7 +93,7 @@ def mixed_step(
 
         state, cache, outputs = _decode_step(weights, state, cfg, cost, DENSE, 0, run_model)
         logits = logits_from_hidden(weights, prefill_hidden[0])
-        store = _put_rows(store, rows, state)
+        store = put_rows(store, rows, state)
         if placement is not None:
             logits = constrain(logits, placement.sharding(logits.shape, {0: DATA, 1: MODEL}))
             store = constrain(store, placement.state(store, cfg.vocab_size))
@@ -186,7 +186,7 @@ def decode_steps(
     `data`, logits over `model` too). Returns the store, the cache, and outputs [K, B].
     """
     with _on_mesh(placement):
-        state = _take_rows(store, rows).replace(page_table=page_table)
+        state = take_rows(store, rows).replace(page_table=page_table)
 
         def step(carry: tuple[DecodeState, KVCache], _: None):
             state, cache = carry
@@ -214,7 +214,7 @@ def decode_steps(
             return (state, cache), outputs
 
         (state, cache), outputs = jax.lax.scan(step, (state, cache), None, length=num_steps)
-        store = _put_rows(store, rows, state)
+        store = put_rows(store, rows, state)
         if placement is not None:
             store = constrain(store, placement.state(store, cfg.vocab_size))
             cache = constrain(cache, placement.cache(cache))
@@ -287,15 +287,16 @@ def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backen
     return state, cache, outputs
 
 
-def _take_rows(store: DecodeState, rows: jax.Array) -> DecodeState:
-    # The rows' state; the shared eos ids ride along, the page table is the caller's.
+def take_rows(store: DecodeState, rows: jax.Array) -> DecodeState:
+    """The state of store rows `rows` [B]; the shared eos ids ride along, the page table is
+    the caller's (None)."""
     body = jax.tree.map(lambda s: s[rows], store.replace(eos_ids=None, page_table=None))
     return body.replace(eos_ids=store.eos_ids, page_table=None)
 
 
-def _put_rows(store: DecodeState, rows: jax.Array, batch: DecodeState) -> DecodeState:
-    # Scatter batch rows into the store. Pad rows all point at the store's last row: whichever
-    # write wins there is harmless, it is never active.
+def put_rows(store: DecodeState, rows: jax.Array, batch: DecodeState) -> DecodeState:
+    """Scatter `batch` [B] into store rows `rows` [B]. Pad rows all point at the store's last
+    row: whichever write wins there is harmless, it is never active."""
     shared = dict(eos_ids=store.eos_ids, page_table=store.page_table)
     body = jax.tree.map(
         lambda s, b: s.at[rows].set(b.astype(s.dtype)),
