@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from etjax.errors import EtjaxError
+from etjax.errors import EtjaxError, JobInterrupted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
+    except JobInterrupted as e:
+        print(f"etjax: {e}", file=sys.stderr)
+        return 128 + e.signal_number  # as the shell reports a process killed by the signal
     except EtjaxError as e:
         print(f"etjax: error: {e}", file=sys.stderr)
         return 2
@@ -269,6 +272,7 @@ def _batch(args: argparse.Namespace) -> int:
     from etjax import path_checks
     from etjax.distributed import processes
     from etjax.jobs.batch import run_batch, shard_path
+    from etjax.jobs.output_lock import output_lock
     from etjax.loaders.resolve import load_model
     from etjax.run_config import is_model_preset, load_run_config
 
@@ -293,17 +297,19 @@ def _batch(args: argparse.Namespace) -> int:
             args.coordinator, args.process_count, args.process_index, args.timeout
         )
     name = config.model.name if preset or not args.model else args.model
-    model = load_model(name, dtype=config.model.dtype)
-    summary = run_batch(
-        args.input,
-        args.output,
-        config,
-        model,
-        group.index,
-        group.count,
-        show_progress=not args.no_progress,
-        redo_changed=args.redo_changed,
-    )
+    # The output's lock before the model: a second job on the same output fails in a second.
+    with output_lock(shard_path(args.output, group.index, group.count)):
+        model = load_model(name, dtype=config.model.dtype)
+        summary = run_batch(
+            args.input,
+            args.output,
+            config,
+            model,
+            group.index,
+            group.count,
+            show_progress=not args.no_progress,
+            redo_changed=args.redo_changed,
+        )
     print(json.dumps(summary, indent=2), file=sys.stderr)
     if group.distributed and group.count > 1:
         processes.barrier(group, "etjax-batch-shards-done", args.timeout)

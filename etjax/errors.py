@@ -25,3 +25,16 @@ class RequestError(EtjaxError):
 
 class ConfigError(EtjaxError):
     """A config file is missing, malformed, or has an unknown key or a bad value."""
+
+
+class JobError(EtjaxError):
+    """A batch job cannot go on: its output cannot be written, or another process holds it.
+    What the job wrote before stays valid, and rerunning the same command resumes it."""
+
+
+class JobInterrupted(JobError):
+    """A batch job stopped on SIGTERM or SIGINT after saving every completed result."""
+
+    def __init__(self, message: str, signal_number: int) -> None:
+        super().__init__(message)
+        self.signal_number = signal_number

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from etjax.engine.engine import Engine
 from etjax.engine.policies import make_policy
+from etjax.engine.sequence import Sequence
 from etjax.errors import RequestError
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 from tests.engine_mock import MockBackend, token_of
@@ -49,15 +50,26 @@ def _prompt(request_id: int, length: int) -> list[int]:
     return [request_id] + [5] * (length - 1)
 
 
-def _finish_order(engine: Engine) -> list[int]:
-    done = sorted(engine.sequences, key=lambda s: (s.finish_time, s.order))
+def _generate(engine: Engine, prompts, settings, priorities=None) -> list[Sequence]:
+    # As Engine.generate, but returns the host's records (timings, preemptions).
+    handles = [
+        engine.submit(p, s, 0.0 if priorities is None else priorities[i])
+        for i, (p, s) in enumerate(zip(prompts, settings, strict=True))
+    ]
+    engine.run_until_idle()
+    return [h.sequence for h in handles]
+
+
+def _finish_order(sequences: list[Sequence]) -> list[int]:
+    done = sorted(sequences, key=lambda s: (s.finish_time, s.order))
     return [s.prompt[0] for s in done]
 
 
 def test_fcfs_serves_in_arrival_order_and_tokens_are_the_mock_s():
     engine, _ = _engine("fcfs", batch=1, resident=1, rounds=1)
-    outs = engine.generate([_prompt(r, 5) for r in (7, 8, 9)], [RequestSettings(4)] * 3)
-    assert _finish_order(engine) == [7, 8, 9]
+    seqs = _generate(engine, [_prompt(r, 5) for r in (7, 8, 9)], [RequestSettings(4)] * 3)
+    outs = [s.output for s in seqs]
+    assert _finish_order(seqs) == [7, 8, 9]
     assert [o.token_ids for o in outs] == [[token_of(r, i) for i in range(4)] for r in (7, 8, 9)]
     assert all(o.finish_reason == "length" for o in outs)
     assert engine.pages_in_use == 0 and sorted(engine.free_rows) == [0]
@@ -65,10 +77,10 @@ def test_fcfs_serves_in_arrival_order_and_tokens_are_the_mock_s():
 
 def test_priority_policy_admits_the_highest_priority_first():
     engine, _ = _engine("priority", batch=1, resident=1, rounds=1)
-    engine.generate(
-        [_prompt(r, 5) for r in (7, 8, 9)], [RequestSettings(4)] * 3, priorities=[0, 5, 1]
+    seqs = _generate(
+        engine, [_prompt(r, 5) for r in (7, 8, 9)], [RequestSettings(4)] * 3, priorities=[0, 5, 1]
     )
-    assert _finish_order(engine) == [8, 9, 7]
+    assert _finish_order(seqs) == [8, 9, 7]
 
 
 @pytest.mark.parametrize("policy, first", [("entropic", 2), ("fcfs", 1)])
@@ -80,8 +92,8 @@ def test_entropic_policy_runs_the_sequence_whose_entropy_falls(policy, first):
     engine, backend = _engine(
         policy, batch=1, resident=2, rounds=4, entropy={1: (3.0, 0.0), 2: (8.0, 0.25)}
     )
-    engine.generate([_prompt(1, 8), _prompt(2, 8)], [RequestSettings(24)] * 2)
-    assert _finish_order(engine)[0] == first
+    seqs = _generate(engine, [_prompt(1, 8), _prompt(2, 8)], [RequestSettings(24)] * 2)
+    assert _finish_order(seqs)[0] == first
     log = [ids[0] for ids in backend.decode_log]
     last_run_of_first = max(i for i, r in enumerate(log) if r == first)
     other_runs = log[: last_run_of_first + 1].count(3 - first)
@@ -111,8 +123,9 @@ def test_preemption_recomputes_and_loses_nothing():
     # A pool too small for both sequences to grow: one is preempted, recomputed, and both
     # still produce exactly the mock's tokens.
     engine, _ = _engine("fcfs", batch=2, resident=2, pages=1 + 9)
-    outs = engine.generate([_prompt(1, 8), _prompt(2, 8)], [RequestSettings(10)] * 2)
-    assert sum(s.preemptions for s in engine.sequences) >= 1
+    seqs = _generate(engine, [_prompt(1, 8), _prompt(2, 8)], [RequestSettings(10)] * 2)
+    outs = [s.output for s in seqs]
+    assert sum(s.preemptions for s in seqs) >= 1
     assert [o.token_ids for o in outs] == [[token_of(r, i) for i in range(10)] for r in (1, 2)]
     assert engine.pages_in_use == 0
 
@@ -225,7 +238,7 @@ def test_any_workload_finishes_without_starvation_leaks_or_lost_tokens(
         assert len(out.token_ids) == n
     # Minimum advancement: between two runs of a resident sequence at most `rounds` rounds
     # pass, unless it was preempted in between (then it waits as a new request).
-    unpreempted = [s for s in engine.sequences if s.preemptions == 0]
+    unpreempted = [h.sequence for _, _, h in handles if h.sequence.preemptions == 0]
     gaps = _max_gaps(backend.decode_log)
     assert all(gaps[s.prompt[0]] <= rounds for s in unpreempted if s.prompt[0] in gaps)
     # ...and every run yields a token (K when nothing is prefilling), so a resident sequence
@@ -240,11 +253,11 @@ def test_any_workload_finishes_without_starvation_leaks_or_lost_tokens(
 def test_same_workload_same_schedule():
     def run():
         engine, backend = _engine("entropic", batch=2, resident=4, pages=30)
-        engine.generate(
+        outs = engine.generate(
             [_prompt(r, 3 + 4 * r) for r in range(1, 7)],
             [RequestSettings(5 + r) for r in range(1, 7)],
         )
-        return backend.decode_log, [s.output.token_ids for s in engine.sequences]
+        return backend.decode_log, [o.token_ids for o in outs]
 
     assert run() == run()
 

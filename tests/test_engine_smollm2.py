@@ -13,21 +13,23 @@ NEW = 48
 def _run(model, prompts, options: RuntimeOptions, num_pages: int):
     engine = build_engine(model.weights, model.config, model.tokenizer, options, num_pages)
     settings = [RequestSettings(NEW, ignore_eos=True)] * len(prompts)
-    return [o.token_ids for o in engine.generate(prompts, settings)], engine
+    return engine.generate(prompts, settings), engine
 
 
 def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, lee):
     prompts = [smollm2.tokenizer.encode(lee[i])[: 40 + 50 * i] for i in range(5)]
     needs = sorted(pages_needed(len(p) + NEW + 8, 16) for p in prompts)
     reference, _ = _run(smollm2, prompts, RuntimeOptions(max_batch_size=8), 1 + sum(needs))
+    reference = [o.token_ids for o in reference]
     # Two batch slots rotating over four resident sequences, in a pool that holds the largest
     # request with 4 pages to spare: sequences change batch partners every round, and the
     # short ones admitted together outgrow the pool, so some are preempted and recomputed.
     options = RuntimeOptions(
         max_batch_size=2, max_resident=4, min_advance_rounds=2, policy="entropic"
     )
-    rotated, engine = _run(smollm2, prompts, options, 1 + needs[-1] + 4)
-    assert sum(s.preemptions for s in engine.sequences) >= 1
+    outputs, engine = _run(smollm2, prompts, options, 1 + needs[-1] + 4)
+    rotated = [o.token_ids for o in outputs]
+    assert sum(o.metrics["preemptions"] for o in outputs) >= 1
     assert rotated == reference
     assert engine.pages_in_use == 0
 
@@ -40,7 +42,9 @@ def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
     document = smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:3000]
     prompts = [document] + [smollm2.tokenizer.encode(lee[20 + i])[:40] for i in range(3)]
     pages = 1 + sum(pages_needed(len(p) + NEW + 8, 16) for p in prompts)
-    batched, engine = _run(smollm2, prompts, RuntimeOptions(max_batch_size=4), pages)
+    outputs, engine = _run(smollm2, prompts, RuntimeOptions(max_batch_size=4), pages)
+    batched = [o.token_ids for o in outputs]
     assert engine.decode_bursts == engine.decode_rounds
-    alone = [_run(smollm2, [p], RuntimeOptions(max_batch_size=4), pages)[0][0] for p in prompts]
+    options = RuntimeOptions(max_batch_size=4)
+    alone = [_run(smollm2, [p], options, pages)[0][0].token_ids for p in prompts]
     assert batched == alone

@@ -118,7 +118,7 @@ def measure(
 
 def _sleep_until_next_arrival(engine) -> None:
     # Nothing runnable until the next request arrives: wait for it rather than spin.
-    live = [s for s in engine.sequences if not s.finished]
+    live = engine.live
     now = time.perf_counter()
     if live and all(s.arrival_time > now for s in live):
         time.sleep(max(min(s.arrival_time for s in live) - now, 0.0))

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from etjax.errors import EtjaxError
 
@@ -79,7 +82,8 @@ def barrier(group: ProcessGroup, name: str, timeout_s: int) -> None:
 def merge_shards(input_path: Path, output: Path, parts: list[Path]) -> int:
     """Write the results of every part file into `output`, in input order (records whose id
     the input does not name go last); returns the number of results. Written to a temporary
-    file and renamed, so `output` is either absent or complete."""
+    file and renamed, so `output` is either absent or complete. Holds the input's ids and
+    three integers per result, never the results themselves: lines are copied by offset."""
     from etjax.jobs.records import record_id
 
     order: dict[str | int, int] = {}
@@ -88,30 +92,43 @@ def merge_shards(input_path: Path, output: Path, parts: list[Path]) -> int:
             if line.strip():
                 try:
                     raw = json.loads(line.decode("utf-8"))
-                except ValueError:  # not JSON, or not UTF-8: known by its line number
+                except (ValueError, RecursionError):  # not JSON or not UTF-8: its line number
                     raw = None
                 order.setdefault(record_id(raw, number)[0], number)
-    results = []
-    for part in parts:
-        if not part.is_file():
-            raise ProcessGroupError(f"{part}: missing; did every process finish its shard?")
-        for line in part.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                results.append(json.loads(line))
 
-    def position(record: dict) -> int:
+    def position(rid: str | int) -> int:
         # A duplicated id was renamed "ID@lineN" by the job: its own line is its position.
-        rid = record["id"]
         if isinstance(rid, str) and "@line" in rid and rid.rsplit("@line", 1)[1].isdigit():
             return int(rid.rsplit("@line", 1)[1])
         return order.get(rid, len(order) + 1)
 
-    results.sort(key=position)
+    positions, owners, offsets = array("q"), array("q"), array("q")
+    for index, part in enumerate(parts):
+        if not part.is_file():
+            raise ProcessGroupError(f"{part}: missing; did every process finish its shard?")
+        with open(part, "rb") as f:
+            offset = 0
+            for line in f:
+                if line.strip():
+                    positions.append(position(json.loads(line)["id"]))
+                    owners.append(index)
+                    offsets.append(offset)
+                offset += len(line)
+    # By input position; equal positions keep the parts' order and each part's own order.
+    ranked = np.lexsort((np.asarray(offsets), np.asarray(owners), np.asarray(positions)))
     temporary = output.with_name(output.name + ".merging")
-    with open(temporary, "w", encoding="utf-8") as f:
-        for record in results:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    sources = [open(part, "rb") for part in parts]  # noqa: SIM115 - closed below
+    try:
+        with open(temporary, "wb") as target:
+            for i in ranked:
+                source = sources[owners[i]]
+                source.seek(offsets[i])
+                line = source.readline()
+                target.write(line if line.endswith(b"\n") else line + b"\n")
+            target.flush()
+            os.fsync(target.fileno())
+    finally:
+        for source in sources:
+            source.close()
     temporary.replace(output)
-    return len(results)
+    return len(ranked)

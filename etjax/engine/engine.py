@@ -81,6 +81,11 @@ class RequestHandle:
         return self._seq.finished
 
     @property
+    def sequence(self) -> Sequence:
+        """The host's record of the request: status, timings, preemptions."""
+        return self._seq
+
+    @property
     def output(self) -> SequenceOutput:
         """The output so far (complete once `done`)."""
         return self._seq.output
@@ -105,7 +110,10 @@ class Engine:
         self.options, self.policy, self.clock = options, policy, clock
         self.allocator = PageAllocator(backend.num_pages)
         self.free_rows = list(range(options.resident_rows - 1, -1, -1))
-        self.sequences: list[Sequence] = []
+        # Only unfinished sequences are kept: a round costs time in the live work, not in
+        # everything ever submitted (a finished one lives on in its handle, if anyone holds it).
+        self.live: list[Sequence] = []
+        self.submitted = 0
         self.round = 0
         self.decode_rounds = 0  # rounds that decoded
         self.decode_bursts = 0  # device decode calls (a round may run several)
@@ -148,7 +156,7 @@ class Engine:
                 f"needs {need} KV pages; the pool has {self.allocator.num_pages - 1}"
             )
         seq = Sequence(
-            order=len(self.sequences),
+            order=self.submitted,
             prompt=prompt,
             settings=settings,
             priority=priority,
@@ -157,7 +165,8 @@ class Engine:
             detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
         )
         seq.waiting_since = self.round
-        self.sequences.append(seq)
+        self.submitted += 1
+        self.live.append(seq)
         return RequestHandle(self, seq)
 
     def generate(
@@ -185,7 +194,7 @@ class Engine:
         started = time.perf_counter()
         device = 0.0
         now = self.clock()
-        live = [s for s in self.sequences if not s.finished]
+        live = self.live
         for seq in live:
             if seq.cancelled:
                 self._release(seq)
@@ -215,10 +224,11 @@ class Engine:
             batch = self._pick_batch([s for s in arrived if s.status is Status.RUNNING])
             if batch:
                 device += self._decode(batch)
+        self.live = [s for s in self.live if not s.finished]
         self.round += 1
         self.device_seconds += device
         self.host_seconds += time.perf_counter() - started - device
-        return any(not s.finished for s in self.sequences)
+        return bool(self.live)
 
     def _pick_batch(self, running: list[Sequence]) -> list[Sequence]:
         batch = scheduler.pick_batch(
@@ -233,7 +243,7 @@ class Engine:
     def _admit(self, waiting: list[Sequence]) -> None:
         opts = self.options
         burst_pages = pages_needed(opts.steps_per_sync, opts.page_size) + 1
-        resident = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self.sequences)
+        resident = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self.live)
         for seq in scheduler.admission_order(waiting, self.policy, self.round):
             need = pages_needed(len(seq.context) + opts.steps_per_sync, opts.page_size)
             # Keep enough free pages for every resident sequence's next burst; an empty
@@ -319,9 +329,7 @@ class Engine:
                 continue  # preempted for an earlier member
             need = pages_needed(seq.length + opts.steps_per_sync, opts.page_size) - len(seq.pages)
             while need > self.allocator.num_free:
-                resident = [
-                    s for s in self.sequences if s.status in (Status.PREFILLING, Status.RUNNING)
-                ]
+                resident = [s for s in self.live if s.status in (Status.PREFILLING, Status.RUNNING)]
                 victim = scheduler.preemption_victim(
                     resident, self.policy, self.round, protect=[*kept, seq]
                 )

@@ -4,27 +4,50 @@ Process `index` of `count` takes the input lines whose 0-based number is congrue
 index, and writes its own results file (see `shard_path`), so several processes (or hosts)
 split one input without coordinating. Rerunning the same command resumes: ids already in the
 results file are skipped, so a killed job loses nothing and duplicates nothing.
+
+Built for inputs of millions of lines. The input is read twice, lazily: a survey (which records
+run now, which reruns are errors retried or changed records, and the page pool the largest of
+them need) and the run. The engine is fed from a window of `WINDOW_PER_ROW` requests per
+resident row, so a round costs time in that window, not in the input; a record's `priority`
+orders it within the window. Finished requests leave only their result line and streaming
+statistics (RunSummary). The job holds its output's lock throughout (output_lock.py), and on
+SIGTERM or SIGINT it saves every completed result and stops (stop_signals.py).
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import heapq
 import json
+import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from etjax import path_checks
-from etjax.errors import ConfigError
+from etjax.cache.page_allocator import pages_needed
+from etjax.engine.engine import Engine, RequestHandle
+from etjax.errors import ConfigError, JobError, JobInterrupted, RequestError
+from etjax.jobs.input_lines import input_lines
+from etjax.jobs.output_lock import output_lock
 from etjax.jobs.progress import Progress
-from etjax.jobs.records import ParsedRecord, parse_record
+from etjax.jobs.records import ParsedRecord
 from etjax.jobs.results_file import ResultsFile
+from etjax.jobs.run_summary import RunSummary
+from etjax.jobs.stop_signals import StopSignals
 from etjax.loaders.loaded_model import Model
 from etjax.run_config import RunConfig
-from etjax.runtime.generate import build_engine, workload_pages
+from etjax.runtime.buckets import pages_bucket
+from etjax.runtime.generate import build_engine
 from etjax.runtime.options import SequenceOutput
+
+WINDOW_PER_ROW = 4  # requests submitted ahead, per resident row: admission never runs dry
+
+EngineFactory = Callable[[int], Engine]  # num_pages -> an engine
 
 
 def shard_path(output: Path, index: int, count: int) -> Path:
@@ -43,13 +66,17 @@ def run_batch(
     process_count: int = 1,
     show_progress: bool = True,
     redo_changed: bool = False,
+    make_engine: EngineFactory | None = None,
 ) -> dict:
     """Run the job (or resume it); returns the run's summary (also written beside the output
     as `<output>.summary.json`).
 
     On a rerun, records whose stored result is an error run again. A record whose stored
     result came from a different request (its fingerprint differs: the prompt or a setting
-    changed) stops the job with ConfigError, unless `redo_changed`, which runs it again."""
+    changed) stops the job with ConfigError, unless `redo_changed`, which runs it again.
+    `make_engine(num_pages)` builds the engine (default: `model` on the default device).
+    Raises JobError when the output cannot be written or another process holds it, and
+    JobInterrupted on SIGTERM or SIGINT, each after saving every completed result."""
     if not 0 <= process_index < process_count:
         raise ConfigError(
             f"process index {process_index} out of range for {process_count} processes"
@@ -57,97 +84,169 @@ def run_batch(
     path_checks.input_file(input_path)
     path_checks.output_file(output_path, input_path)
     output = shard_path(output_path, process_index, process_count)
-    results = ResultsFile(output)
-    records: list[ParsedRecord] = []
-    seen: set[str] = set()
-    # Bytes, decoded line by line: one line that is not UTF-8 becomes an error result
-    # instead of stopping the job.
-    with open(input_path, "rb") as f:
-        for number, raw_line in enumerate(f):
-            if number % process_count != process_index or not raw_line.strip():
-                continue
-            try:
-                text = raw_line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                rec = ParsedRecord(
-                    number + 1,  # no id can be read: known by its line number
-                    number + 1,
-                    error=f"line {number + 1}: not UTF-8 (byte {raw_line[e.start]:#04x} at "
-                    f"column {e.start + 1})",
-                    fingerprint="line:" + hashlib.sha256(raw_line).hexdigest()[:16],
+    if make_engine is None:
+        make_engine = lambda pages: build_engine(  # noqa: E731
+            model.weights, model.config, model.tokenizer, config.options, pages
+        )
+    job = _Job(input_path, output, config, model, process_index, process_count)
+    with output_lock(output), StopSignals() as job.stop:
+        job.results = ResultsFile(output)
+        try:
+            survey = job.survey()
+            if survey.changed and not redo_changed:
+                raise ConfigError(
+                    f"{output} holds a result for id {survey.first_changed} made from a "
+                    f"different request: its prompt or settings changed ({len(survey.changed)} "
+                    "such records). Write to a new --output, or pass --redo-changed to run "
+                    "those records again"
                 )
-            else:
-                rec = parse_record(text, number + 1, model, config)
-            if rec.id in seen:
-                rec.error = f"line {rec.line}: duplicate id {rec.id!r}"
-                rec.id = f"{rec.id}@line{rec.line}"
-            seen.add(rec.id)
-            records.append(rec)
-    changed = [
-        r
-        for r in records
-        if r.id in results.done and results.fingerprints.get(r.id) not in (None, r.fingerprint)
-    ]
-    if changed and not redo_changed:
-        results.close()
-        first = changed[0]
-        raise ConfigError(
-            f"{output} holds a result for id {first.id!r} (line {first.line}) made from a "
-            f"different request: its prompt or settings changed ({len(changed)} such records). "
-            "Write to a new --output, or pass --redo-changed to run those records again"
-        )
-    retried = {r.id for r in records if r.id in results.errors}
-    results.forget(retried | {r.id for r in changed})
-    if retried:
-        print(
-            f"retrying {len(retried)} records whose earlier result in {output} was an error",
-            file=sys.stderr,
-        )
-    pending = [r for r in records if r.id not in results.done]
-    progress = Progress(len(records), len(records) - len(pending)) if show_progress else None
-    for rec in pending:
-        if rec.error is not None:
-            results.append({"id": rec.id, "error": rec.error, "fingerprint": rec.fingerprint})
-            if progress:
-                progress.update(requests=1)
-    valid = [r for r in pending if r.error is None]
-    started = time.perf_counter()
-    outputs = _generate(valid, config, model, results, progress) if valid else []
-    wall = time.perf_counter() - started
-    if progress:
-        progress.close()
-    results.close()
-    summary = _summary(outputs, wall, len(records), len(pending), output)
-    summary["retried_errors"] = len(retried)
-    summary["redone_changed"] = len(changed)
-    Path(f"{output}.summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            job.results.forget(survey.retried | survey.changed)
+            if survey.retried:
+                print(
+                    f"retrying {len(survey.retried)} records whose earlier result in {output} "
+                    "was an error",
+                    file=sys.stderr,
+                )
+            started = time.perf_counter()
+            progress = None
+            if show_progress:
+                progress = Progress(survey.records, survey.records - survey.pending)
+            try:
+                stats = job.run(make_engine, survey.pool_pages(config), progress)
+            finally:
+                if progress:
+                    progress.close()
+            wall = time.perf_counter() - started
+        finally:
+            job.results.close()
+    summary = stats.as_dict(output, survey.records, survey.pending, wall)
+    summary["retried_errors"] = len(survey.retried)
+    summary["redone_changed"] = len(survey.changed)
+    _write_summary(Path(f"{output}.summary.json"), summary)
     return summary
 
 
-def _generate(valid, config, model, results, progress) -> list[SequenceOutput]:
-    options = config.options
-    prompts = [r.prompt_ids for r in valid]
-    settings = [r.settings for r in valid]
-    pages = options.num_pages or workload_pages(prompts, settings, options)
-    engine = build_engine(model.weights, model.config, model.tokenizer, options, pages)
-    handles = [engine.submit(r.prompt_ids, r.settings, r.priority) for r in valid]
-    written = [False] * len(valid)
-    counted = [0] * len(valid)
-    while True:
-        busy = engine.step()
-        for i, (rec, h) in enumerate(zip(valid, handles, strict=True)):
-            if progress:
-                n = len(h.output.token_ids)
-                progress.update(tokens=n - counted[i])
-                counted[i] = n
-            if h.done and not written[i]:
-                results.append(_result_record(rec, h.result()))
-                written[i] = True
+@dataclass
+class _Survey:
+    records: int = 0  # this process's records
+    pending: int = 0  # records that run now
+    retried: set = field(default_factory=set)  # ids whose stored result is an error
+    changed: set = field(default_factory=set)  # ids whose stored result is from another request
+    first_changed: str = ""
+    needs: list[int] = field(default_factory=list)  # heap: the largest page needs, resident_rows
+
+    def pool_pages(self, config: RunConfig) -> int:
+        """A pool that holds the largest requests at once, up to the resident limit."""
+        return config.options.num_pages or pages_bucket(sum(self.needs) + 1)
+
+
+@dataclass
+class _Job:
+    input_path: Path
+    output: Path
+    config: RunConfig
+    model: Model
+    process_index: int
+    process_count: int
+    results: ResultsFile | None = None
+    stop: StopSignals | None = None
+
+    def _lines(self):
+        return input_lines(self.input_path, self.process_index, self.process_count)
+
+    def survey(self) -> _Survey:
+        results, options = self.results, self.config.options
+        s = _Survey()
+        for line in self._lines():
+            self._check_stop(None)
+            s.records += 1
+            stored = results.fingerprints.get(line.id, "absent")
+            if line.id in results.done and stored is None:
+                continue  # written before fingerprints: nothing to compare with
+            rec = line.parse(self.model, self.config)
+            if line.id in results.done:
+                if stored == rec.fingerprint:
+                    continue
+                s.changed.add(line.id)
+                s.first_changed = s.first_changed or f"{line.id!r} (line {line.number})"
+            elif line.id in results.errors:
+                s.retried.add(line.id)
+            s.pending += 1
+            if rec.error is None:
+                need = len(rec.prompt_ids) + rec.settings.max_new_tokens + options.steps_per_sync
+                need = pages_needed(need, options.page_size)
+                if len(s.needs) < options.resident_rows:
+                    heapq.heappush(s.needs, need)
+                else:
+                    heapq.heappushpop(s.needs, need)
+        return s
+
+    def run(self, make_engine: EngineFactory, pages: int, progress: Progress | None) -> RunSummary:
+        results, stats = self.results, RunSummary()
+        window = WINDOW_PER_ROW * self.config.options.resident_rows
+        engine: Engine | None = None
+        inflight: list[_InFlight] = []
+        lines = (line for line in self._lines() if line.id not in results.done)
+        more = True
+        while True:
+            while more and len(inflight) < window:
+                line = next(lines, None)
+                if line is None:
+                    more = False
+                    break
+                rec = line.parse(self.model, self.config)
+                if rec.error is None:
+                    engine = engine or make_engine(pages)
+                    try:
+                        handle = engine.submit(rec.prompt_ids, rec.settings, rec.priority)
+                    except RequestError as e:
+                        rec.error = f"line {rec.line}: {e}"
+                    else:
+                        inflight.append(_InFlight(rec, handle))
+                        continue
+                results.append({"id": rec.id, "error": rec.error, "fingerprint": rec.fingerprint})
                 if progress:
                     progress.update(requests=1)
-        if not busy:
-            break
-    return [h.result() for h in handles]
+            if not inflight:
+                break
+            engine.step()
+            still = []
+            for item in inflight:
+                out = item.handle.output
+                if progress:
+                    progress.update(tokens=len(out.token_ids) - item.counted)
+                    item.counted = len(out.token_ids)
+                if not item.handle.done:
+                    still.append(item)
+                    continue
+                results.append(_result_record(item.record, out))
+                stats.add(out)
+                if progress:
+                    progress.update(requests=1)
+            inflight = still
+            results.sync()
+            self._check_stop(len(inflight))
+        results.sync()
+        return stats
+
+    def _check_stop(self, dropped: int | None) -> None:
+        # After a round's results are synced (or while surveying): stop if a signal came.
+        if self.stop is None or self.stop.received is None:
+            return
+        self.results.sync()
+        lost = f"; the {dropped} requests in flight will run again" if dropped else ""
+        raise JobInterrupted(
+            f"stopped by {self.stop.name}: the {self.results.written} results in "
+            f"{self.output} are complete and on disk{lost}. Rerun the same command to resume",
+            self.stop.received,
+        )
+
+
+@dataclass
+class _InFlight:
+    record: ParsedRecord
+    handle: RequestHandle
+    counted: int = 0  # tokens already shown by the progress line
 
 
 def _result_record(rec: ParsedRecord, out: SequenceOutput) -> dict:
@@ -164,23 +263,14 @@ def _result_record(rec: ParsedRecord, out: SequenceOutput) -> dict:
     }
 
 
-def _summary(outputs: list[SequenceOutput], wall: float, total: int, ran: int, path) -> dict:
-    latencies = [o.metrics["end_to_end_latency"] for o in outputs]
-    ttft = [o.metrics["time_to_first_token"] for o in outputs]
-    tokens = sum(len(o.token_ids) for o in outputs)
-
-    def pct(values, q):
-        return float(np.percentile(values, q)) if values else 0.0
-
-    return {
-        "results_file": str(path),
-        "records": total,
-        "run_now": ran,
-        "generated_tokens": tokens,
-        "wall_seconds": wall,
-        "throughput_tokens_per_s": tokens / wall if wall > 0 else 0.0,
-        "latency_mean_s": float(np.mean(latencies)) if latencies else 0.0,
-        "latency_p50_s": pct(latencies, 50),
-        "latency_p99_s": pct(latencies, 99),
-        "time_to_first_token_mean_s": float(np.mean(ttft)) if ttft else 0.0,
-    }
+def _write_summary(path: Path, summary: dict) -> None:
+    temporary = path.with_name(path.name + ".writing")
+    try:
+        temporary.write_text(json.dumps(summary, indent=2) + "\n")
+        temporary.replace(path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise JobError(
+            f"cannot write the summary {path}: {e.strerror or e}; the results are complete"
+        ) from e

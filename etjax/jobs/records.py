@@ -71,6 +71,10 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
         return ParsedRecord(
             line, line, error=f"line {line}: not valid JSON ({e.msg})", fingerprint=broken
         )
+    except RecursionError:
+        return ParsedRecord(
+            line, line, error=f"line {line}: JSON nested too deeply", fingerprint=broken
+        )
     key, id_error = record_id(raw, line)
     rec = ParsedRecord(key, line, fingerprint=broken)
     if id_error is not None:
