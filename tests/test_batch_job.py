@@ -247,3 +247,64 @@ def test_any_json_value_in_any_field_is_a_result_never_a_traceback(tiny, tmp_pat
         assert rec.prompt_ids and rec.settings.max_new_tokens >= 1
     else:
         assert rec.error.startswith("line 1: ")
+
+
+def test_the_engine_is_fed_from_a_bounded_window_and_results_are_the_mock_s(tiny, tmp_path):
+    # 200 records through the host side of the job on the mock device (engine_mock.py, whose
+    # tokens are hand-computable): the engine never holds more than the window, finished
+    # sequences leave it, and every result is the mock's.
+    from etjax.engine.engine import Engine
+    from etjax.engine.policies import make_policy
+    from etjax.jobs.batch import WINDOW_PER_ROW
+    from tests.engine_mock import MockBackend, token_of
+
+    config = load_run_config(_config(tmp_path, new=5))
+    options = config.options
+    window = WINDOW_PER_ROW * options.resident_rows
+    words = [
+        "apple",
+        "bread",
+        "chair",
+        "dog",
+        "egg",
+        "fish",
+        "grape",
+        "house",
+        "ice",
+        "jam",
+        "kite",
+        "lamp",
+        "moon",
+        "nest",
+        "owl",
+    ]
+    prompts = [f"{words[i % len(words)]} number {i}" for i in range(200)]
+    lines = [json.dumps({"id": i, "prompt": p}) for i, p in enumerate(prompts)]
+    src = _write(tmp_path / "in.jsonl", lines)
+    engines = []
+
+    def make_engine(pages):
+        backend = MockBackend(
+            pages, options.steps_per_sync, options.page_size, vocab_size=tiny.config.vocab_size
+        )
+        policy = make_policy(options.policy, 1000.0, 1.0, options.max_batch_size, 16)
+        engine = Engine(backend, tiny.tokenizer, (-1,), options, policy)
+        step = engine.step
+
+        def checked_step():
+            assert len(engine.live) <= window
+            return step()
+
+        engine.step = checked_step
+        engines.append(engine)
+        return engine
+
+    out = tmp_path / "out.jsonl"
+    summary = run_batch(src, out, config, tiny, show_progress=False, make_engine=make_engine)
+    assert len(engines) == 1 and engines[0].live == [] and engines[0].submitted == 200
+    results = {r["id"]: r for r in _results(out)}
+    assert sorted(results) == sorted(str(i) for i in range(200))
+    for i in range(200):
+        first = tiny.tokenizer.encode(prompts[i])[0]  # the mock's request id
+        assert results[str(i)]["token_ids"] == [token_of(first, k) for k in range(5)]
+    assert summary["generated_tokens"] == 1000 and summary["run_now"] == 200

@@ -1,0 +1,162 @@
+"""Faults a batch job meets in the field, tried with real processes and real signals: SIGTERM
+and SIGINT (a preempted VM, Ctrl-C), a write that fails (a full disk, here a file-size limit),
+a second process on the same output, and a lock left by a killed job. In each, what was written
+stays valid and a rerun of the same command completes the job with every id exactly once."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from etjax.jobs.output_lock import lock_path
+from tests.subprocess_env import subprocess_env
+
+CONFIG = """
+[engine]
+max_batch_size = 2
+max_resident = 2
+steps_per_sync = 4
+
+[request]
+max_new_tokens = 48
+ignore_eos = true
+"""
+RECORDS = 10
+
+
+def _job(tmp_path: Path, tiny_hf_dir, out: Path, records: int = RECORDS) -> list[str]:
+    src = tmp_path / "in.jsonl"
+    if not src.exists():
+        lines = [json.dumps({"id": i, "prompt": f"Story number {i}:"}) for i in range(records)]
+        src.write_text("\n".join(lines) + "\n")
+        (tmp_path / "small.toml").write_text(CONFIG)
+    return [
+        *(sys.executable, "-m", "etjax.cli", "batch", "--input", str(src)),
+        *("--output", str(out), "--config", str(tmp_path / "small.toml")),
+        *("--model", str(tiny_hf_dir("llama")), "--no-progress"),
+    ]
+
+
+def _wait_for_lines(job: subprocess.Popen, out: Path, lines: int) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and job.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= lines:
+            return
+        time.sleep(0.02)
+    raise AssertionError("the job ended (or hung) before writing; make it longer")
+
+
+def _ids_once_each(out: Path) -> None:
+    data = out.read_bytes()
+    assert data.endswith(b"\n")
+    ids = [json.loads(line)["id"] for line in data.splitlines()]
+    assert sorted(int(i) for i in ids) == list(range(RECORDS))
+
+
+@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_saves_what_is_done_and_a_rerun_completes(tiny_hf_dir, tmp_path, number):
+    out = tmp_path / "out.jsonl"
+    command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env(tmp_path)
+    job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
+    _wait_for_lines(job, out, 2)
+    job.send_signal(number)
+    _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 128 + number, stderr
+    assert f"stopped by {signal.Signals(number).name}" in stderr
+    assert "Rerun the same command to resume" in stderr
+    kept = [json.loads(line) for line in out.read_bytes().splitlines()]  # every line whole
+    assert 2 <= len(kept) < RECORDS
+    assert f"the {len(kept)} results in {out}" in stderr
+    assert not lock_path(out).exists()  # released on the way out
+    subprocess.run(command, env=env, check=True, capture_output=True)
+    _ids_once_each(out)
+
+
+def test_a_failed_write_stops_with_the_file_named_and_a_rerun_completes(tiny_hf_dir, tmp_path):
+    # RLIMIT_FSIZE makes the kernel refuse writes past the limit (EFBIG), as a full disk
+    # refuses them (ENOSPC): the job must stop, cut the half-written line and name the file.
+    out = tmp_path / "out.jsonl"
+    command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env(tmp_path)
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # cache entries exceed the limit too
+    limit = 1500  # two or three result lines
+
+    def limit_file_size():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    failed = subprocess.run(
+        command, env=env, capture_output=True, text=True, preexec_fn=limit_file_size
+    )
+    assert failed.returncode == 2, failed.stderr
+    assert f"cannot write to {out}: File too large" in failed.stderr
+    assert "rerun the same command to resume" in failed.stderr
+    data = out.read_bytes()
+    assert data.endswith(b"\n") and len(data) <= limit  # only whole lines remain
+    kept = [json.loads(line) for line in data.splitlines()]
+    assert 1 <= len(kept) < RECORDS
+    assert f"its {len(kept)} complete results are intact" in failed.stderr
+    subprocess.run(command, env=env, check=True, capture_output=True)
+    _ids_once_each(out)
+
+
+def test_a_second_process_on_the_same_output_is_refused(tiny_hf_dir, tmp_path):
+    out = tmp_path / "out.jsonl"
+    # Long enough to be still running when the second process, started after its first
+    # result, has imported JAX and asks for the lock.
+    command = _job(tmp_path, tiny_hf_dir, out, records=1000)
+    env = subprocess_env(tmp_path)
+    first = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    _wait_for_lines(first, out, 1)
+    second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert first.poll() is None, "the first job ended too soon to test the lock"
+    assert second.returncode == 2
+    assert f"{out} is being written by another etjax process (pid {first.pid}" in second.stderr
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=120)
+    ids = [json.loads(line)["id"] for line in out.read_bytes().splitlines()]
+    assert len(ids) == len(set(ids))  # the refused process wrote nothing
+
+
+def test_a_lock_left_by_a_killed_job_is_taken_over(tiny_hf_dir, tmp_path):
+    out = tmp_path / "out.jsonl"
+    command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env(tmp_path)
+    job = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
+    _wait_for_lines(job, out, 1)
+    job.send_signal(signal.SIGKILL)
+    job.wait()
+    assert lock_path(out).read_text().strip() == str(job.pid)  # left behind, owner dead
+    subprocess.run(command, env=env, check=True, capture_output=True)
+    _ids_once_each(out)
+    assert not lock_path(out).exists()
+
+
+def test_the_lock_is_reentrant_within_a_process_and_exclusive_across(tmp_path):
+    from etjax.errors import JobError
+    from etjax.jobs.output_lock import output_lock
+
+    out = tmp_path / "out.jsonl"
+    with output_lock(out), output_lock(out):
+        assert lock_path(out).read_text().strip() == str(os.getpid())
+        probe = (
+            "import sys; from pathlib import Path; from etjax.jobs.output_lock import "
+            "output_lock\nwith output_lock(Path(sys.argv[1])): pass"
+        )
+        other = subprocess.run(
+            [sys.executable, "-c", probe, str(out)],
+            env=subprocess_env(tmp_path),
+            capture_output=True,
+            text=True,
+        )
+        assert other.returncode != 0 and "JobError" in other.stderr
+        assert lock_path(out).exists()  # the inner block did not release it
+    assert not lock_path(out).exists()
+    with output_lock(out):  # free again
+        pass
+    assert issubclass(JobError, ValueError)
