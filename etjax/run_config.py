@@ -39,6 +39,10 @@ class RequestDefaults:
     max_new_tokens: int = 128
     ignore_eos: bool = False
     chat: bool = False
+    # With chat, parse special-token text inside prompts as special tokens. A property of
+    # where the job's input comes from, so a config key and never a record field: a record
+    # cannot vouch for itself.
+    trusted_chat: bool = False
     system_prompt: str | None = None
     stop: tuple[str, ...] = ()
 

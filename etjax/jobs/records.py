@@ -92,7 +92,13 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
         if "prompt" not in raw:
             raise RequestError('missing "prompt"')
         ids, error = tokenize_prompt(
-            model, raw["prompt"], line, chat, system, rec.settings.max_new_tokens
+            model,
+            raw["prompt"],
+            line,
+            chat,
+            system,
+            rec.settings.max_new_tokens,
+            config.request.trusted_chat,
         )
         if error is not None:
             raise RequestError(error)
