@@ -253,14 +253,13 @@ def test_the_engine_is_fed_from_a_bounded_window_and_results_are_the_mock_s(tiny
     # 200 records through the host side of the job on the mock device (engine_mock.py, whose
     # tokens are hand-computable): the engine never holds more than the window, finished
     # sequences leave it, and every result is the mock's.
-    from etjax.engine.engine import Engine
+    from etjax.engine.engine import FEED_PER_ROW, Engine
     from etjax.engine.policies import make_policy
-    from etjax.jobs.batch import WINDOW_PER_ROW
     from tests.engine_mock import MockBackend, token_of
 
     config = load_run_config(_config(tmp_path, new=5))
     options = config.options
-    window = WINDOW_PER_ROW * options.resident_rows
+    window = FEED_PER_ROW * options.resident_rows
     words = [
         "apple",
         "bread",

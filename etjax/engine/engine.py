@@ -45,6 +45,8 @@ from etjax.errors import RequestError
 from etjax.runtime.options import RequestSettings, RuntimeOptions, SequenceOutput
 from etjax.tokenizer import IncrementalDetokenizer, Tokenizer
 
+FEED_PER_ROW = 4  # see Engine.feed_window
+
 
 class RequestHandle:
     """A submitted request: iterate it for its text as it is produced, or wait for `result`."""
@@ -435,6 +437,13 @@ class Engine:
             "cost_bytes": out.cost_bytes[-1] if out.cost_bytes else 0.0,
             "cost_flops": out.cost_flops[-1] if out.cost_flops else 0.0,
         }
+
+    @property
+    def feed_window(self) -> int:
+        """How many unfinished requests a feeder with many to submit (generate_ids, a batch
+        job) keeps in the engine: enough that admission never runs dry (4 per resident row),
+        few enough that a round's scans stay short whatever the size of the input."""
+        return FEED_PER_ROW * self.options.resident_rows
 
     # Accounting ---------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ results file are skipped, so a killed job loses nothing and duplicates nothing.
 
 Built for inputs of millions of lines. The input is read twice, lazily: a survey (which records
 run now, which reruns are errors retried or changed records, and the page pool the largest of
-them need) and the run. The engine is fed from a window of `WINDOW_PER_ROW` requests per
-resident row, so a round costs time in that window, not in the input; a record's `priority`
+them need) and the run. The engine is fed within its feed window (4 requests per resident
+row), so a round costs time in that window, not in the input; a record's `priority`
 orders it within the window. Finished requests leave only their result line and streaming
 statistics (RunSummary). The job holds its output's lock throughout (output_lock.py), and on
 SIGTERM or SIGINT it saves every completed result and stops (stop_signals.py).
@@ -44,8 +44,6 @@ from etjax.run_config import RunConfig
 from etjax.runtime.buckets import pages_bucket
 from etjax.runtime.generate import build_engine
 from etjax.runtime.options import SequenceOutput
-
-WINDOW_PER_ROW = 4  # requests submitted ahead, per resident row: admission never runs dry
 
 EngineFactory = Callable[[int], Engine]  # num_pages -> an engine
 
@@ -183,13 +181,12 @@ class _Job:
 
     def run(self, make_engine: EngineFactory, pages: int, progress: Progress | None) -> RunSummary:
         results, stats = self.results, RunSummary()
-        window = WINDOW_PER_ROW * self.config.options.resident_rows
         engine: Engine | None = None
         inflight: list[_InFlight] = []
         lines = (line for line in self._lines() if line.id not in results.done)
         more = True
         while True:
-            while more and len(inflight) < window:
+            while more and (engine is None or len(inflight) < engine.feed_window):
                 line = next(lines, None)
                 if line is None:
                     more = False
