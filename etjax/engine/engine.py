@@ -176,13 +176,27 @@ class Engine:
         prompts: Seq[Seq[int]],
         settings: Seq[RequestSettings],
         priorities: Seq[float] | None = None,
+        on_text: Callable[[int, str], None] | None = None,
     ) -> list[SequenceOutput]:
-        """Offline use: submit every prompt now and run until all are done, in order."""
-        handles = [
-            self.submit(p, s, 0.0 if priorities is None else priorities[i])
-            for i, (p, s) in enumerate(zip(prompts, settings, strict=True))
-        ]
-        self.run_until_idle()
+        """Offline use: run every prompt to the end; outputs in order. Prompts are submitted
+        in order within the feed window, so rounds stay short for any number of them;
+        `on_text(i, piece)` receives prompt i's text as it is produced."""
+        handles: list[RequestHandle] = []
+        live: list[int] = []  # prompts submitted and not yet done
+        while True:
+            while len(live) < self.feed_window and len(handles) < len(prompts):
+                i = len(handles)
+                priority = 0.0 if priorities is None else priorities[i]
+                handles.append(self.submit(prompts[i], settings[i], priority))
+                live.append(i)
+            if not live:
+                break
+            self.step()
+            if on_text is not None:
+                for i in live:
+                    for piece in handles[i].drain():
+                        on_text(i, piece)
+            live = [i for i in live if not handles[i].done]
         return [h.result() for h in handles]
 
     def run_until_idle(self) -> None:

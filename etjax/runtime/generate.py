@@ -2,8 +2,7 @@
 
 The entry point of `etjax.decode()` and of most tests and benchmarks. It builds an `Engine`
 over a `DeviceBackend` whose page pool is sized for the requests at hand (unless the options
-fix it), submits in order within the engine's feed window and runs until every request is
-done.
+fix it), and runs every request to the end (`Engine.generate`).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 from etjax.cache.page_allocator import pages_needed
 from etjax.engine.device import DeviceBackend
-from etjax.engine.engine import Engine, RequestHandle
+from etjax.engine.engine import Engine
 from etjax.engine.policies import make_policy
 from etjax.entropy.cost import CostModel
 from etjax.model.config import ModelConfig
@@ -81,19 +80,4 @@ def generate_ids(
     options = options or RuntimeOptions()
     pages = options.num_pages or workload_pages(prompts, settings, options)
     engine = build_engine(weights, cfg, tokenizer, options, num_pages=pages)
-    handles: list[RequestHandle] = []
-    live: list[int] = []  # prompts submitted and not yet done
-    while True:
-        # Submit ahead only up to the engine's feed window: rounds stay short for any count.
-        while len(live) < engine.feed_window and len(handles) < len(prompts):
-            live.append(len(handles))
-            handles.append(engine.submit(prompts[len(handles)], settings[len(handles)]))
-        if not live:
-            break
-        engine.step()
-        if on_text is not None:
-            for i in live:
-                for piece in handles[i].drain():
-                    on_text(i, piece)
-        live = [i for i in live if not handles[i].done]
-    return [h.result() for h in handles]
+    return engine.generate(prompts, settings, on_text=on_text)
