@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from etjax.engine.device import PrefillJob, RowInit
+from etjax.engine.backend import PrefillJob, RowInit
 from etjax.runtime.state import StepOutputs
 
 EOS = 2

@@ -14,7 +14,6 @@ and each call gets just the arrays its plan needs (etjax/attention/plan.py).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from etjax.cache.kv_cache import init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.distributed.mesh import make_mesh
 from etjax.distributed.placement import Placement
+from etjax.engine.backend import PrefillJob, RowInit
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
 from etjax.model.config import ModelConfig
@@ -32,34 +32,12 @@ from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
 from etjax.runtime.buckets import batch_bucket, kept_bucket, next_power_of_two, pages_bucket
 from etjax.runtime.footprint import check_fits
-from etjax.runtime.options import RequestSettings, RuntimeOptions
+from etjax.runtime.options import RuntimeOptions
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.steps import FlatBatch, decode_steps, mixed_step, put_rows, take_rows
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import pack_sampler_params
 from pallas_kernels.ragged_attention import Segment
-
-
-@dataclass(frozen=True)
-class PrefillJob:
-    """One chunk of a sequence's context to append to its pages."""
-
-    row: int
-    tokens: list[int]
-    start: int  # position of tokens[0]
-    pages: list[int]  # the sequence's pages (covering start + len(tokens))
-
-
-@dataclass(frozen=True)
-class RowInit:
-    """What a row needs when its sequence becomes resident (first time or after preemption)."""
-
-    prompt: list[int]
-    generated: list[int]
-    settings: RequestSettings
-    saved: DecodeState | None  # the row as it was when preempted (host arrays), or None
-    prefill_flops: float
-    prefill_bytes: float
 
 
 class DeviceBackend:

@@ -37,7 +37,7 @@ import numpy as np
 
 from etjax.cache.page_allocator import PageAllocator, pages_needed
 from etjax.engine import scheduler
-from etjax.engine.device import PrefillJob, RowInit
+from etjax.engine.backend import Backend, PrefillJob, RowInit
 from etjax.engine.grouping import split_by_width
 from etjax.engine.policies import Policy
 from etjax.engine.sequence import Sequence, Status
@@ -98,7 +98,7 @@ class Engine:
 
     def __init__(
         self,
-        backend,
+        backend: Backend,
         tokenizer: Tokenizer | None,
         eos_ids: tuple[int, ...],
         options: RuntimeOptions,

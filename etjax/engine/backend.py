@@ -1,0 +1,76 @@
+"""`Backend`: what the engine needs from a device, and the little it hands over.
+
+The engine (engine.py) decides which sequences run and owns their pages on the host; a backend
+executes. `DeviceBackend` (device.py) runs the model's jitted programs; the mock of
+tests/engine_mock.py computes outputs by hand. Neither is imported by the engine: it is given
+one, typed by this Protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from etjax.runtime.options import RequestSettings
+
+if TYPE_CHECKING:
+    from etjax.runtime.state import StepOutputs
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    """One chunk of a sequence's context to append to its pages."""
+
+    row: int
+    tokens: list[int]
+    start: int  # position of tokens[0]
+    pages: list[int]  # the sequence's pages (covering start + len(tokens))
+
+
+@dataclass(frozen=True)
+class RowInit:
+    """What a row needs when its sequence becomes resident (first time or after preemption)."""
+
+    prompt: list[int]
+    generated: list[int]
+    settings: RequestSettings
+    saved: object  # what `Backend.save` returned when the row was preempted, or None
+    prefill_flops: float
+    prefill_bytes: float
+
+
+class Backend(Protocol):
+    num_pages: int  # the KV pool, page 0 (the null page) included
+    vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
+
+    @property
+    def mixes_decode(self) -> bool:
+        """Whether decoding rows and prefill chunks share one step."""
+
+    def mixed(
+        self, rows: list[int], pages: list[list[int]], lengths: list[int], jobs: list[PrefillJob]
+    ) -> tuple[StepOutputs | None, np.ndarray, list[tuple[float, float]]]:
+        """One step: `rows` decode a token each, `jobs` append their chunks. Returns the rows'
+        outputs [1, len(rows)], their budget fractions, and each job's (FLOPs, bytes)."""
+
+    def decode(
+        self, rows: list[int], pages: list[list[int]], lengths: list[int], budgets: list[float]
+    ) -> tuple[StepOutputs, np.ndarray]:
+        """A burst of decode steps; the outputs [K, len(rows)] and the next budget fractions."""
+
+    def insert(self, row: int, init: RowInit) -> None:
+        """Make `row` resident once its context is fully prefilled."""
+
+    def save(self, row: int) -> object:
+        """The row's state, to restore on readmission after a preemption."""
+
+    def release(self, row: int) -> None:
+        """Forget the row (finished, cancelled or preempted)."""
+
+    def row_width(self, length: int, budget: float) -> int:
+        """The attention width a row reads at this length and budget (for grouping)."""
+
+    def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
+        """Bytes one burst over rows of these lengths and budgets reads (for grouping)."""
