@@ -19,6 +19,7 @@ from etjax.request_checks import (
     tokenize_prompt,
 )
 from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
+from etjax.runtime.options import TRACE_FIELDS
 
 __all__ = ["Result", "decode", "load_model"]
 
@@ -161,14 +162,8 @@ def decode(
     for i, out in zip(valid, outputs, strict=True):
         r = results[i]
         r.text, r.token_ids, r.finish_reason = out.text, out.token_ids, out.finish_reason
-        r.entropy, r.logprob, r.sampled_entropy, r.temperature = (
-            out.entropy,
-            out.logprob,
-            out.sampled_entropy,
-            out.temperature,
-        )
-        r.tau, r.cost_flops, r.cost_bytes = out.tau, out.cost_flops, out.cost_bytes
-        r.kept_blocks = out.kept_blocks
+        for name in TRACE_FIELDS:
+            setattr(r, name, getattr(out, name))
     return results
 
 

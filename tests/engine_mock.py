@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from etjax.engine.backend import PrefillJob, RowInit
+from etjax.runtime.options import TRACE_FIELDS
 from etjax.runtime.state import StepOutputs
 
 EOS = 2
@@ -120,16 +121,8 @@ class MockBackend:
     def _decode(self, rows, pages, lengths, k):
         n = len(rows)
         arrays = {
-            name: np.zeros((k, n), np.float32)
-            for name in (
-                "model_entropy",
-                "logprob",
-                "sampled_entropy",
-                "temperature",
-                "tau",
-                "cost_flops",
-                "cost_bytes",
-            )
+            name: np.zeros((k, n), np.int32 if name == "kept_blocks" else np.float32)
+            for name in TRACE_FIELDS.values()
         }
         tokens = np.zeros((k, n), np.int32)
         emitted = np.zeros((k, n), bool)
@@ -153,8 +146,6 @@ class MockBackend:
                     break
                 state.length += 1
         return (
-            StepOutputs(
-                tokens=tokens, kept_blocks=np.zeros((k, n), np.int32), emitted=emitted, **arrays
-            ),
+            StepOutputs(tokens=tokens, emitted=emitted, **arrays),
             np.ones(n, np.float32),
         )

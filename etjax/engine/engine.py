@@ -42,7 +42,7 @@ from etjax.engine.grouping import split_by_width
 from etjax.engine.policies import Policy
 from etjax.engine.sequence import Sequence, Status
 from etjax.errors import RequestError
-from etjax.runtime.options import RequestSettings, RuntimeOptions, SequenceOutput
+from etjax.runtime.options import TRACE_FIELDS, RequestSettings, RuntimeOptions, SequenceOutput
 from etjax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FEED_PER_ROW = 4  # see Engine.feed_window
@@ -406,21 +406,13 @@ class Engine:
     def _collect(self, batch: list[Sequence], out, budgets) -> None:
         # Stream the rows' new tokens [steps, rows], apply stops, free finished sequences.
         now = self.clock()
+        trace_columns = [getattr(out, name) for name in TRACE_FIELDS.values()]
         for j, seq in enumerate(batch):
             seq.last_run_round = self.round
             seq.budget = float(budgets[j])
             produced = 0
             for k in np.nonzero(out.emitted[:, j])[0]:
-                trace = (
-                    float(out.model_entropy[k, j]),
-                    float(out.logprob[k, j]),
-                    float(out.sampled_entropy[k, j]),
-                    float(out.temperature[k, j]),
-                    float(out.tau[k, j]),
-                    float(out.cost_flops[k, j]),
-                    float(out.cost_bytes[k, j]),
-                    int(out.kept_blocks[k, j]),
-                )
+                trace = tuple(columns[k, j].item() for columns in trace_columns)
                 produced += 1
                 seq.token_times.append(now)
                 if seq.first_token_time is None:

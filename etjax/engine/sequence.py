@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from etjax.runtime.options import RequestSettings, SequenceOutput
+from etjax.runtime.options import TRACE_FIELDS, RequestSettings, SequenceOutput
 from etjax.tokenizer import IncrementalDetokenizer
 
 
@@ -67,24 +67,12 @@ class Sequence:
         return self.status is Status.FINISHED
 
     def accept(self, token: int, trace: tuple[float, ...], eos_ids: tuple[int, ...]) -> bool:
-        """Record a sampled token and its trace; return whether the sequence continues."""
+        """Record a sampled token and its trace (values in TRACE_FIELDS order); return whether
+        the sequence continues."""
         out, s = self.output, self.settings
         out.token_ids.append(token)
-        for values, value in zip(
-            (
-                out.entropy,
-                out.logprob,
-                out.sampled_entropy,
-                out.temperature,
-                out.tau,
-                out.cost_flops,
-                out.cost_bytes,
-                out.kept_blocks,
-            ),
-            trace,
-            strict=True,
-        ):
-            values.append(value)
+        for name, value in zip(TRACE_FIELDS, trace, strict=True):
+            getattr(out, name).append(value)
         if not s.ignore_eos and token in eos_ids:
             out.finish_reason = "eos"
             return False

@@ -115,6 +115,21 @@ class RuntimeOptions:
         return self.max_resident or 2 * self.max_batch_size
 
 
+# The per-token trace: each list of SequenceOutput (and of etjax.Result), and the StepOutputs
+# field the engine reads it from. Code that moves the trace loops over this, so a new field is
+# declared where it is computed and stored, and named here once.
+TRACE_FIELDS: dict[str, str] = {
+    "entropy": "model_entropy",
+    "logprob": "logprob",
+    "sampled_entropy": "sampled_entropy",
+    "temperature": "temperature",
+    "tau": "tau",
+    "cost_flops": "cost_flops",
+    "cost_bytes": "cost_bytes",
+    "kept_blocks": "kept_blocks",
+}
+
+
 @dataclass
 class SequenceOutput:
     """What one prompt produced, with the per-token trace of the entropy signal."""
