@@ -1,4 +1,4 @@
-"""Named run configurations: declarative TOML files in `configs/`, loaded into the frozen
+"""Named run configurations: declarative TOML files in `etjax/configs/`, loaded into the frozen
 dataclasses that steer a run.
 
 A file has up to five tables, each optional:
@@ -9,7 +9,7 @@ A file has up to five tables, each optional:
     [sampler]  any `SamplerSettings` field: the default for requests that do not set it
     [request]  max_new_tokens, ignore_eos, chat, system_prompt, stop: request defaults
 
-A model preset (`configs/models/NAME.toml`) holds only [model] and [engine]: it says which
+A model preset (`etjax/configs/models/NAME.toml`) holds only [model] and [engine]: it says which
 weights to run and, where a model needs them, engine sizes. `load_run_config(config,
 model=preset)` puts the preset's model in place of the config's and lets its [engine] keys
 win, so one ablation config runs unchanged on any model.
@@ -21,6 +21,7 @@ file, the table, the key and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +31,8 @@ from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RuntimeOptions
 from etjax.sampling.settings import SamplerSettings
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Shipped inside the package (package data), so an installed wheel has them as a checkout does.
+CONFIG_DIR = Path(str(importlib.resources.files("etjax") / "configs"))
 MODEL_PRESET_DIR = CONFIG_DIR / "models"
 
 
@@ -85,12 +87,12 @@ _PRESET_TABLES = ("model", "engine")
 
 
 def available_configs() -> list[str]:
-    """Names of the configs shipped in `configs/`."""
+    """Names of the configs shipped in `etjax/configs/`."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
 
 
 def available_model_presets() -> list[str]:
-    """Names of the model presets shipped in `configs/models/`."""
+    """Names of the model presets shipped in `etjax/configs/models/`."""
     return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.toml"))
 
 
@@ -101,8 +103,8 @@ def is_model_preset(name_or_path: str | Path) -> bool:
 
 
 def load_run_config(name_or_path: str | Path, model: str | Path | None = None) -> RunConfig:
-    """Load `configs/NAME.toml`, or a TOML file by path; `model` names a model preset
-    (`configs/models/NAME.toml`, or a .toml path) that replaces the config's model."""
+    """Load `etjax/configs/NAME.toml`, or a TOML file by path; `model` names a model preset
+    (`etjax/configs/models/NAME.toml`, or a .toml path) that replaces the config's model."""
     path = _find(name_or_path, CONFIG_DIR, "config", available_configs())
     data = _read(path, _TABLES)
     built = {name: _build(path, name, cls, data.get(name, {})) for name, cls in _TABLES.items()}

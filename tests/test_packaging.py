@@ -1,0 +1,71 @@
+"""An installed wheel works outside the source tree: the shipped configs and model presets are
+package data, found through importlib.resources, not beside a checkout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+
+from tests.subprocess_env import ROOT, subprocess_env
+
+BUILD = (
+    "from setuptools import build_meta; print(build_meta.build_wheel(__import__('sys').argv[1]))"
+)
+
+
+def test_a_wheel_runs_batch_with_the_shipped_config_and_preset(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    for name in ("etjax", "pallas_kernels"):
+        shutil.copytree(ROOT / name, source / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    wheels = tmp_path / "wheels"
+    built = subprocess.run(
+        [sys.executable, "-c", BUILD, str(wheels)],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    wheel = wheels / built.stdout.split()[-1]
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        archive.extractall(tmp_path / "site")
+    assert "etjax/configs/default.toml" in names
+    assert "etjax/configs/models/smollm2-135m-bf16.toml" in names
+
+    env = subprocess_env(tmp_path)
+    env["PYTHONPATH"] = str(tmp_path / "site")  # the wheel only, not the checkout
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    where = subprocess.run(
+        [sys.executable, "-c", "import etjax; print(etjax.__file__)"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert where.stdout.strip().startswith(str(tmp_path / "site"))
+    version = subprocess.run(
+        [sys.executable, "-m", "etjax.cli", "--version"], cwd=work, env=env, capture_output=True
+    )
+    assert version.stdout.decode().strip() == "etjax 0.1.0"
+    (work / "in.jsonl").write_text(json.dumps({"prompt": "Hello", "max_new_tokens": 3}) + "\n")
+    command = [sys.executable, "-m", "etjax.cli", "batch", "--input", "in.jsonl"]
+    command += ["--output", "out.jsonl", "--config", "default", "--no-progress"]
+    job = subprocess.run(
+        [*command, "--model", "smollm2-135m-bf16"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert job.returncode == 0, job.stderr
+    (result,) = [json.loads(line) for line in (work / "out.jsonl").read_text().splitlines()]
+    assert result["error"] is None and len(result["token_ids"]) == 3
