@@ -218,7 +218,18 @@ def _positive_ints(flag: str, text: str) -> list[int]:
 def _generate(args: argparse.Namespace) -> int:
     from etjax.api import decode
     from etjax.loaders.resolve import load_model
+    from etjax.request_checks import positive_int, sampler_settings
 
+    sampler_options = {
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "target_entropy": args.target_entropy,
+    }
+    # The settings first: a bad value fails in a second, not after the model has loaded.
+    positive_int("max_new_tokens", args.max_new_tokens)
+    sampler_settings(args.sampler, args.temperature, args.seed, dict(sampler_options))
     started = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype)
     print(f"[{model!r} loaded in {time.perf_counter() - started:.1f}s]", file=sys.stderr)
@@ -235,15 +246,11 @@ def _generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         seed=args.seed,
         sampler=args.sampler,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        target_entropy=args.target_entropy,
         chat=args.chat,
         system_prompt=args.system,
         raise_on_invalid=True,
         on_text=stream,
+        **sampler_options,
     )
     elapsed = time.perf_counter() - started
     print()

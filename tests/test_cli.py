@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from etjax.cli import main
 
 
@@ -34,6 +36,23 @@ def test_invalid_sampler_setting_is_a_clear_error(tiny_hf_dir, capsys):
     code = main(["generate", "x", "--model", str(tiny_hf_dir("llama")), "--top-p", "1.5"])
     assert code == 2
     assert "top_p=1.5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--temperature", "-1"], "temperature=-1"),
+        (["--max-new-tokens", "0"], "max_new_tokens=0"),
+        (["--top-k", "-3"], "top_k=-3"),
+    ],
+)
+def test_generate_checks_settings_before_loading_the_model(tmp_path, capsys, flags, message):
+    # The model path does not exist: the settings' error comes first, so they were checked
+    # before any loading began.
+    code = main(["generate", "x", "--model", str(tmp_path / "missing"), *flags])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "missing" not in err
 
 
 def test_batch_runs_a_model_preset_as_it_runs_the_model_it_names(tiny_hf_dir, tmp_path, capsys):
