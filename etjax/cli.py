@@ -9,12 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+from etjax.compilation_cache import use_persistent_cache
 from etjax.errors import EtjaxError, JobInterrupted
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `etjax` console script; returns the process exit code."""
-    _enable_compilation_cache()
+    use_persistent_cache()  # before anything compiles (the engine would do it later)
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -25,21 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     except EtjaxError as e:
         print(f"etjax: error: {e}", file=sys.stderr)
         return 2
-
-
-def _enable_compilation_cache() -> None:
-    # Compiling the prefill and decode programs dominates a short CLI run; JAX's persistent
-    # cache makes every run after the first start in seconds. Only the CLI does this: a library
-    # must not change a caller's JAX configuration.
-    import os
-
-    import jax
-
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir:
-        return
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "etjax" / "xla"
-    jax.config.update("jax_compilation_cache_dir", str(cache))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -122,11 +122,11 @@ def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
 
 @pytest.fixture(autouse=True)
 def _no_persistent_compilation_cache(monkeypatch):
-    # The CLI turns on JAX's persistent compilation cache for the process; inside the test
-    # process that would change global JAX state for every later test.
-    import etjax.cli
-
-    monkeypatch.setattr(etjax.cli, "_enable_compilation_cache", lambda: None)
+    # The engine and the CLI turn on JAX's persistent compilation cache for the process (in
+    # the user's home); inside the test process that would change global JAX state for every
+    # later test and make the suite's time depend on earlier runs. Subprocesses get their own
+    # cache directory instead (subprocess_env.py), which takes precedence over this switch.
+    monkeypatch.setenv("ETJAX_COMPILATION_CACHE", "off")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from etjax.cache.page_allocator import pages_needed
+from etjax.compilation_cache import use_persistent_cache
 from etjax.engine.device import DeviceBackend
 from etjax.engine.engine import Engine
 from etjax.engine.policies import make_policy
@@ -34,6 +35,7 @@ def build_engine(
     clock: Callable[[], float] | None = None,
 ) -> Engine:
     """An engine on the default device; `num_pages` overrides `options.num_pages`."""
+    use_persistent_cache(options.compilation_cache)
     pages = num_pages or options.num_pages or 4096
     eos = tuple(tokenizer.eos_token_ids)
     backend = DeviceBackend(weights, cfg, eos, options, pages)

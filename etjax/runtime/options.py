@@ -48,6 +48,8 @@ class RuntimeOptions:
       ragged XLA path on every platform (etjax/attention/seam.py).
     mesh: "DATAxMODEL" devices of this process to run on ("2x4": rows split two ways, weights,
       KV heads and vocabulary four ways; etjax/distributed). "1x1" = the default device.
+    compilation_cache: keep compiled programs on disk for later processes
+      (etjax/compilation_cache.py; ETJAX_COMPILATION_CACHE=off also turns it off).
     """
 
     page_size: int = 16
@@ -64,6 +66,7 @@ class RuntimeOptions:
     max_batch_groups: int = 4
     attention_backend: str = "auto"
     mesh: str = "1x1"
+    compilation_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
