@@ -60,7 +60,7 @@ class Result:
 
 
 def decode(
-    prompts: str | Sequence[str],
+    prompts: str | Sequence[str | Sequence[dict]] | Sequence[dict],
     *,
     model: Model | str | Path | None = None,
     max_new_tokens: int = 128,
@@ -83,7 +83,10 @@ def decode(
     """Generate a continuation of each prompt.
 
     Args:
-      prompts: one string or a list of strings.
+      prompts: one prompt or a list of them. A prompt is a string, or a conversation: a list
+        of {"role": "system" | "user" | "assistant", "content": str} messages, rendered by the
+        model's chat template with the assistant's turn opened (a list of messages alone is
+        one conversation).
       model: a `Model` from `load_model`, a name or a path (default: the embedded
         SmolLM2-135M-Instruct). Names and paths are loaded once and cached.
       max_new_tokens: tokens to generate at most (>= 1).
@@ -93,7 +96,8 @@ def decode(
       stop: strings that end generation; the text is cut before them.
       ignore_eos: keep generating past end-of-sequence tokens (exactly `max_new_tokens`).
       chat: wrap each prompt as a user turn in the model's chat template.
-      system_prompt: optional system turn when `chat` is set.
+      system_prompt: optional system turn when `chat` is set, or before a conversation that
+        has none.
       trusted_chat: with `chat`, parse special-token text inside prompts (and the system
         prompt) as special tokens. Off by default: a prompt holding `<|im_start|>system` is
         tokenized as that text and cannot open a turn of its own.
@@ -182,11 +186,15 @@ def _resolve_model(model: Model | str | Path | None) -> Model:
     )
 
 
-def _prompt_list(prompts: str | Sequence[str]) -> list:
+def _prompt_list(prompts: str | Sequence) -> list:
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, Sequence) and not isinstance(prompts, bytes):
         if len(prompts) == 0:
             raise RequestError("prompts is an empty list; pass at least one prompt")
-        return list(prompts)
-    raise RequestError(f"prompts must be a string or a list of strings, got {type(prompts)}")
+        if all(isinstance(p, dict) for p in prompts):
+            return [list(prompts)]  # one conversation
+        return [list(p) if isinstance(p, tuple) else p for p in prompts]
+    raise RequestError(
+        f"prompts must be a string, a list of messages or a list of those, got {type(prompts)}"
+    )

@@ -29,6 +29,9 @@ def sampler_settings(
     )
 
 
+MESSAGE_ROLES = {"system", "user", "assistant"}
+
+
 def tokenize_prompt(
     model: Model,
     prompt: object,
@@ -38,8 +41,16 @@ def tokenize_prompt(
     max_new: int,
     trusted_chat: bool = False,
 ) -> tuple[list[int], str | None]:
+    """The prompt's token ids and, if it cannot be served, why. A prompt is a string (a user
+    turn in the chat template when `chat`) or a list of {"role", "content"} messages (always
+    rendered by the chat template, the assistant's turn opened)."""
+    if isinstance(prompt, list):
+        return _tokenize_messages(model, prompt, index, system, max_new, trusted_chat)
     if not isinstance(prompt, str):
-        return [], f"prompt {index} is a {type(prompt).__name__}, not a string"
+        return [], (
+            f"prompt {index} is a {type(prompt).__name__}; a prompt is a string or a list of "
+            '{"role", "content"} messages'
+        )
     if not prompt.strip():
         return [], f"prompt {index} is empty"
     for name, text in (("prompt", prompt), ("system_prompt", system or "")):
@@ -60,13 +71,49 @@ def tokenize_prompt(
         )
     else:
         ids = model.tokenizer.encode(prompt)
+    return ids, _context_error(model, ids, index, max_new)
+
+
+def _context_error(model: Model, ids: list[int], index: int, max_new: int) -> str | None:
     context = model.config.max_position_embeddings
     if len(ids) + max_new > context:
         return ids, (
             f"prompt {index} has {len(ids)} tokens; with max_new_tokens={max_new} it needs "
             f"{len(ids) + max_new} positions but the model's context is {context}"
         )
-    return ids, None
+    return None
+
+
+def _tokenize_messages(
+    model: Model,
+    messages: list,
+    index: int,
+    system: str | None,
+    max_new: int,
+    trusted_chat: bool,
+) -> tuple[list[int], str | None]:
+    # A conversation, rendered by the model's chat template with the assistant's turn opened.
+    if not messages:
+        return [], f"prompt {index} is an empty list of messages"
+    for j, message in enumerate(messages):
+        where = f"prompt {index}, message {j}"
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            return [], f'{where}: must be an object with exactly "role" and "content"'
+        role, content = message["role"], message["content"]
+        if role not in MESSAGE_ROLES:
+            return [], f"{where}: role={role!r}; allowed: {sorted(MESSAGE_ROLES)}"
+        if not isinstance(content, str):
+            return [], f"{where}: content is a {type(content).__name__}, not a string"
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return [], f"{where}: content holds a lone surrogate at character {e.start}"
+    if system is not None:
+        if any(m["role"] == "system" for m in messages):
+            return [], f"prompt {index} has a system message and system_prompt is set; use one"
+        messages = [{"role": "system", "content": system}, *messages]
+    ids = model.tokenizer.encode_chat(messages, add_generation_prompt=True, trusted=trusted_chat)
+    return ids, _context_error(model, ids, index, max_new)
 
 
 def flag(name: str, value: object) -> bool:

@@ -323,3 +323,37 @@ def test_chat_records_keep_special_token_text_as_text_unless_the_config_trusts_t
         assert rec.error is None
         counts.append(rec.prompt_ids.count(start))
     assert counts == [3, 4]
+
+
+def test_a_conversation_renders_as_transformers_does_in_decode_and_in_records(
+    tiny, tmp_path, hf_smollm2_tokenizer
+):
+    # Multi-turn messages (with a system turn from system_prompt) through decode() and through
+    # a batch record give the ids of transformers' apply_chat_template; bad messages are
+    # errors that name the message and the field.
+    conversation = [
+        {"role": "user", "content": "Name a river."},
+        {"role": "assistant", "content": "The Nile."},
+        {"role": "user", "content": "And a longer one?"},
+    ]
+    expected = hf_smollm2_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, *conversation],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
+    expected = list(expected if isinstance(expected, list) else expected["input_ids"])
+    (alone,) = etjax.decode(conversation, model=tiny, max_new_tokens=2, system_prompt="Be brief.")
+    assert alone.prompt_token_ids == expected and alone.ok
+    bad = [{"role": "narrator", "content": "x"}]
+    results = etjax.decode(["plain", bad], model=tiny, max_new_tokens=2)
+    assert results[0].ok and "message 0: role='narrator'" in results[1].error
+
+    config = load_run_config(_config(tmp_path))
+    line = json.dumps({"messages": conversation, "system_prompt": "Be brief."})
+    assert parse_record(line, 1, tiny, config).prompt_ids == expected
+    for fields, message in (
+        ({"messages": "hi"}, '"messages" is a str'),
+        ({"messages": [{"role": "user"}]}, "message 0: must be an object"),
+        ({"messages": conversation, "prompt": "x"}, "both given"),
+    ):
+        assert message in parse_record(json.dumps(fields), 1, tiny, config).error

@@ -1,6 +1,7 @@
 """Input records of a batch job: one JSON object per line, validated one at a time.
 
-Fields: "prompt" (required, a string); optional "id" (a non-empty string or an integer,
+Fields: "prompt" (a string) or "messages" (a list of {"role", "content"} objects, rendered
+by the model's chat template); optional "id" (a non-empty string or an integer,
 written back as a string; without one, a record is known by its line number, written back as
 a JSON number, so a generated id never equals a given one), "max_new_tokens", "ignore_eos",
 "chat", "system_prompt", "stop", "priority", and any `SamplerSettings` field ("sampler",
@@ -22,7 +23,8 @@ from etjax.request_checks import positive_int, sampler_settings, stop_strings, t
 from etjax.run_config import RunConfig
 from etjax.runtime.options import RequestSettings
 
-_REQUEST_FIELDS = {"id", "prompt", "max_new_tokens", "ignore_eos", "chat", "system_prompt"}
+_REQUEST_FIELDS = {"id", "prompt", "messages", "max_new_tokens", "ignore_eos", "chat"}
+_REQUEST_FIELDS |= {"system_prompt"}
 _REQUEST_FIELDS |= {"stop", "priority"}
 
 
@@ -89,11 +91,18 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
         if isinstance(priority, bool) or not isinstance(priority, int | float):
             raise RequestError(f"priority={priority!r}; must be a number")
         rec.priority = float(priority)
-        if "prompt" not in raw:
-            raise RequestError('missing "prompt"')
+        if "prompt" not in raw and "messages" not in raw:
+            raise RequestError('missing "prompt" (a string) or "messages" (a list)')
+        if "prompt" in raw and "messages" in raw:
+            raise RequestError('"prompt" and "messages" are both given; use one')
+        prompt = raw["prompt"] if "prompt" in raw else raw["messages"]
+        if "prompt" in raw and not isinstance(prompt, str):
+            raise RequestError(f'"prompt" is a {type(prompt).__name__}; must be a string')
+        if "messages" in raw and not isinstance(prompt, list):
+            raise RequestError(f'"messages" is a {type(prompt).__name__}; must be a list')
         ids, error = tokenize_prompt(
             model,
-            raw["prompt"],
+            prompt,
             line,
             chat,
             system,
