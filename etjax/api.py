@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from etjax.pruning.config import PruningConfig
 from etjax.request_checks import (
     flag,
     positive_int,
+    request_seeds,
     sampler_settings,
     stop_strings,
     tokenize_prompt,
@@ -53,6 +55,7 @@ class Result:
     kept_blocks: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    seed: int = 0  # the sampling seed it used: `decode(..., seed=[r.seed])` replays it
 
     @property
     def ok(self) -> bool:
@@ -65,7 +68,8 @@ def decode(
     model: Model | str | Path | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
-    seed: int = 0,
+    seed: int | Sequence[int] | None = None,
+    n: int = 1,
     sampler: str = "standard",
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
@@ -91,7 +95,13 @@ def decode(
         SmolLM2-135M-Instruct). Names and paths are loaded once and cached.
       max_new_tokens: tokens to generate at most (>= 1).
       temperature: 0 for greedy decoding, else the softmax temperature.
-      seed: sampling seed; a prompt samples the same tokens alone or in a batch.
+      seed: None (fresh random seeds), an integer (each request its own reproducible stream,
+        derived from the seed and the request's place in the call), or a list with one seed
+        per request, used as given. Every `Result` reports its `.seed`: pass `seed=[r.seed]`
+        with the same prompt and settings to replay it, alone or in any batch.
+      n: samples per prompt; the results hold n consecutive `Result`s per prompt (prompt i's
+        are `results[i * n:(i + 1) * n]`), each sampled with its own seed. Each sample
+        prefills its prompt itself: KV pages are owned by one sequence (no shared prefixes).
       sampler: "standard", "mirostat_v2", "edt" or "entropic" (see `SamplerSettings`).
       stop: strings that end generation; the text is cut before them.
       ignore_eos: keep generating past end-of-sequence tokens (exactly `max_new_tokens`).
@@ -107,23 +117,26 @@ def decode(
         decode step reads only the KV blocks its entropy budget and query keep.
       mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
-      on_text: called as `on_text(prompt_index, text_piece)` while text is produced.
+      on_text: called as `on_text(result_index, text_piece)` while text is produced (the
+        prompt's index when n = 1).
       **sampler_options: any other `etjax.sampling.SamplerSettings` field (top_k, top_p, min_p,
         typical_p, repetition_penalty, presence_penalty, frequency_penalty, target_entropy,
         t_min, t_max, gain, entropy_floor, mirostat_tau, edt_theta, ...).
 
     Returns:
-      One `Result` per prompt, in order.
+      n `Result`s per prompt, in order.
     """
     prompt_list = _prompt_list(prompts)
     chat, raise_on_invalid = flag("chat", chat), flag("raise_on_invalid", raise_on_invalid)
     trusted_chat = flag("trusted_chat", trusted_chat)
+    n = positive_int("n", n)
     settings = RequestSettings(
         max_new_tokens=positive_int("max_new_tokens", max_new_tokens),
         ignore_eos=flag("ignore_eos", ignore_eos),
         stop=stop_strings(stop),
-        sampler=sampler_settings(sampler, temperature, seed, sampler_options),
+        sampler=sampler_settings(sampler, temperature, 0, sampler_options),
     )
+    seeds = request_seeds(seed, len(prompt_list) * n)
     if isinstance(pruning, bool):
         pruning = PruningConfig(enabled=pruning)
     elif not isinstance(pruning, PruningConfig):
@@ -138,19 +151,19 @@ def decode(
         mesh=mesh,
     )
     model = _resolve_model(model)
-    results = [Result() for _ in prompt_list]
+    # Result k is sample k % n of prompt k // n, with its own seed.
+    results = [Result(seed=s) for s in seeds]
     valid: list[int] = []
     for i, prompt in enumerate(prompt_list):
         ids, error = tokenize_prompt(
             model, prompt, i, chat, system_prompt, settings.max_new_tokens, trusted_chat
         )
-        results[i].prompt_token_ids = ids
-        if error is None:
-            valid.append(i)
-        elif raise_on_invalid:
+        if error is not None and raise_on_invalid:
             raise RequestError(error)
-        else:
-            results[i].error = error
+        for k in range(i * n, (i + 1) * n):
+            results[k].prompt_token_ids, results[k].error = list(ids), error
+            if error is None:
+                valid.append(k)
     if not valid:
         return results
     callback = None if on_text is None else (lambda row, piece: on_text(valid[row], piece))
@@ -158,13 +171,18 @@ def decode(
         model.weights,
         model.config,
         model.tokenizer,
-        [results[i].prompt_token_ids for i in valid],
-        [settings] * len(valid),
+        [results[k].prompt_token_ids for k in valid],
+        [
+            dataclasses.replace(
+                settings, sampler=dataclasses.replace(settings.sampler, seed=results[k].seed)
+            )
+            for k in valid
+        ],
         options,
         callback,
     )
-    for i, out in zip(valid, outputs, strict=True):
-        r = results[i]
+    for k, out in zip(valid, outputs, strict=True):
+        r = results[k]
         r.text, r.token_ids, r.finish_reason = out.text, out.token_ids, out.finish_reason
         for name in TRACE_FIELDS:
             setattr(r, name, getattr(out, name))

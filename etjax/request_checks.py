@@ -6,7 +6,9 @@ prompt) returns the reason it cannot be served.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import secrets
 from collections.abc import Sequence
 
 from etjax.errors import RequestError
@@ -77,7 +79,7 @@ def tokenize_prompt(
 def _context_error(model: Model, ids: list[int], index: int, max_new: int) -> str | None:
     context = model.config.max_position_embeddings
     if len(ids) + max_new > context:
-        return ids, (
+        return (
             f"prompt {index} has {len(ids)} tokens; with max_new_tokens={max_new} it needs "
             f"{len(ids) + max_new} positions but the model's context is {context}"
         )
@@ -141,6 +143,26 @@ def seed_value(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
         raise RequestError(f"seed={value!r}; must be an integer in [0, 2**32)")
     return value
+
+
+def derived_seed(seed: int, key: object) -> int:
+    """A well-mixed 32-bit seed for stream `key` (a prompt's index, a record's id) of `seed`:
+    every prompt of a call (every record of a job) gets its own reproducible stream."""
+    digest = hashlib.sha256(f"{seed}:{type(key).__name__}:{key}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def request_seeds(seed: object, count: int) -> list[int]:
+    """The seed of each of `count` requests: fresh random ones for None, one stream per
+    request derived from an integer, or a list of `count` seeds used as they are (to replay
+    results, whose `.seed` says which they used)."""
+    if seed is None:
+        return [secrets.randbits(32) for _ in range(count)]
+    if isinstance(seed, list | tuple):
+        if len(seed) != count:
+            raise RequestError(f"seed is a list of {len(seed)}; one per request needs {count}")
+        return [seed_value(s) for s in seed]
+    return [derived_seed(seed_value(seed), i) for i in range(count)]
 
 
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -126,7 +126,7 @@ def test_bad_prompt_raises_when_asked(tiny):
 
 
 def test_prompts_of_wrong_type(tiny):
-    with pytest.raises(RequestError, match="string or a list"):
+    with pytest.raises(RequestError, match="must be a string, a list of messages"):
         etjax.decode(b"bytes", model=tiny)
     with pytest.raises(RequestError, match="empty list"):
         etjax.decode([], model=tiny)

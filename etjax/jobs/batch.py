@@ -255,6 +255,7 @@ def _result_record(rec: ParsedRecord, out: SequenceOutput) -> dict:
         "token_ids": out.token_ids,
         "prompt_tokens": len(rec.prompt_ids),
         "metrics": out.metrics | {"mean_entropy": float(np.mean(out.entropy)) if n else 0.0},
+        "seed": rec.settings.sampler.seed,
         "error": None,
         "fingerprint": rec.fingerprint,
     }

@@ -5,7 +5,9 @@ by the model's chat template); optional "id" (a non-empty string or an integer,
 written back as a string; without one, a record is known by its line number, written back as
 a JSON number, so a generated id never equals a given one), "max_new_tokens", "ignore_eos",
 "chat", "system_prompt", "stop", "priority", and any `SamplerSettings` field ("sampler",
-"temperature", "seed", "top_p", ...). Missing fields take the run config's defaults. A record
+"temperature", "seed", "top_p", ...). Missing fields take the run config's defaults, but for
+"seed": a record without one samples from a stream of its own, derived from the config's seed
+and its id, and its result says which seed that was. A record
 that fails validation becomes an error result; it never stops the job. Each record carries a
 fingerprint of what its result depends on, so a rerun can tell a changed record from a done one.
 """
@@ -19,7 +21,14 @@ from dataclasses import dataclass
 
 from etjax.errors import EtjaxError, RequestError
 from etjax.loaders.loaded_model import Model
-from etjax.request_checks import positive_int, sampler_settings, stop_strings, tokenize_prompt
+from etjax.request_checks import (
+    derived_seed,
+    positive_int,
+    sampler_settings,
+    seed_value,
+    stop_strings,
+    tokenize_prompt,
+)
 from etjax.run_config import RunConfig
 from etjax.runtime.options import RequestSettings
 
@@ -86,7 +95,7 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
         rec.error = f"line {line}: a record must be a JSON object, got {type(raw).__name__}"
         return rec
     try:
-        rec.settings, chat, system = _settings(raw, config)
+        rec.settings, chat, system = _settings(raw, config, key)
         priority = raw.get("priority", 0.0)
         if isinstance(priority, bool) or not isinstance(priority, int | float):
             raise RequestError(f"priority={priority!r}; must be a number")
@@ -118,7 +127,9 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
     return rec
 
 
-def _settings(raw: dict, config: RunConfig) -> tuple[RequestSettings, bool, str | None]:
+def _settings(
+    raw: dict, config: RunConfig, key: RecordId
+) -> tuple[RequestSettings, bool, str | None]:
     d = config.request
     sampler_fields = {f.name for f in dataclasses.fields(config.sampler)}
     unknown = sorted(set(raw) - _REQUEST_FIELDS - sampler_fields)
@@ -128,6 +139,10 @@ def _settings(raw: dict, config: RunConfig) -> tuple[RequestSettings, bool, str 
         )
     overrides = {k: raw[k] for k in sampler_fields if k in raw}
     base = dataclasses.asdict(config.sampler) | overrides
+    if "seed" not in raw:
+        # Each record its own stream, the same on every rerun: derived from the config's
+        # seed and the record's id (identical prompts do not sample identical texts).
+        base["seed"] = derived_seed(seed_value(config.sampler.seed), key)
     sampler = sampler_settings(base.pop("sampler"), base.pop("temperature"), base.pop("seed"), base)
     chat = raw.get("chat", d.chat)
     ignore_eos = raw.get("ignore_eos", d.ignore_eos)
