@@ -11,6 +11,7 @@ from pathlib import Path
 from etjax.errors import RequestError
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
+from etjax.progress import Progress
 from etjax.pruning.config import PruningConfig
 from etjax.request_checks import (
     flag,
@@ -82,6 +83,7 @@ def decode(
     pruning: PruningConfig | bool = False,
     mesh: str = "1x1",
     on_text: Callable[[int, str], None] | None = None,
+    progress: bool = False,
     **sampler_options: float,
 ) -> list[Result]:
     """Generate a continuation of each prompt.
@@ -119,6 +121,8 @@ def decode(
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(result_index, text_piece)` while text is produced (the
         prompt's index when n = 1).
+      progress: show requests done, tokens/s and an ETA (a bar in a terminal or a notebook,
+        log lines to the `etjax` logger elsewhere).
       **sampler_options: any other `etjax.sampling.SamplerSettings` field (top_k, top_p, min_p,
         typical_p, repetition_penalty, presence_penalty, frequency_penalty, target_entropy,
         t_min, t_max, gain, entropy_floor, mirostat_tau, edt_theta, ...).
@@ -167,6 +171,8 @@ def decode(
     if not valid:
         return results
     callback = None if on_text is None else (lambda row, piece: on_text(valid[row], piece))
+    bar = Progress(len(valid)) if flag("progress", progress) else None
+    done = None if bar is None else (lambda _, out: bar.update(1, len(out.token_ids)))
     outputs = generate_ids(
         model.weights,
         model.config,
@@ -180,7 +186,10 @@ def decode(
         ],
         options,
         callback,
+        done,
     )
+    if bar is not None:
+        bar.close()
     for k, out in zip(valid, outputs, strict=True):
         r = results[k]
         r.text, r.token_ids, r.finish_reason = out.text, out.token_ids, out.finish_reason

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -12,12 +13,17 @@ from pathlib import Path
 from etjax.compilation_cache import use_persistent_cache
 from etjax.errors import EtjaxError, JobInterrupted
 
+log = logging.getLogger("etjax")
+
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `etjax` console script; returns the process exit code."""
     use_persistent_cache()  # before anything compiles (the engine would do it later)
     parser = _parser()
     args = parser.parse_args(argv)
+    _log_to_stderr(
+        logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    )
     try:
         return args.run(args)
     except JobInterrupted as e:
@@ -28,11 +34,36 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _log_to_stderr(level: int) -> None:
+    # The CLI shows the `etjax` logger's diagnostics (loading, retries, progress in captured
+    # output); a library leaves handlers to its caller.
+    log = logging.getLogger("etjax")
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("etjax: %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(level)
+
+
+class _StderrHandler(logging.StreamHandler):
+    # Writes to whatever sys.stderr is when a record comes (it may be replaced after setup).
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _parser() -> argparse.ArgumentParser:
     from etjax import __version__
 
     parser = argparse.ArgumentParser(prog="etjax", description=__doc__)
     parser.add_argument("--version", action="version", version=f"etjax {__version__}")
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument("-v", "--verbose", action="store_true", help="also debug messages")
+    loudness.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
     gen = commands.add_parser("generate", help="generate a completion and stream it")
@@ -218,7 +249,7 @@ def _generate(args: argparse.Namespace) -> int:
     sampler_settings(args.sampler, args.temperature, args.seed, dict(sampler_options))
     started = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype)
-    print(f"[{model!r} loaded in {time.perf_counter() - started:.1f}s]", file=sys.stderr)
+    log.info("%r loaded in %.1fs", model, time.perf_counter() - started)
 
     def stream(_: int, piece: str) -> None:
         sys.stdout.write(piece)
@@ -283,7 +314,7 @@ def _batch(args: argparse.Namespace) -> int:
     parts = lambda count: [shard_path(args.output, i, count) for i in range(count)]  # noqa: E731
     if args.merge:
         merged = processes.merge_shards(args.input, args.output, parts(group.count))
-        print(f"merged {merged} results into {args.output}", file=sys.stderr)
+        log.info("merged %d results into %s", merged, args.output)
         return 0
     # Before joining: a bad config fails alone, fast.
     preset = args.model if args.model and is_model_preset(args.model) else None
@@ -311,7 +342,7 @@ def _batch(args: argparse.Namespace) -> int:
         processes.barrier(group, "etjax-batch-shards-done", args.timeout)
         if group.index == 0:
             merged = processes.merge_shards(args.input, args.output, parts(group.count))
-            print(f"merged {merged} results into {args.output}", file=sys.stderr)
+            log.info("merged %d results into %s", merged, args.output)
         processes.barrier(group, "etjax-batch-merged", args.timeout)
     return 0
 

@@ -12,7 +12,7 @@ this cap.)
 
 from __future__ import annotations
 
-import sys
+import logging
 from pathlib import Path
 
 # Measured: `etjax bench --requests 32` with the five ablation configs peaked at about 74K
@@ -51,9 +51,9 @@ def map_count_warning(platform: str, limit: int | None, needed: int) -> str | No
 
 
 def warn_if_map_count_low(needed: int = RECOMMENDED_MAP_COUNT) -> None:
-    """Print `map_count_warning` for the default JAX backend to stderr, if there is one."""
+    """Log `map_count_warning` for the default JAX backend, if there is one."""
     import jax
 
     message = map_count_warning(jax.default_backend(), map_count_limit(), needed)
     if message:
-        print(f"etjax: warning: {message}", file=sys.stderr)
+        logging.getLogger("etjax").warning("warning: %s", message)

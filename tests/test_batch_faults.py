@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -87,12 +86,15 @@ def test_a_failed_write_stops_with_the_file_named_and_a_rerun_completes(tiny_hf_
     command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env(tmp_path)
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # cache entries exceed the limit too
     limit = 1500  # two or three result lines
-
-    def limit_file_size():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
+    # A small launcher sets the limit and execs the job (no preexec_fn: forking this
+    # multithreaded test process to run Python in the child can deadlock).
+    launcher = (
+        "import os, resource, sys; "
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+    )
     failed = subprocess.run(
-        command, env=env, capture_output=True, text=True, preexec_fn=limit_file_size
+        [sys.executable, "-c", launcher, *command[1:]], env=env, capture_output=True, text=True
     )
     assert failed.returncode == 2, failed.stderr
     assert f"cannot write to {out}: File too large" in failed.stderr

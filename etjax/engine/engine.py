@@ -177,10 +177,12 @@ class Engine:
         settings: Seq[RequestSettings],
         priorities: Seq[float] | None = None,
         on_text: Callable[[int, str], None] | None = None,
+        on_done: Callable[[int, SequenceOutput], None] | None = None,
     ) -> list[SequenceOutput]:
         """Offline use: run every prompt to the end; outputs in order. Prompts are submitted
         in order within the feed window, so rounds stay short for any number of them;
-        `on_text(i, piece)` receives prompt i's text as it is produced."""
+        `on_text(i, piece)` receives prompt i's text as it is produced, `on_done(i, output)`
+        each output as it completes."""
         handles: list[RequestHandle] = []
         live: list[int] = []  # prompts submitted and not yet done
         while True:
@@ -196,6 +198,10 @@ class Engine:
                 for i in live:
                     for piece in handles[i].drain():
                         on_text(i, piece)
+            if on_done is not None:
+                for i in live:
+                    if handles[i].done:
+                        on_done(i, handles[i].output)
             live = [i for i in live if not handles[i].done]
         return [h.result() for h in handles]
 

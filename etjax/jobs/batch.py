@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import heapq
 import json
+import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,16 +34,18 @@ from etjax.engine.engine import Engine, RequestHandle
 from etjax.errors import ConfigError, JobError, JobInterrupted, RequestError
 from etjax.jobs.input_lines import input_lines
 from etjax.jobs.output_lock import output_lock
-from etjax.jobs.progress import Progress
 from etjax.jobs.records import ParsedRecord
 from etjax.jobs.results_file import ResultsFile
 from etjax.jobs.run_summary import RunSummary
 from etjax.jobs.stop_signals import StopSignals
 from etjax.loaders.loaded_model import Model
+from etjax.progress import Progress
 from etjax.run_config import RunConfig
 from etjax.runtime.buckets import pages_bucket
 from etjax.runtime.generate import build_engine
 from etjax.runtime.options import SequenceOutput
+
+log = logging.getLogger("etjax")
 
 EngineFactory = Callable[[int], Engine]  # num_pages -> an engine
 
@@ -100,15 +102,15 @@ def run_batch(
                 )
             job.results.forget(survey.retried | survey.changed)
             if survey.retried:
-                print(
-                    f"retrying {len(survey.retried)} records whose earlier result in {output} "
-                    "was an error",
-                    file=sys.stderr,
+                log.warning(
+                    "retrying %d records whose earlier result in %s was an error",
+                    len(survey.retried),
+                    output,
                 )
             started = time.perf_counter()
             progress = None
             if show_progress:
-                progress = Progress(survey.records, survey.records - survey.pending)
+                progress = Progress(survey.runnable, "records")
             try:
                 stats = job.run(make_engine, survey.pool_pages(config), progress)
             finally:
@@ -128,6 +130,7 @@ def run_batch(
 class _Survey:
     records: int = 0  # this process's records
     pending: int = 0  # records that run now
+    runnable: int = 0  # of those, the valid ones: the work the progress bar counts
     retried: set = field(default_factory=set)  # ids whose stored result is an error
     changed: set = field(default_factory=set)  # ids whose stored result is from another request
     first_changed: str = ""
@@ -171,6 +174,7 @@ class _Job:
                 s.retried.add(line.id)
             s.pending += 1
             if rec.error is None:
+                s.runnable += 1
                 need = len(rec.prompt_ids) + rec.settings.max_new_tokens + options.steps_per_sync
                 need = pages_needed(need, options.page_size)
                 if len(s.needs) < options.resident_rows:
@@ -192,7 +196,8 @@ class _Job:
                     more = False
                     break
                 rec = line.parse(self.model, self.config)
-                if rec.error is None:
+                valid = rec.error is None
+                if valid:
                     engine = engine or make_engine(pages)
                     try:
                         handle = engine.submit(rec.prompt_ids, rec.settings, rec.priority)
@@ -202,8 +207,10 @@ class _Job:
                         inflight.append(_InFlight(rec, handle))
                         continue
                 results.append({"id": rec.id, "error": rec.error, "fingerprint": rec.fingerprint})
-                if progress:
+                if progress and valid:  # refused by the engine: part of the surveyed work
                     progress.update(requests=1)
+                elif progress:
+                    progress.reject()
             if not inflight:
                 break
             engine.step()

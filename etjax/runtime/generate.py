@@ -73,13 +73,15 @@ def generate_ids(
     settings: Sequence[RequestSettings],
     options: RuntimeOptions | None = None,
     on_text: TextCallback | None = None,
+    on_done: Callable[[int, SequenceOutput], None] | None = None,
 ) -> list[SequenceOutput]:
     """Generate a continuation for each tokenized prompt (already validated).
 
-    `on_text(i, piece)` receives the text of prompt i as it is produced. Returns one
+    `on_text(i, piece)` receives the text of prompt i as it is produced, `on_done(i, output)`
+    each output as it completes. Returns one
     `SequenceOutput` per prompt, in order.
     """
     options = options or RuntimeOptions()
     pages = options.num_pages or workload_pages(prompts, settings, options)
     engine = build_engine(weights, cfg, tokenizer, options, num_pages=pages)
-    return engine.generate(prompts, settings, on_text=on_text)
+    return engine.generate(prompts, settings, on_text=on_text, on_done=on_done)
