@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
+from types import EllipsisType
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +77,10 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
         saved_cfg = ModelConfig(**raw)
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{manifest_path}: malformed etjax manifest ({e})") from None
-    target = abstract_weights(saved_cfg)
+    cfg = saved_cfg.with_dtype(dtype)
+    # Restored straight into `dtype`: orbax casts each array on the host as it reads it, so a
+    # model saved in another dtype is never whole in both.
+    target = abstract_weights(cfg)
     if placement is not None:
         target = jax.tree.map(
             lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding),
@@ -83,12 +88,9 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
             placement.weights(target),
         )
     try:
-        weights = ocp.StandardCheckpointer().restore(path / "weights", target)
+        weights = _restore_weights(path / "weights", target)
     except Exception as e:  # orbax raises many types for missing or damaged files
         raise ModelLoadError(f"{path / 'weights'}: cannot restore weights ({e})") from None
-    cfg = saved_cfg.with_dtype(dtype)
-    if dtype != saved_cfg.dtype:
-        weights = _cast_weights(weights, cfg)
     tokenizer = Tokenizer.from_hf_dir(path / "tokenizer")
     return Model(cfg, weights, tokenizer, name=manifest.get("name", path.name), source=path)
 
@@ -117,7 +119,52 @@ def abstract_weights(cfg: ModelConfig) -> Weights:
     )
 
 
-def _cast_weights(weights: Weights, cfg: ModelConfig) -> Weights:
-    # Norm scales stay float32 (see weights_to_device); everything else takes the new dtype.
-    target = abstract_weights(cfg)
-    return jax.tree.map(lambda w, t: w.astype(t.dtype), weights, target)
+def _restore_weights(directory: Path, target: Weights) -> Weights:
+    # Orbax reads every array of a restore at once, each through a host buffer and a copy onto
+    # the device; once a large block has been freed, glibc serves blocks under 32 MB from its
+    # heap and keeps them when freed, so one restore of the whole tree peaked near 1.4x the
+    # weights. Instead: the embedding and lm_head each alone and first, while little else is
+    # held (their buffers are large enough to go back to the system when freed), then the rest
+    # in one restore with at most twice its largest leaf's bytes in flight.
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(target)
+    groups = [_restore_group(path) for path, _ in leaves_with_paths]
+    rest = [spec for g, (_, spec) in zip(groups, leaves_with_paths, strict=True) if g == "rest"]
+    in_flight_bytes = 2 * 4 * max(math.prod(spec.shape) for spec in rest)  # saved float32 at most
+    restored: list[jax.Array | None] = [None] * len(groups)
+    for group in sorted(set(groups), key=_RESTORE_ORDER.index):
+        chosen = [
+            spec if g == group else ocp.PLACEHOLDER
+            for g, (_, spec) in zip(groups, leaves_with_paths, strict=True)
+        ]
+        handler = ocp.PyTreeCheckpointHandler(
+            # Documented in whole GB; a fraction works and is what a small model needs.
+            restore_concurrent_gb=in_flight_bytes / 1e9 if group == "rest" else None
+        )
+        result = ocp.Checkpointer(handler).restore(
+            directory,
+            args=ocp.args.PyTreeRestore(
+                item=jax.tree.unflatten(treedef, chosen),
+                restore_args=jax.tree.unflatten(treedef, [_restore_args(s) for s in chosen]),
+            ),
+        )
+        for i, (g, leaf) in enumerate(zip(groups, jax.tree.leaves(result), strict=True)):
+            if g == group:
+                restored[i] = leaf
+    return jax.tree.unflatten(treedef, restored)
+
+
+_RESTORE_ORDER = ("embed", "lm_head", "rest")
+
+
+def _restore_group(path: tuple) -> str:
+    # ('embed',) -> "embed", ('lm_head',) -> "lm_head"; ('layers', 3, 'wqkv'), norms -> "rest"
+    name = getattr(path[0], "name", None)
+    return name if name in _RESTORE_ORDER else "rest"
+
+
+def _restore_args(spec: jax.ShapeDtypeStruct | EllipsisType) -> ocp.ArrayRestoreArgs | EllipsisType:
+    # Orbax casts each array to `spec.dtype` on the host as it reads it.
+    if spec is ocp.PLACEHOLDER:
+        return spec
+    sharding = spec.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=spec.shape, dtype=spec.dtype)

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from etjax.errors import ModelLoadError
+from etjax.loaders.assemble import SourceTensor, assembled_layer, assembled_weights
 from etjax.model.config import ModelConfig
-from etjax.model.weights import Weights, layer_from_projections, weights_to_device
+from etjax.model.weights import Weights
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Tensor types are whatever `gguf.quants.dequantize` implements (F32, F16, BF16, the legacy
@@ -80,44 +85,82 @@ def _vocab_size(reader: GGUFReader, arch: str) -> int:
     return len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
-def load_gguf_weights(reader: GGUFReader, cfg: ModelConfig) -> Weights:
-    """Dequantize every tensor to float32 and fuse it into etjax's layout.
+@dataclass(frozen=True)
+class _StoredTensor:
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # Hugging Face order: GGUF lists the fastest axis first
+    offset: int  # of the tensor's first byte in the file
+    data_dtype: np.dtype  # what the reader's view of the bytes holds: uint8 blocks if quantized
+    data_shape: tuple[int, ...]  # that view's shape; the first axis is the tensor's rows
 
+
+@dataclass(frozen=True)
+class GGUFTensors:
+    """Where each tensor of a GGUF file lies: enough to read the weights without the reader.
+
+    A `GGUFReader` parses every metadata field into numpy views, about 150 MB for a 49k-token
+    vocabulary; dropping it once the config and tokenizer are read keeps that memory off the
+    weights' peak.
+    """
+
+    path: Path
+    interleaved_rope: bool
+    stored: dict[str, _StoredTensor]
+
+
+def gguf_tensors(reader: GGUFReader) -> GGUFTensors:
+    """The tensor table of an open GGUF file (names, types, shapes, offsets)."""
+    stored = {
+        t.name: _StoredTensor(
+            tensor_type=t.tensor_type,
+            shape=tuple(int(n) for n in reversed(t.shape)),
+            offset=int(t.data_offset),
+            data_dtype=t.data.dtype,
+            data_shape=tuple(t.data.shape),
+        )
+        for t in reader.tensors
+    }
+    return GGUFTensors(
+        path=Path(reader.data.filename),
+        interleaved_rope=gguf_field(reader, "general.architecture") == "llama",
+        stored=stored,
+    )
+
+
+def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:
+    """Dequantize every tensor and fuse it into etjax's layout, in `cfg.dtype`.
+
+    Each tensor is dequantized to float32 a chunk of rows at a time and written straight into
+    its final leaf (etjax/loaders/assemble.py), so no float32 copy of the model is ever held.
     For the `llama` architecture GGUF stores the q and k projections with each head's rows
     interleaved for llama.cpp's adjacent-pair RoPE; they are un-permuted back to the Hugging Face
     half-split layout that `apply_rope` uses. `qwen2` files use half-split RoPE and are stored
     as they are.
     """
-    interleaved = gguf_field(reader, "general.architecture") == "llama"
-    tensors = {t.name: t for t in reader.tensors}
-    source = reader.data.filename
+    dtype = cfg.jnp_dtype
 
-    def take(name: str) -> np.ndarray:
-        tensor = tensors.get(name)
-        if tensor is None:
-            raise ModelLoadError(f"{source}: tensor {name!r} is missing")
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the fastest axis first
-        try:
-            values = dequantize(tensor.data, tensor.tensor_type)
-        except NotImplementedError:
-            raise ModelLoadError(
-                f"{source}: tensor {name!r} has type {tensor.tensor_type.name}, which the gguf "
-                "package cannot dequantize; allowed: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 "
-                "and the K-quants (Q2_K..Q6_K)"
-            ) from None
-        return values.reshape(shape).astype(np.float32)
+    def take(name: str, rope_heads: int | None = None) -> SourceTensor:
+        stored = tensors.stored.get(name)
+        if stored is None:
+            raise ModelLoadError(f"{tensors.path}: tensor {name!r} is missing")
+        order = np.arange(stored.shape[0])
+        if rope_heads is not None:
+            order = _rope_rows(order, rope_heads, tensors.interleaved_rope)
+        return SourceTensor(
+            stored.shape, functools.partial(_read_rows, tensors.path, name, stored, order)
+        )
 
-    def optional(name: str) -> np.ndarray | None:
-        return take(name) if name in tensors else None
+    def optional(name: str) -> SourceTensor | None:
+        return take(name) if name in tensors.stored else None
 
     layers = []
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
         layers.append(
-            layer_from_projections(
+            assembled_layer(
                 attn_norm=take(p + "attn_norm.weight"),
-                wq=_rope_rows(take(p + "attn_q.weight"), cfg.num_heads, interleaved),
-                wk=_rope_rows(take(p + "attn_k.weight"), cfg.num_kv_heads, interleaved),
+                wq=take(p + "attn_q.weight", rope_heads=cfg.num_heads),
+                wk=take(p + "attn_k.weight", rope_heads=cfg.num_kv_heads),
                 wv=take(p + "attn_v.weight"),
                 wo=take(p + "attn_output.weight"),
                 mlp_norm=take(p + "ffn_norm.weight"),
@@ -127,15 +170,55 @@ def load_gguf_weights(reader: GGUFReader, cfg: ModelConfig) -> Weights:
                 bq=optional(p + "attn_q.bias"),
                 bk=optional(p + "attn_k.bias"),
                 bv=optional(p + "attn_v.bias"),
+                dtype=dtype,
             )
         )
-    return weights_to_device(
+    return assembled_weights(
         embed=take("token_embd.weight"),
         layers=layers,
         final_norm=take("output_norm.weight"),
         lm_head=optional("output.weight"),
-        cfg=cfg,
+        dtype=dtype,
     )
+
+
+def _read_rows(
+    path: Path, name: str, stored: _StoredTensor, order: np.ndarray, rows_per_chunk: int
+) -> Iterator[np.ndarray]:
+    # Yields the stored rows `order[start:stop]` of each chunk, dequantized: [rows, *shape[1:]]
+    # float32. The rows of a chunk span at most one head more than the chunk (`_rope_rows`).
+    # Plain file reads rather than the reader's memory map: every page a map touches stays
+    # resident, and counted as this process's memory, until the map closes.
+    with open(path, "rb") as file:
+        if len(stored.data_shape) == 1:  # a norm or bias: small, so read whole
+            file.seek(stored.offset)
+            block = np.fromfile(file, stored.data_dtype, stored.data_shape[0])
+            values = _dequantize(block, stored.tensor_type, path, name)
+            yield values.reshape(stored.shape).astype(np.float32, copy=False)
+            return
+        row_items = math.prod(stored.data_shape[1:])
+        row_bytes = row_items * stored.data_dtype.itemsize
+        for start in range(0, len(order), rows_per_chunk):
+            wanted = order[start : start + rows_per_chunk]
+            first, end = int(wanted.min()), int(wanted.max()) + 1
+            file.seek(stored.offset + first * row_bytes)
+            block = np.fromfile(file, stored.data_dtype, (end - first) * row_items)
+            block = block.reshape(end - first, *stored.data_shape[1:])[wanted - first]
+            values = _dequantize(block, stored.tensor_type, path, name)
+            yield values.reshape(len(wanted), *stored.shape[1:]).astype(np.float32, copy=False)
+
+
+def _dequantize(
+    block: np.ndarray, tensor_type: GGMLQuantizationType, path: Path, name: str
+) -> np.ndarray:
+    try:
+        return dequantize(block, tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} has type {tensor_type.name}, which the gguf "
+            "package cannot dequantize; allowed: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 "
+            "and the K-quants (Q2_K..Q6_K)"
+        ) from None
 
 
 def _rope_rows(w: np.ndarray, num_heads: int, interleaved: bool) -> np.ndarray:

@@ -10,7 +10,12 @@ from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
 from etjax.loaders import checkpoint
 from etjax.loaders.embedded import EMBEDDED_MODEL_NAME, smollm2_gguf_path
-from etjax.loaders.gguf_weights import gguf_model_config, load_gguf_weights, open_gguf
+from etjax.loaders.gguf_weights import (
+    gguf_model_config,
+    gguf_tensors,
+    load_gguf_weights,
+    open_gguf,
+)
 from etjax.loaders.hf_config import read_hf_config
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.safetensors_weights import load_safetensors_weights
@@ -82,8 +87,11 @@ def _load(name_or_path: str | Path | None, dtype: str, placement: Placement | No
 def _load_gguf(path: Path, dtype: str, name: str) -> Model:
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, dtype)
-    weights = load_gguf_weights(reader, cfg)
-    return Model(cfg, weights, Tokenizer.from_gguf(reader), name=name, source=path)
+    tokenizer = Tokenizer.from_gguf(reader)
+    tensors = gguf_tensors(reader)
+    del reader  # its parsed metadata (~150 MB for SmolLM2) must not live through the weights' load
+    weights = load_gguf_weights(tensors, cfg)
+    return Model(cfg, weights, tokenizer, name=name, source=path)
 
 
 def _load_hf_dir(path: Path, dtype: str) -> Model:

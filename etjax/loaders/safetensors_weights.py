@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401 (registers bfloat16 with numpy, for safetensors' numpy reads)
 import numpy as np
 from safetensors import safe_open
 
 from etjax.errors import ModelLoadError
+from etjax.loaders.assemble import SourceTensor, assembled_layer, assembled_weights
 from etjax.model.config import ModelConfig
-from etjax.model.weights import Weights, layer_from_projections, weights_to_device
+from etjax.model.weights import Weights
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -38,12 +42,17 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def load_safetensors_weights(directory: Path, cfg: ModelConfig) -> Weights:
-    """Load and fuse the weights of a Hugging Face Llama/Mistral/Qwen2 directory."""
-    tensors = _read_all(safetensors_files(directory))
+    """Load and fuse the weights of a Hugging Face Llama/Mistral/Qwen2 directory, in `cfg.dtype`.
 
-    def take(name: str) -> np.ndarray:
+    Each tensor is read a chunk of rows at a time straight into its final leaf
+    (etjax/loaders/assemble.py), so no float32 copy of the model is ever held.
+    """
+    tensors = _source_tensors(safetensors_files(directory))
+    dtype = cfg.jnp_dtype
+
+    def take(name: str) -> SourceTensor:
         try:
-            return tensors.pop(name)
+            return tensors[name]
         except KeyError:
             raise ModelLoadError(f"{directory}: tensor {name!r} is missing") from None
 
@@ -60,7 +69,7 @@ def load_safetensors_weights(directory: Path, cfg: ModelConfig) -> Weights:
             else {}
         )
         layers.append(
-            layer_from_projections(
+            assembled_layer(
                 attn_norm=take(p + "input_layernorm.weight"),
                 wq=take(p + "self_attn.q_proj.weight"),
                 wk=take(p + "self_attn.k_proj.weight"),
@@ -70,26 +79,50 @@ def load_safetensors_weights(directory: Path, cfg: ModelConfig) -> Weights:
                 w_gate=take(p + "mlp.gate_proj.weight"),
                 w_up=take(p + "mlp.up_proj.weight"),
                 w_down=take(p + "mlp.down_proj.weight"),
+                dtype=dtype,
                 **bias,
             )
         )
-    embed = take("model.embed_tokens.weight")
-    lm_head = None if cfg.tie_word_embeddings else tensors.pop("lm_head.weight", None)
-    if lm_head is None and not cfg.tie_word_embeddings:
-        raise ModelLoadError(f"{directory}: tensor 'lm_head.weight' is missing (untied model)")
-    return weights_to_device(
-        embed=embed, layers=layers, final_norm=take("model.norm.weight"), lm_head=lm_head, cfg=cfg
+    lm_head = None
+    if not cfg.tie_word_embeddings:
+        if "lm_head.weight" not in tensors:
+            raise ModelLoadError(f"{directory}: tensor 'lm_head.weight' is missing (untied model)")
+        lm_head = take("lm_head.weight")
+    return assembled_weights(
+        embed=take("model.embed_tokens.weight"),
+        layers=layers,
+        final_norm=take("model.norm.weight"),
+        lm_head=lm_head,
+        dtype=dtype,
     )
 
 
-def _read_all(files: list[Path]) -> dict[str, np.ndarray]:
-    tensors: dict[str, np.ndarray] = {}
+def _source_tensors(files: list[Path]) -> dict[str, SourceTensor]:
+    # Every tensor of the files, by name, unread: only the files' headers are parsed.
+    tensors: dict[str, SourceTensor] = {}
     for path in files:
         try:
-            # The flax framework reads bfloat16, which plain numpy cannot represent.
-            with safe_open(str(path), framework="flax") as f:
+            with safe_open(str(path), framework="numpy") as f:
                 for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
-                    tensors[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+                    shape = tuple(f.get_slice(name).get_shape())
+                    read = functools.partial(_read_rows, path, name, shape)
+                    tensors[name] = SourceTensor(shape, read)
         except Exception as e:  # safetensors raises its own untyped errors for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors file ({e})") from None
     return tensors
+
+
+def _read_rows(
+    path: Path, name: str, shape: tuple[int, ...], rows_per_chunk: int
+) -> Iterator[np.ndarray]:
+    # The file is opened once per chunk: the pages of its memory map that a read touches stay
+    # resident, and counted as this process's memory, until the map closes. bfloat16 rows come
+    # back as ml_dtypes arrays and widen to float32 exactly.
+    for start in range(0, shape[0], rows_per_chunk):
+        stop = min(start + rows_per_chunk, shape[0])  # safetensors refuses a slice past the end
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                rows = f.get_slice(name)[start:stop]
+        except Exception as e:
+            raise ModelLoadError(f"{path}: cannot read tensor {name!r} ({e})") from None
+        yield np.asarray(rows, dtype=np.float32)

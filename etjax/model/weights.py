@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import flax.struct
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from etjax.model.config import ModelConfig
 
@@ -41,77 +39,6 @@ class Weights:
     layers: tuple[LayerWeights, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [D, V], or None when tied to `embed`
-
-
-def layer_from_projections(
-    *,
-    attn_norm: np.ndarray,
-    wq: np.ndarray,
-    wk: np.ndarray,
-    wv: np.ndarray,
-    wo: np.ndarray,
-    mlp_norm: np.ndarray,
-    w_gate: np.ndarray,
-    w_up: np.ndarray,
-    w_down: np.ndarray,
-    bq: np.ndarray | None = None,
-    bk: np.ndarray | None = None,
-    bv: np.ndarray | None = None,
-) -> dict[str, np.ndarray | None]:
-    """Fuse Hugging Face-layout projections (out-major, `[out, in]`) into `LayerWeights` fields.
-
-    Returns host arrays; `weights_to_device` casts and places them.
-    """
-    bias = None if bq is None else np.concatenate([bq, bk, bv], axis=0)
-    return dict(
-        attn_norm=attn_norm,
-        wqkv=np.concatenate([wq, wk, wv], axis=0).T,
-        bqkv=bias,
-        wo=wo.T,
-        mlp_norm=mlp_norm,
-        w_gate_up=np.concatenate([w_gate, w_up], axis=0).T,
-        w_down=w_down.T,
-    )
-
-
-def weights_to_device(
-    *,
-    embed: np.ndarray,
-    layers: list[dict[str, np.ndarray | None]],
-    final_norm: np.ndarray,
-    lm_head: np.ndarray | None,
-    cfg: ModelConfig,
-) -> Weights:
-    """Cast host arrays to the config dtype and place them on the default device.
-
-    Norm scales stay float32: they are tiny and RMSNorm runs in float32 anyway.
-    `lm_head` is given Hugging Face-layout (`[V, D]`) and stored input-major.
-    """
-    dtype = cfg.jnp_dtype
-
-    def put(a: np.ndarray | None, keep_f32: bool = False) -> jax.Array | None:
-        if a is None:
-            return None
-        return jnp.asarray(np.ascontiguousarray(a), dtype=jnp.float32 if keep_f32 else dtype)
-
-    layer_trees = tuple(
-        LayerWeights(
-            attn_norm=put(layer["attn_norm"], keep_f32=True),
-            wqkv=put(layer["wqkv"]),
-            bqkv=put(layer["bqkv"]),
-            wo=put(layer["wo"]),
-            mlp_norm=put(layer["mlp_norm"], keep_f32=True),
-            w_gate_up=put(layer["w_gate_up"]),
-            w_down=put(layer["w_down"]),
-        )
-        for layer in layers
-    )
-    return Weights(
-        embed=put(embed),
-        layers=layer_trees,
-        final_norm=put(final_norm, keep_f32=True),
-        lm_head=None if lm_head is None else put(lm_head.T),
-    )
 
 
 def check_weights_shapes(weights: Weights, cfg: ModelConfig, source: str) -> None:
