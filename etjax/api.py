@@ -11,6 +11,7 @@ from pathlib import Path
 from etjax.errors import RequestError
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
+from etjax.model.config import DTYPE_CHOICES, resolve_dtype
 from etjax.progress import Progress
 from etjax.pruning.config import PruningConfig
 from etjax.request_checks import (
@@ -67,6 +68,7 @@ def decode(
     prompts: str | Sequence[str | Sequence[dict]] | Sequence[dict],
     *,
     model: Model | str | Path | None = None,
+    dtype: str = "auto",
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     seed: int | Sequence[int] | None = None,
@@ -95,6 +97,8 @@ def decode(
         one conversation).
       model: a `Model` from `load_model`, a name or a path (default: the embedded
         SmolLM2-135M-Instruct). Names and paths are loaded once and cached.
+      dtype: of the weights, activations and KV cache when `model` is a name or a path:
+        "auto" (bfloat16 on a TPU or a GPU, float32 on a CPU), "float32" or "bfloat16".
       max_new_tokens: tokens to generate at most (>= 1).
       temperature: 0 for greedy decoding, else the softmax temperature.
       seed: None (fresh random seeds), an integer (each request its own reproducible stream,
@@ -154,7 +158,7 @@ def decode(
         pruning=pruning,
         mesh=mesh,
     )
-    model = _resolve_model(model)
+    model = _resolve_model(model, dtype)
     # Result k is sample k % n of prompt k // n, with its own seed.
     results = [Result(seed=s) for s in seeds]
     valid: list[int] = []
@@ -199,15 +203,23 @@ def decode(
 
 
 @functools.lru_cache(maxsize=2)
-def _load_cached(name_or_path: str) -> Model:
-    return load_model(name_or_path)
+def _load_cached(name_or_path: str, dtype: str) -> Model:
+    return load_model(name_or_path, dtype=dtype)
 
 
-def _resolve_model(model: Model | str | Path | None) -> Model:
+def _resolve_model(model: Model | str | Path | None, dtype: str) -> Model:
+    if dtype not in DTYPE_CHOICES:
+        raise RequestError(f"dtype={dtype!r}; allowed: {DTYPE_CHOICES}")
     if isinstance(model, Model):
+        if dtype != "auto" and dtype != model.config.dtype:
+            raise RequestError(
+                f"dtype={dtype!r} but the model given is loaded as {model.config.dtype}; "
+                "pass dtype to etjax.load_model, or a name or path here"
+            )
         return model
     if model is None or isinstance(model, str | Path):
-        return _load_cached("smollm2-135m-instruct" if model is None else str(model))
+        name = "smollm2-135m-instruct" if model is None else str(model)
+        return _load_cached(name, resolve_dtype(dtype))
     raise RequestError(
         f"model={type(model).__name__}; pass a Model from etjax.load_model, a name or a path"
     )

@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     gen.add_argument(
         "--show-entropy", action="store_true", help="print each token with its entropy after"
     )
@@ -147,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     conv = commands.add_parser("convert", help="convert a model to an etjax (orbax) checkpoint")
     conv.add_argument("source", help="a .gguf file, a Hugging Face directory or a model name")
     conv.add_argument("destination", type=Path, help="a new directory")
-    conv.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     conv.set_defaults(run=_convert)
     return parser
 

@@ -3,7 +3,7 @@ dataclasses that steer a run.
 
 A file has up to five tables, each optional:
 
-    [model]    name (a model name or path), dtype ("float32" | "bfloat16")
+    [model]    name (a model name or path), dtype ("auto" | "float32" | "bfloat16")
     [engine]   any `RuntimeOptions` field except pruning (page_size, max_batch_size, policy, ...)
     [pruning]  any `PruningConfig` field (enabled, min_fraction, entropy_low, ...)
     [sampler]  any `SamplerSettings` field: the default for requests that do not set it
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from etjax.errors import ConfigError, EtjaxError
+from etjax.model.config import DTYPE_CHOICES
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RuntimeOptions
 from etjax.sampling.settings import SamplerSettings
@@ -58,11 +59,11 @@ class RequestDefaults:
 @dataclass(frozen=True)
 class ModelChoice:
     name: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 on a TPU or a GPU, float32 on a CPU
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"dtype={self.dtype!r}; must be 'float32' or 'bfloat16'")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype={self.dtype!r}; must be one of {DTYPE_CHOICES}")
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from etjax.loaders.gguf_weights import (
 from etjax.loaders.hf_config import read_hf_config
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.safetensors_weights import load_safetensors_weights
-from etjax.model.config import SUPPORTED_DTYPES
+from etjax.model.config import DTYPE_CHOICES, resolve_dtype
 from etjax.tokenizer import Tokenizer
 
 _EMBEDDED_ALIASES = {EMBEDDED_MODEL_NAME, "smollm2", "smollm2-135m"}
@@ -32,13 +32,14 @@ _PICKLE_REFUSAL = (
 
 
 def load_model(
-    name_or_path: str | Path | None = None, *, dtype: str = "float32", mesh: str = "1x1"
+    name_or_path: str | Path | None = None, *, dtype: str = "auto", mesh: str = "1x1"
 ) -> Model:
     """Load a model by name or path.
 
     Accepts None or "smollm2-135m-instruct" (the embedded default), a `.gguf` file, a Hugging
     Face directory (config.json, *.safetensors, tokenizer.json) or a directory written by
-    `etjax convert`. `dtype` is "float32" or "bfloat16". `mesh` ("DATAxMODEL") shards the
+    `etjax convert`. `dtype` is "auto" (bfloat16 on a TPU or a GPU, float32 on a CPU),
+    "float32" or "bfloat16". `mesh` ("DATAxMODEL") shards the
     weights over this process's devices (etjax/distributed): a converted checkpoint is restored
     straight into its shards; other formats are read on the host, then placed. Never downloads
     anything.
@@ -52,8 +53,9 @@ def load_model(
 
 
 def _load(name_or_path: str | Path | None, dtype: str, placement: Placement | None) -> Model:
-    if dtype not in SUPPORTED_DTYPES:
-        raise ModelLoadError(f"dtype={dtype!r} is not supported; allowed: {SUPPORTED_DTYPES}")
+    if dtype not in DTYPE_CHOICES:
+        raise ModelLoadError(f"dtype={dtype!r} is not supported; allowed: {DTYPE_CHOICES}")
+    dtype = resolve_dtype(dtype)
     if name_or_path is None or str(name_or_path).lower() in _EMBEDDED_ALIASES:
         return _load_gguf(smollm2_gguf_path(), dtype, name=EMBEDDED_MODEL_NAME)
     path = Path(name_or_path).expanduser()

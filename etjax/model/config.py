@@ -12,6 +12,20 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
+DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)
+
+
+def resolve_dtype(dtype: str, platform: str | None = None) -> str:
+    """ "auto" is bfloat16 on an accelerator (a model twice the size fits, and TPU and GPU
+    matrix units run bfloat16 natively) and float32 on a CPU (which has no fast bfloat16
+    arithmetic); any other value is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return "float32" if platform == "cpu" else "bfloat16"
 
 
 @dataclass(frozen=True)
