@@ -8,7 +8,7 @@ from pathlib import Path
 from etjax.distributed.mesh import MeshShape, make_mesh
 from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
-from etjax.loaders import checkpoint
+from etjax.loaders import checkpoint, hub
 from etjax.loaders.embedded import EMBEDDED_MODEL_NAME, smollm2_gguf_path
 from etjax.loaders.gguf_weights import (
     gguf_model_config,
@@ -32,7 +32,11 @@ _PICKLE_REFUSAL = (
 
 
 def load_model(
-    name_or_path: str | Path | None = None, *, dtype: str = "auto", mesh: str = "1x1"
+    name_or_path: str | Path | None = None,
+    *,
+    dtype: str = "auto",
+    mesh: str = "1x1",
+    revision: str | None = None,
 ) -> Model:
     """Load a model by name or path.
 
@@ -41,24 +45,31 @@ def load_model(
     `etjax convert`. `dtype` is "auto" (bfloat16 on a TPU or a GPU, float32 on a CPU),
     "float32" or "bfloat16". `mesh` ("DATAxMODEL") shards the
     weights over this process's devices (etjax/distributed): a converted checkpoint is restored
-    straight into its shards; other formats are read on the host, then placed. Never downloads
-    anything.
+    straight into its shards; other formats are read on the host, then placed. A Hugging Face
+    hub id ("owner/name", or "owner/name@revision", or `revision=`) that is not a local path is
+    fetched into the standard Hugging Face cache (loaders/hub.py), safetensors only.
     """
     shape = MeshShape.parse(mesh)
     placement = None if shape.size == 1 else Placement(make_mesh(shape))
-    model = _load(name_or_path, dtype, placement)
+    model = _load(name_or_path, dtype, placement, revision)
     if placement is not None and not checkpoint.is_etjax_checkpoint(model.source):
         model = dataclasses.replace(model, weights=placement.place_weights(model.weights))
     return model
 
 
-def _load(name_or_path: str | Path | None, dtype: str, placement: Placement | None) -> Model:
+def _load(
+    name_or_path: str | Path | None, dtype: str, placement: Placement | None, revision: str | None
+) -> Model:
     if dtype not in DTYPE_CHOICES:
         raise ModelLoadError(f"dtype={dtype!r} is not supported; allowed: {DTYPE_CHOICES}")
     dtype = resolve_dtype(dtype)
     if name_or_path is None or str(name_or_path).lower() in _EMBEDDED_ALIASES:
         return _load_gguf(smollm2_gguf_path(), dtype, name=EMBEDDED_MODEL_NAME)
     path = Path(name_or_path).expanduser()
+    if not path.exists() and hub.is_hub_id(str(name_or_path)):
+        return _load_hf_dir(hub.fetch(str(name_or_path), revision), dtype, name=str(name_or_path))
+    if path.suffix in _PICKLE_SUFFIXES and not path.exists():
+        raise ModelLoadError(f"{path}: file not found")
     if path.suffix in _PICKLE_SUFFIXES:
         raise ModelLoadError(f"{path} {_PICKLE_REFUSAL}")
     if path.suffix == ".gguf" and not path.is_file():
@@ -81,8 +92,8 @@ def _load(name_or_path: str | Path | None, dtype: str, placement: Placement | No
             f"{path}: no config.json (Hugging Face directory) or etjax checkpoint found"
         )
     raise ModelLoadError(
-        f"'{name_or_path}' is neither a known model name ({sorted(_EMBEDDED_ALIASES)}) nor an "
-        "existing file or directory; etjax never downloads weights, so pass a local path"
+        f"'{name_or_path}' is neither a known model name ({sorted(_EMBEDDED_ALIASES)}), an "
+        "existing file or directory, nor a Hugging Face hub id (owner/name)"
     )
 
 
@@ -96,7 +107,8 @@ def _load_gguf(path: Path, dtype: str, name: str) -> Model:
     return Model(cfg, weights, tokenizer, name=name, source=path)
 
 
-def _load_hf_dir(path: Path, dtype: str) -> Model:
+def _load_hf_dir(path: Path, dtype: str, name: str | None = None) -> Model:
     cfg = read_hf_config(path / "config.json", dtype)
     weights = load_safetensors_weights(path, cfg)
-    return Model(cfg, weights, Tokenizer.from_hf_dir(path), name=path.name, source=path)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    return Model(cfg, weights, tokenizer, name=name or path.name, source=path)

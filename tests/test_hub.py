@@ -1,0 +1,91 @@
+"""Hub ids through `huggingface_hub`, on a Hugging Face cache laid out by the test itself and
+HF_HUB_OFFLINE set: nothing touches the network."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from etjax.errors import ModelLoadError
+from etjax.loaders import hub
+from tests.subprocess_env import subprocess_env
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+LOAD = (
+    "import sys, etjax; m = etjax.load_model(sys.argv[1]); "
+    "print(m.name, m.source); print(etjax.decode('Hi', model=m, max_new_tokens=2)[0].token_ids)"
+)
+
+
+def _env(tmp_path):
+    env = subprocess_env(tmp_path)
+    env["HF_HUB_CACHE"] = str(tmp_path / "hub")
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def test_a_cached_hub_id_loads_offline_as_its_local_directory(tiny_hf_dir, tmp_path):
+    repo = tmp_path / "hub" / "models--someone--tiny-llama"
+    snapshot = repo / "snapshots" / COMMIT
+    shutil.copytree(tiny_hf_dir("llama"), snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    env = _env(tmp_path)
+    by_id = subprocess.run(
+        [sys.executable, "-c", LOAD, "someone/tiny-llama"], env=env, capture_output=True, text=True
+    )
+    assert by_id.returncode == 0, by_id.stderr
+    name_line, tokens = by_id.stdout.splitlines()[-2:]
+    assert name_line == f"someone/tiny-llama {snapshot}"
+    by_path = subprocess.run(
+        [sys.executable, "-c", LOAD, str(tiny_hf_dir("llama"))],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert by_path.stdout.splitlines()[-1] == tokens  # the same model, the same tokens
+
+
+def test_an_uncached_hub_id_offline_says_how_to_get_it(tmp_path):
+    env = _env(tmp_path)
+    failed = subprocess.run(
+        [sys.executable, "-m", "etjax.cli", "generate", "x", "--model", "someone/absent"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert failed.returncode == 2
+    assert "someone/absent is not in the Hugging Face cache" in failed.stderr
+    assert "huggingface-cli download someone/absent" in failed.stderr
+
+
+@pytest.mark.parametrize(
+    "name, is_id",
+    [
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", True),
+        ("meta-llama/Llama-3.1-8B@main", True),
+        ("model.gguf", False),
+        ("./local/dir", False),
+        ("/abs/dir", False),
+        ("a/b/c", False),
+    ],
+)
+def test_what_reads_as_a_hub_id(name, is_id):
+    assert hub.is_hub_id(name) is is_id
+
+
+def test_a_revision_is_given_once():
+    assert hub.split_revision("o/n@v1", None) == ("o/n", "v1")
+    assert hub.split_revision("o/n", "v2") == ("o/n", "v2")
+    with pytest.raises(ModelLoadError, match="revision"):
+        hub.split_revision("o/n@v1", "v2")
+
+
+def test_a_missing_pickle_path_is_reported_missing(tmp_path):
+    import etjax
+
+    with pytest.raises(ModelLoadError, match="file not found"):
+        etjax.load_model(tmp_path / "foo.bin")
