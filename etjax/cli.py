@@ -12,6 +12,7 @@ from pathlib import Path
 
 from etjax.compilation_cache import use_persistent_cache
 from etjax.errors import EtjaxError, JobInterrupted
+from etjax.generate_command import add_generate
 
 log = logging.getLogger("etjax")
 
@@ -56,6 +57,21 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+BATCH_FORMATS = """record (one JSON object per input line):
+  {"id": "q1", "prompt": "Explain entropy."}                      a string prompt
+  {"id": "q2", "messages": [{"role": "user", "content": "Hi"}]}    a conversation
+  optional: "max_new_tokens", "ignore_eos", "chat", "system_prompt", "stop", "priority",
+  and any sampler field ("sampler", "temperature", "seed", "top_p", "top_k", ...); missing
+  fields take the config's [request] and [sampler] defaults. Without an "id" a record is
+  known by its line number. Without a "seed" it samples from a stream derived from the
+  config's seed and its id.
+
+result (one JSON line per record, in completion order):
+  {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "metrics", "seed",
+   "error": null, "fingerprint"}, or {"id", "error": "line N: ...", "fingerprint"}
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     from etjax import __version__
 
@@ -66,32 +82,15 @@ def _parser() -> argparse.ArgumentParser:
     loudness.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    gen = commands.add_parser("generate", help="generate a completion and stream it")
-    gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--model", default=None, help="name or path (default: embedded SmolLM2)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument(
-        "--sampler", default="standard", choices=["standard", "mirostat_v2", "edt", "entropic"]
-    )
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0)
-    gen.add_argument(
-        "--target-entropy", type=float, default=2.0, help="H* in nats (--sampler entropic)"
-    )
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--system", default=None, help="system message (with --chat)")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    gen.add_argument(
-        "--show-entropy", action="store_true", help="print each token with its entropy after"
-    )
-    gen.set_defaults(run=_generate)
+    add_generate(commands)
 
     batch = commands.add_parser(
-        "batch", help="run a JSONL file of prompts; rerun the same command to resume"
+        "batch",
+        help="run a JSONL file of prompts; rerun the same command to resume",
+        description="Run a JSONL file of requests into a JSONL file of results. Rerun the "
+        "same command to resume: finished ids are skipped, error lines retried.",
+        epilog=BATCH_FORMATS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     batch.add_argument("--input", type=Path, required=True, help="JSONL, one request per line")
     batch.add_argument("--output", type=Path, required=True, help="JSONL of results (appended)")
@@ -230,67 +229,6 @@ def _positive_ints(flag: str, text: str) -> list[int]:
     if not values or min(values) <= 0:
         raise ConfigError(f"{flag}={text!r}: expected positive integers")
     return values
-
-
-def _generate(args: argparse.Namespace) -> int:
-    from etjax.api import decode
-    from etjax.loaders.resolve import load_model
-    from etjax.request_checks import positive_int, sampler_settings
-
-    sampler_options = {
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "min_p": args.min_p,
-        "repetition_penalty": args.repetition_penalty,
-        "target_entropy": args.target_entropy,
-    }
-    # The settings first: a bad value fails in a second, not after the model has loaded.
-    positive_int("max_new_tokens", args.max_new_tokens)
-    sampler_settings(args.sampler, args.temperature, args.seed, dict(sampler_options))
-    started = time.perf_counter()
-    model = load_model(args.model, dtype=args.dtype)
-    log.info("%r loaded in %.1fs", model, time.perf_counter() - started)
-
-    def stream(_: int, piece: str) -> None:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-
-    started = time.perf_counter()
-    (result,) = decode(
-        args.prompt,
-        model=model,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        sampler=args.sampler,
-        chat=args.chat,
-        system_prompt=args.system,
-        raise_on_invalid=True,
-        on_text=stream,
-        **sampler_options,
-    )
-    elapsed = time.perf_counter() - started
-    print()
-    n = len(result.token_ids)
-    print(
-        f"[{n} tokens in {elapsed:.1f}s (compilation included), finish: {result.finish_reason}, "
-        f"mean entropy {sum(result.entropy) / max(n, 1):.3f} nats]",
-        file=sys.stderr,
-    )
-    if args.show_entropy:
-        print(f"\n{'step':>4}  {'H model':>8}  {'H sampled':>9}  {'T':>5}  {'tau':>6}  token")
-        rows = zip(
-            result.token_ids,
-            result.entropy,
-            result.sampled_entropy,
-            result.temperature,
-            result.tau,
-            strict=True,
-        )
-        for step, (token, h, hs, t, tau) in enumerate(rows):
-            text = model.tokenizer.decode([token])
-            print(f"{step:>4}  {h:8.3f}  {hs:9.3f}  {t:5.2f}  {tau:6.2f}  {text!r}")
-    return 0
 
 
 def _batch(args: argparse.Namespace) -> int:

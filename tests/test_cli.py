@@ -112,3 +112,35 @@ def test_convert_refuses_an_existing_file_as_destination(tmp_path, capsys):
     code = main(["convert", "/nonexistent/model", str(target)])
     err = capsys.readouterr().err
     assert code == 2 and f"destination {target} is an existing file" in err
+
+
+def test_generate_takes_a_config_n_seeds_and_every_sampler_field(tiny_hf_dir, tmp_path, capsys):
+    # The config's [sampler] temperature and [request] max_new_tokens are the defaults; -n 2
+    # prints two samples with their seeds; the same --seed gives the same samples again;
+    # a sampler field with no flag of its own before (--typical-p) is accepted.
+    import etjax
+
+    config = tmp_path / "c.toml"
+    config.write_text("[sampler]\ntemperature = 1.0\n\n[request]\nmax_new_tokens = 4\n")
+    model = str(tiny_hf_dir("llama"))
+    command = ["generate", "Once", "--model", model, "--config", str(config), "-n", "2"]
+    command += ["--seed", "9", "--typical-p", "0.95", "--ignore-eos"]
+    assert main(command) == 0
+    first = capsys.readouterr()
+    assert first.out.count("--- sample") == 2
+    assert first.err.count("4 tokens") == 2
+    assert main(command) == 0
+    assert capsys.readouterr().out == first.out
+    # The same as decode() with those settings.
+    expected = etjax.decode(
+        "Once",
+        model=etjax.load_model(model),
+        n=2,
+        seed=9,
+        temperature=1.0,
+        typical_p=0.95,
+        max_new_tokens=4,
+        ignore_eos=True,
+    )
+    for r in expected:
+        assert f"(seed {r.seed}) ---\n{r.text}\n" in first.out

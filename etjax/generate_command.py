@@ -1,0 +1,137 @@
+"""`etjax generate`: one prompt from the command line, streamed, with every decode option.
+
+Each `SamplerSettings` field is a flag of its own (`--top-p`, `--mirostat-tau`, ...). `--config`
+takes a run config's [model], [sampler], [request] and pruning settings as the defaults; flags
+given on the command line win. Everything is checked before the model loads, so a bad value
+fails in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import time
+
+from etjax.sampling.settings import SAMPLERS, SamplerSettings
+
+log = logging.getLogger("etjax")
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_generate(commands) -> None:
+    gen = commands.add_parser(
+        "generate",
+        help="generate a completion and stream it",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", default=None, help="name, path or hub id (default: embedded)")
+    gen.add_argument("--config", default=None, help="a run config whose settings are defaults")
+    gen.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="(default 128)")
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", default=None)
+    gen.add_argument("--chat", action="store_true", default=None, help="use the chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--pruning", action="store_true", default=None, help="entropic pruning")
+    gen.add_argument("-n", type=int, default=1, help="samples of the prompt")
+    gen.add_argument("--seed", type=int, default=None, help="(default: a fresh seed)")
+    sampler = gen.add_argument_group("sampler (etjax.sampling.SamplerSettings)")
+    for f in dataclasses.fields(SamplerSettings):
+        if f.name == "seed":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kwargs = {"choices": SAMPLERS} if f.name == "sampler" else {}
+        sampler.add_argument(
+            flag, type=_TYPES[str(f.type)], default=None, help=f"(default {f.default})", **kwargs
+        )
+    gen.add_argument(
+        "--show-entropy", action="store_true", help="print each token with its entropy after"
+    )
+    gen.set_defaults(run=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from etjax.api import decode
+    from etjax.loaders.resolve import load_model
+    from etjax.request_checks import positive_int, sampler_settings, stop_strings
+    from etjax.run_config import RunConfig, load_run_config
+
+    config = load_run_config(args.config) if args.config else RunConfig("built-in defaults")
+    given = lambda value, default: default if value is None else value  # noqa: E731
+    sampler = dataclasses.asdict(config.sampler)
+    for name in sampler:
+        flag_value = getattr(args, name, None)
+        if flag_value is not None:
+            sampler[name] = flag_value
+    seed = args.seed  # None: a fresh one, reported below
+    sampler.pop("seed")
+    request = config.request
+    max_new = given(args.max_new_tokens, request.max_new_tokens)
+    stop = given(args.stop, list(request.stop) or None)
+    pruning = True if args.pruning else config.options.pruning
+    # The settings first: a bad value fails in a second, not after the model has loaded.
+    positive_int("max_new_tokens", max_new)
+    positive_int("n", args.n)
+    stop_strings(stop)
+    options = {k: v for k, v in sampler.items() if k not in ("sampler", "temperature")}
+    sampler_settings(sampler["sampler"], sampler["temperature"], 0, dict(options))
+    started = time.perf_counter()
+    model = load_model(args.model or config.model.name, dtype=given(args.dtype, config.model.dtype))
+    log.info("%r loaded in %.1fs", model, time.perf_counter() - started)
+
+    def stream(_: int, piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    started = time.perf_counter()
+    results = decode(
+        args.prompt,
+        model=model,
+        max_new_tokens=max_new,
+        stop=stop,
+        ignore_eos=given(args.ignore_eos, request.ignore_eos),
+        chat=given(args.chat, request.chat),
+        system_prompt=given(args.system, request.system_prompt),
+        pruning=pruning,
+        seed=seed,
+        n=args.n,
+        sampler=sampler["sampler"],
+        temperature=sampler["temperature"],
+        raise_on_invalid=True,
+        on_text=stream if args.n == 1 else None,
+        **options,
+    )
+    elapsed = time.perf_counter() - started
+    for j, result in enumerate(results):
+        if args.n > 1:
+            print(f"--- sample {j + 1} of {args.n} (seed {result.seed}) ---")
+            print(result.text, end="")
+        print()
+        _report(result, elapsed, model.tokenizer, args.show_entropy)
+    return 0
+
+
+def _report(result, elapsed: float, tokenizer, show_entropy: bool) -> None:
+    n = len(result.token_ids)
+    print(
+        f"[{n} tokens in {elapsed:.1f}s (compilation included), finish: {result.finish_reason}, "
+        f"seed {result.seed}, mean entropy {sum(result.entropy) / max(n, 1):.3f} nats]",
+        file=sys.stderr,
+    )
+    if show_entropy:
+        print(f"\n{'step':>4}  {'H model':>8}  {'H sampled':>9}  {'T':>5}  {'tau':>6}  token")
+        rows = zip(
+            result.token_ids,
+            result.entropy,
+            result.sampled_entropy,
+            result.temperature,
+            result.tau,
+            strict=True,
+        )
+        for step, (token, h, hs, t, tau) in enumerate(rows):
+            text = tokenizer.decode([token])
+            print(f"{step:>4}  {h:8.3f}  {hs:9.3f}  {t:5.2f}  {tau:6.2f}  {text!r}")
