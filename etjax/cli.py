@@ -66,7 +66,13 @@ BATCH_FORMATS = """record (one JSON object per input line):
   known by its line number. Without a "seed" it samples from a stream derived from the
   config's seed and its id.
 
-result (one JSON line per record, in completion order):
+OpenAI Batch API lines are read too, and answered in that format:
+  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+   "body": {"messages": [...], "max_tokens": 64, "temperature": 0.7, "n": 2}}
+  ("/v1/completions" takes "prompt"); body fields: max_tokens or max_completion_tokens,
+  temperature, top_p, seed, stop, n, presence_penalty, frequency_penalty, model (echoed).
+
+result (one JSON line per record, in completion order; --ordered: in input order):
   {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "metrics", "seed",
    "error": null, "fingerprint"}, or {"id", "error": "line N: ...", "fingerprint"}
 """
@@ -137,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
         "--merge",
         action="store_true",
         help="only merge the part files of --process-count processes into --output",
+    )
+    batch.add_argument(
+        "--ordered",
+        action="store_true",
+        help="when the job is done, rewrite the results in input order (one process; several "
+        "processes' merge is in input order anyway)",
     )
     batch.add_argument("--no-progress", action="store_true")
     batch.set_defaults(run=_batch)
@@ -275,6 +287,8 @@ def _batch(args: argparse.Namespace) -> int:
             show_progress=not args.no_progress,
             redo_changed=args.redo_changed,
         )
+        if args.ordered and group.count == 1:
+            processes.merge_shards(args.input, args.output, [args.output])
     print(json.dumps(summary, indent=2), file=sys.stderr)
     if group.distributed and group.count > 1:
         processes.barrier(group, "etjax-batch-shards-done", args.timeout)

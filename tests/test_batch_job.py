@@ -357,3 +357,72 @@ def test_a_conversation_renders_as_transformers_does_in_decode_and_in_records(
         ({"messages": conversation, "prompt": "x"}, "both given"),
     ):
         assert message in parse_record(json.dumps(fields), 1, tiny, config).error
+
+
+def test_openai_batch_lines_are_answered_in_that_format_and_resume(tiny, tmp_path):
+    conversation = [{"role": "user", "content": "Name a river."}]
+    lines = [
+        json.dumps(
+            {
+                "custom_id": "chat-1",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {"model": "gpt-x", "messages": conversation, "max_tokens": 3},
+            }
+        ),
+        json.dumps(
+            {
+                "custom_id": "done-1",
+                "url": "/v1/completions",
+                "body": {
+                    "prompt": "The sea",
+                    "max_completion_tokens": 4,
+                    "n": 2,
+                    "temperature": 1.0,
+                    "seed": 5,
+                },
+            }
+        ),
+        json.dumps(
+            {"custom_id": "bad-1", "url": "/v1/completions", "body": {"prompt": "x", "logprobs": 2}}
+        ),
+        json.dumps({"id": "plain", "prompt": "Hello", "max_new_tokens": 2}),
+    ]
+    src = _write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    config = load_run_config(_config(tmp_path))  # ignore_eos: every answer is max_tokens long
+    run_batch(src, out, config, tiny, show_progress=False)
+    by_id = {r.get("custom_id", r["id"]): r for r in _results(out)}
+    chat = by_id["chat-1"]["response"]
+    assert chat["status_code"] == 200 and by_id["chat-1"]["error"] is None
+    (choice,) = chat["body"]["choices"]
+    (expected,) = etjax.decode([conversation], model=tiny, max_new_tokens=3, ignore_eos=True)
+    assert choice["message"] == {"role": "assistant", "content": expected.text}
+    assert chat["body"]["usage"] == {
+        "prompt_tokens": len(expected.prompt_token_ids),
+        "completion_tokens": 3,
+        "total_tokens": len(expected.prompt_token_ids) + 3,
+    }
+    assert chat["body"]["model"] == "gpt-x" and chat["body"]["object"] == "chat.completion"
+    texts = [c["text"] for c in by_id["done-1"]["response"]["body"]["choices"]]
+    assert len(texts) == 2 and texts[0] != texts[1]  # two samples, two seeds
+    assert by_id["done-1"]["response"]["body"]["usage"]["completion_tokens"] == 8
+    assert by_id["bad-1"]["response"] is None
+    assert "body.logprobs is not supported" in by_id["bad-1"]["error"]["message"]
+    assert by_id["plain"]["text"] and "response" not in by_id["plain"]
+    # A rerun finds every custom_id done except the error, which it retries (and fails again).
+    summary = run_batch(src, out, config, tiny, show_progress=False)
+    assert summary["run_now"] == 1 and summary["retried_errors"] == 1
+    assert len(_results(out)) == 4
+
+
+def test_ordered_rewrites_the_results_in_input_order(tiny_hf_dir, tmp_path):
+    from etjax.cli import main
+
+    lines = [json.dumps({"id": f"r{i}", "prompt": "x" * (40 - 4 * i)}) for i in range(6)]
+    src = _write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    command = ["batch", "--input", str(src), "--output", str(out), "--no-progress"]
+    command += ["--config", str(_config(tmp_path, new=2)), "--model", str(tiny_hf_dir("llama"))]
+    assert main([*command, "--ordered"]) == 0
+    assert [r["id"] for r in _results(out)] == [f"r{i}" for i in range(6)]

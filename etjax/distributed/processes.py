@@ -85,6 +85,7 @@ def merge_shards(input_path: Path, output: Path, parts: list[Path]) -> int:
     file and renamed, so `output` is either absent or complete. Holds the input's ids and
     three integers per result, never the results themselves: lines are copied by offset."""
     from etjax.jobs.records import record_id
+    from etjax.jobs.results_file import result_key
 
     order: dict[str | int, int] = {}
     with open(input_path, "rb") as f:
@@ -110,7 +111,7 @@ def merge_shards(input_path: Path, output: Path, parts: list[Path]) -> int:
             offset = 0
             for line in f:
                 if line.strip():
-                    positions.append(position(json.loads(line)["id"]))
+                    positions.append(position(result_key(json.loads(line))))
                     owners.append(index)
                     offsets.append(offset)
                 offset += len(line)

@@ -17,6 +17,7 @@ SIGTERM or SIGINT it saves every completed result and stops (stop_signals.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import json
 import logging
@@ -32,6 +33,7 @@ from etjax import path_checks
 from etjax.cache.page_allocator import pages_needed
 from etjax.engine.engine import Engine, RequestHandle
 from etjax.errors import ConfigError, JobError, JobInterrupted, RequestError
+from etjax.jobs import openai_format
 from etjax.jobs.input_lines import input_lines
 from etjax.jobs.output_lock import output_lock
 from etjax.jobs.records import ParsedRecord
@@ -200,13 +202,11 @@ class _Job:
                 if valid:
                     engine = engine or make_engine(pages)
                     try:
-                        handle = engine.submit(rec.prompt_ids, rec.settings, rec.priority)
+                        inflight.append(_InFlight(rec, _submit(engine, rec)))
+                        continue
                     except RequestError as e:
                         rec.error = f"line {rec.line}: {e}"
-                    else:
-                        inflight.append(_InFlight(rec, handle))
-                        continue
-                results.append({"id": rec.id, "error": rec.error, "fingerprint": rec.fingerprint})
+                results.append(_error_record(rec))
                 if progress and valid:  # refused by the engine: part of the surveyed work
                     progress.update(requests=1)
                 elif progress:
@@ -216,15 +216,17 @@ class _Job:
             engine.step()
             still = []
             for item in inflight:
-                out = item.handle.output
+                outs = [h.output for h in item.handles]
                 if progress:
-                    progress.update(tokens=len(out.token_ids) - item.counted)
-                    item.counted = len(out.token_ids)
-                if not item.handle.done:
+                    tokens = sum(len(out.token_ids) for out in outs)
+                    progress.update(tokens=tokens - item.counted)
+                    item.counted = tokens
+                if not all(h.done for h in item.handles):
                     still.append(item)
                     continue
-                results.append(_result_record(item.record, out))
-                stats.add(out)
+                results.append(self._result_record(item.record, outs))
+                for out in outs:
+                    stats.add(out)
                 if progress:
                     progress.update(requests=1)
             inflight = still
@@ -232,6 +234,18 @@ class _Job:
             self._check_stop(len(inflight))
         results.sync()
         return stats
+
+    def _result_record(self, rec: ParsedRecord, outs: list[SequenceOutput]) -> dict:
+        if rec.openai_url is not None:
+            model = rec.openai_model or self.model.name
+            return openai_format.output_line(
+                rec.id, rec.openai_url, model, outs, len(rec.prompt_ids), rec.fingerprint
+            )
+        samples = [_sample(out, seed) for out, seed in zip(outs, rec.sample_seeds(), strict=True)]
+        line = {"id": rec.id} | samples[0] | {"prompt_tokens": len(rec.prompt_ids)}
+        if rec.n > 1:
+            line["samples"] = samples
+        return line | {"error": None, "fingerprint": rec.fingerprint}
 
     def _check_stop(self, dropped: int | None) -> None:
         # After a round's results are synced (or while surveying): stop if a signal came.
@@ -249,23 +263,40 @@ class _Job:
 @dataclass
 class _InFlight:
     record: ParsedRecord
-    handle: RequestHandle
+    handles: list[RequestHandle]  # one per sample
     counted: int = 0  # tokens already shown by the progress line
 
 
-def _result_record(rec: ParsedRecord, out: SequenceOutput) -> dict:
+def _submit(engine: Engine, rec: ParsedRecord) -> list[RequestHandle]:
+    # One request per sample, each with its own seed; all or none (a refusal cancels the rest).
+    handles = []
+    for seed in rec.sample_seeds():
+        sampler = dataclasses.replace(rec.settings.sampler, seed=seed)
+        settings = dataclasses.replace(rec.settings, sampler=sampler)
+        try:
+            handles.append(engine.submit(rec.prompt_ids, settings, rec.priority))
+        except RequestError:
+            for handle in handles:
+                handle.cancel()
+            raise
+    return handles
+
+
+def _sample(out: SequenceOutput, seed: int) -> dict:
     n = len(out.token_ids)
     return {
-        "id": rec.id,
         "text": out.text,
         "finish_reason": out.finish_reason,
         "token_ids": out.token_ids,
-        "prompt_tokens": len(rec.prompt_ids),
         "metrics": out.metrics | {"mean_entropy": float(np.mean(out.entropy)) if n else 0.0},
-        "seed": rec.settings.sampler.seed,
-        "error": None,
-        "fingerprint": rec.fingerprint,
+        "seed": seed,
     }
+
+
+def _error_record(rec: ParsedRecord) -> dict:
+    if rec.openai_url is not None:
+        return openai_format.error_line(rec.id, rec.error, rec.fingerprint)
+    return {"id": rec.id, "error": rec.error, "fingerprint": rec.fingerprint}
 
 
 def _write_summary(path: Path, summary: dict) -> None:

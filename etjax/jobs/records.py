@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 
 from etjax.errors import EtjaxError, RequestError
+from etjax.jobs import openai_format
 from etjax.loaders.loaded_model import Model
 from etjax.request_checks import (
     derived_seed,
@@ -34,7 +35,7 @@ from etjax.runtime.options import RequestSettings
 
 _REQUEST_FIELDS = {"id", "prompt", "messages", "max_new_tokens", "ignore_eos", "chat"}
 _REQUEST_FIELDS |= {"system_prompt"}
-_REQUEST_FIELDS |= {"stop", "priority"}
+_REQUEST_FIELDS |= {"stop", "priority", "n"}
 
 
 RecordId = str | int  # a given id (always a string) or a line number (always an int)
@@ -49,11 +50,25 @@ class ParsedRecord:
     priority: float = 0.0
     error: str | None = None
     fingerprint: str = ""  # of what the result depends on (`request_fingerprint`)
+    n: int = 1  # samples of the prompt, each with its own seed (`sample_seeds`)
+    openai_url: str | None = None  # an OpenAI batch line: answered in that format
+    openai_model: str | None = None  # the model its body named, echoed back
+
+    def sample_seeds(self) -> list[int]:
+        """The seed of each sample: the record's own for one, one stream each for several."""
+        seed = self.settings.sampler.seed
+        return [seed] if self.n == 1 else [derived_seed(seed, j) for j in range(self.n)]
 
 
 def record_id(raw: object, line: int) -> tuple[RecordId, str | None]:
     """The id a line's result carries, and an error if its "id" field is unusable: a given
-    non-empty string or integer (as a string), else the line number (as an int)."""
+    non-empty string or integer (as a string), an OpenAI line's "custom_id" (a non-empty
+    string), else the line number (as an int)."""
+    if isinstance(raw, dict) and "custom_id" in raw:
+        value = raw["custom_id"]
+        if isinstance(value, str) and value != "":
+            return value, None
+        return line, f"line {line}: custom_id={value!r}; must be a non-empty string"
     if not isinstance(raw, dict) or "id" not in raw:
         return line, None
     value = raw["id"]
@@ -64,12 +79,16 @@ def record_id(raw: object, line: int) -> tuple[RecordId, str | None]:
     return line, f"line {line}: id={value!r}; must be a non-empty string or an integer"
 
 
-def request_fingerprint(prompt_ids: list[int], settings: RequestSettings) -> str:
-    """A digest of the prompt's tokens and every setting that shapes the result: a rerun
-    whose record hashes differently would not reproduce the stored result."""
-    described = json.dumps(
-        {"prompt": prompt_ids, "settings": dataclasses.asdict(settings)}, sort_keys=True
-    )
+def request_fingerprint(
+    prompt_ids: list[int], settings: RequestSettings, n: int = 1, form: str | None = None
+) -> str:
+    """A digest of the prompt's tokens and everything that shapes the result (settings, the
+    number of samples, the output format): a rerun whose record hashes differently would not
+    reproduce the stored result."""
+    described = {"prompt": prompt_ids, "settings": dataclasses.asdict(settings)}
+    if n != 1 or form is not None:
+        described |= {"n": n, "format": form}
+    described = json.dumps(described, sort_keys=True)
     return hashlib.sha256(described.encode()).hexdigest()[:16]
 
 
@@ -95,7 +114,12 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
         rec.error = f"line {line}: a record must be a JSON object, got {type(raw).__name__}"
         return rec
     try:
+        if openai_format.is_openai(raw):
+            rec.openai_url, body = str(raw.get("url", "")), raw.get("body")
+            raw = openai_format.to_record(raw)
+            rec.openai_model = body.get("model") if isinstance(body, dict) else None
         rec.settings, chat, system = _settings(raw, config, key)
+        rec.n = positive_int("n", raw.get("n", 1))
         priority = raw.get("priority", 0.0)
         if isinstance(priority, bool) or not isinstance(priority, int | float):
             raise RequestError(f"priority={priority!r}; must be a number")
@@ -121,7 +145,7 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
         if error is not None:
             raise RequestError(error)
         rec.prompt_ids = ids
-        rec.fingerprint = request_fingerprint(ids, rec.settings)
+        rec.fingerprint = request_fingerprint(ids, rec.settings, rec.n, rec.openai_url)
     except EtjaxError as e:
         rec.error = f"line {line}: {e}"
     return rec

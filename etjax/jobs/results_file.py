@@ -23,6 +23,12 @@ from pathlib import Path
 from etjax.errors import JobError
 
 
+def result_key(record: dict) -> str | int:
+    """The record id a result line answers: an OpenAI output line's "custom_id" (its "id" is
+    the line's own), else its "id"."""
+    return record["custom_id"] if "custom_id" in record else record["id"]
+
+
 class ResultsFile:
     """Append-only JSONL of results, keyed by record id."""
 
@@ -51,7 +57,7 @@ class ResultsFile:
                     break  # a torn write: cut below
                 try:
                     record = json.loads(line)
-                    key = record["id"]
+                    key = result_key(record)
                     if not isinstance(key, str | int) or isinstance(key, bool):
                         raise TypeError(f"id {key!r}")
                 except (ValueError, KeyError, TypeError) as e:
@@ -67,7 +73,7 @@ class ResultsFile:
         return size
 
     def _note(self, record: dict) -> None:
-        key = record["id"]
+        key = result_key(record)
         self.fingerprints[key] = record.get("fingerprint")
         self.written += 1
         if record.get("error") is None:
@@ -87,7 +93,7 @@ class ResultsFile:
         try:
             with open(self.path, "rb") as source, open(temporary, "wb") as target:
                 for line in source:
-                    if json.loads(line)["id"] not in keys:
+                    if result_key(json.loads(line)) not in keys:
                         target.write(line)
                         size += len(line)
                         kept += 1
