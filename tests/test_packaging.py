@@ -1,5 +1,6 @@
-"""An installed wheel works outside the source tree: the shipped configs and model presets are
-package data, found through importlib.resources, not beside a checkout."""
+"""A wheel installed in a fresh virtual environment works outside the source tree: the
+shipped configs and model presets are package data, found through importlib.resources, not
+beside a checkout."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
+from pathlib import Path
 
 from tests.subprocess_env import ROOT, subprocess_env
 
@@ -35,29 +38,42 @@ def test_a_wheel_runs_batch_with_the_shipped_config_and_preset(tmp_path):
     wheel = wheels / built.stdout.split()[-1]
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
-        archive.extractall(tmp_path / "site")
     assert "etjax/configs/default.toml" in names
     assert "etjax/configs/models/smollm2-135m-bf16.toml" in names
 
+    # A fresh virtual environment with the wheel installed by pip (console script included).
+    # Its dependencies come from this environment's site-packages as a plain path entry: the
+    # checkout's editable install there is not processed, so only the wheel provides etjax.
+    fresh = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fresh)], check=True)
+    python = fresh / "bin" / "python"
+    install = [sys.executable, "-m", "pip", "--python", str(python), "install", "-q"]
+    subprocess.run([*install, "--no-deps", str(wheel)], check=True, capture_output=True)
+    site = subprocess.run(
+        [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = subprocess_env(tmp_path)
-    env["PYTHONPATH"] = str(tmp_path / "site")  # the wheel only, not the checkout
+    env.pop("PYTHONPATH")  # not the checkout
     work = tmp_path / "elsewhere"
     work.mkdir()
     where = subprocess.run(
-        [sys.executable, "-c", "import etjax; print(etjax.__file__)"],
+        [str(python), "-c", "import etjax; print(etjax.__file__)"],
         cwd=work,
         env=env,
         capture_output=True,
         text=True,
         check=True,
     )
-    assert where.stdout.strip().startswith(str(tmp_path / "site"))
-    version = subprocess.run(
-        [sys.executable, "-m", "etjax.cli", "--version"], cwd=work, env=env, capture_output=True
-    )
+    assert where.stdout.strip().startswith(site)
+    etjax_command = str(fresh / "bin" / "etjax")
+    version = subprocess.run([etjax_command, "--version"], cwd=work, env=env, capture_output=True)
     assert version.stdout.decode().strip() == "etjax 0.1.0"
     (work / "in.jsonl").write_text(json.dumps({"prompt": "Hello", "max_new_tokens": 3}) + "\n")
-    command = [sys.executable, "-m", "etjax.cli", "batch", "--input", "in.jsonl"]
+    command = [etjax_command, "batch", "--input", "in.jsonl"]
     command += ["--output", "out.jsonl", "--config", "default", "--no-progress"]
     job = subprocess.run(
         [*command, "--model", "smollm2-135m-bf16"],
