@@ -20,7 +20,8 @@ log = logging.getLogger("etjax")
 LOG_EVERY_S = 30.0
 
 
-def _watched() -> bool:
+def watched() -> bool:
+    """Whether someone watches the output: a terminal, or a Jupyter or IPython shell."""
     if sys.stderr.isatty():
         return True
     shell = sys.modules.get("IPython")  # imported only inside IPython and Jupyter
@@ -33,7 +34,7 @@ class Progress:
         self.done = self.tokens = self.rejected = 0
         self.started = self._logged = time.perf_counter()
         self._bar = (
-            tqdm(total=total, unit="req", desc=label, dynamic_ncols=True) if _watched() else None
+            tqdm(total=total, unit="req", desc=label, dynamic_ncols=True) if watched() else None
         )
 
     def update(self, requests: int = 0, tokens: int = 0) -> None:

@@ -10,7 +10,7 @@ from etjax.progress import Progress
 
 
 def test_captured_output_gets_log_lines_and_rejections_are_not_work(caplog, monkeypatch):
-    monkeypatch.setattr(progress_module, "_watched", lambda: False)
+    monkeypatch.setattr(progress_module, "watched", lambda: False)
     with caplog.at_level(logging.INFO, logger="etjax"):
         bar = Progress(3, "records")
         bar.reject()
@@ -24,9 +24,24 @@ def test_captured_output_gets_log_lines_and_rejections_are_not_work(caplog, monk
 def test_decode_reports_progress_when_asked(tiny_hf_dir, caplog, monkeypatch):
     import etjax
 
-    monkeypatch.setattr(progress_module, "_watched", lambda: False)
+    monkeypatch.setattr(progress_module, "watched", lambda: False)
     model = etjax.load_model(tiny_hf_dir("llama"))
     with caplog.at_level(logging.INFO, logger="etjax"):
         etjax.decode(["a", "b", ""], model=model, max_new_tokens=2, progress=True)
     (line,) = [r.getMessage() for r in caplog.records if "requests" in r.getMessage()]
     assert line.startswith("requests: 2/2 done")  # the empty prompt never was work
+
+
+def test_bench_stages_log_a_line_each_with_an_eta(caplog, monkeypatch):
+    from etjax.bench import stages
+
+    monkeypatch.setattr(stages, "watched", lambda: False)
+    with caplog.at_level(logging.INFO, logger="etjax"):
+        progress = stages.StageProgress(2)
+        progress.stage("warm-up")
+        progress.stage("baseline")
+        progress.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("bench 1/2, 0m00s elapsed: warm-up")
+    assert lines[1].startswith("bench 2/2") and "ETA" in lines[1] and lines[1].endswith("baseline")
+    assert lines[2].startswith("bench done in")

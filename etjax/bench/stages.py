@@ -1,43 +1,54 @@
-"""Progress of `etjax bench`: one line per piece of work, with elapsed time and an ETA.
+"""Progress of `etjax bench`: which piece of work runs, how many are done, and an ETA.
 
-Pieces last minutes on a CPU, so a line per piece (rather than a redrawn bar) keeps a log
-readable and shows where the time went.
+Where someone watches (a terminal, a notebook) a `tqdm.auto` bar over the pieces, its label
+the piece running now. Where output is captured, one log line per piece (pieces last minutes
+on a CPU, so a line each keeps a log readable and shows where the time went), to the `etjax`
+logger, which the CLI prints.
 """
 
 from __future__ import annotations
 
-import sys
+import logging
 import time
-from typing import IO
+
+from tqdm.auto import tqdm
+
+from etjax.progress import watched
+
+log = logging.getLogger("etjax")
 
 
 class StageProgress:
-    def __init__(self, total: int, enabled: bool = True, stream: IO[str] | None = None) -> None:
+    def __init__(self, total: int, enabled: bool = True) -> None:
         self.total, self.done, self.enabled = total, 0, enabled
-        self.stream = stream if stream is not None else sys.stderr
         self.started = time.perf_counter()
+        self._bar = tqdm(total=total, unit="piece", desc="bench") if enabled and watched() else None
 
     def stage(self, label: str) -> None:
-        """Announce the next piece of work."""
-        elapsed = time.perf_counter() - self.started
-        eta = (
-            f", ETA {_minutes(elapsed / self.done * (self.total - self.done))}" if self.done else ""
-        )
-        self.done += 1
-        if self.enabled:
-            width = 20
-            filled = int(width * (self.done - 1) / max(self.total, 1))
-            self.stream.write(
-                f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                f"{_minutes(elapsed)} elapsed{eta}: {label}\n"
+        """Announce the next piece of work (the previous one is done)."""
+        if self._bar is not None:
+            if self.done:
+                self._bar.update(1)
+            self._bar.set_description_str(label)
+        elif self.enabled:
+            elapsed = time.perf_counter() - self.started
+            eta = f", ETA {_minutes(elapsed / self.done * (self.total - self.done))}"
+            log.info(
+                "bench %d/%d, %s elapsed%s: %s",
+                self.done + 1,
+                self.total,
+                _minutes(elapsed),
+                eta if self.done else "",
+                label,
             )
-            self.stream.flush()
+        self.done += 1
 
     def close(self) -> None:
-        if self.enabled:
-            elapsed = _minutes(time.perf_counter() - self.started)
-            self.stream.write(f"[{'#' * 20}] done in {elapsed}\n")
-            self.stream.flush()
+        if self._bar is not None:
+            self._bar.update(self.total - self._bar.n)
+            self._bar.close()
+        elif self.enabled:
+            log.info("bench done in %s", _minutes(time.perf_counter() - self.started))
 
 
 def _minutes(seconds: float) -> str:
