@@ -32,13 +32,14 @@ class StageProgress:
             self._bar.set_description_str(label)
         elif self.enabled:
             elapsed = time.perf_counter() - self.started
-            eta = f", ETA {_minutes(elapsed / self.done * (self.total - self.done))}"
+            left = elapsed / self.done * (self.total - self.done) if self.done else None
+            eta = f", ETA {_minutes(left)}" if left is not None else ""
             log.info(
                 "bench %d/%d, %s elapsed%s: %s",
                 self.done + 1,
                 self.total,
                 _minutes(elapsed),
-                eta if self.done else "",
+                eta,
                 label,
             )
         self.done += 1
