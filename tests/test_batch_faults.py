@@ -17,17 +17,9 @@ import pytest
 
 from etjax.jobs.output_lock import lock_path
 from tests.subprocess_env import subprocess_env
+from tests.test_batch_job import CONFIG as SMALL_JOB
 
-CONFIG = """
-[engine]
-max_batch_size = 2
-max_resident = 2
-steps_per_sync = 4
-
-[request]
-max_new_tokens = 48
-ignore_eos = true
-"""
+CONFIG = SMALL_JOB.format(new=48)  # long enough to be caught mid-run
 RECORDS = 10
 
 
