@@ -1,11 +1,12 @@
 """The environment of every subprocess a test starts: CPU only, this checkout importable, and a
 compilation cache of its own.
 
-The CLI turns on JAX's persistent compilation cache (`~/.cache/etjax/xla` unless
-JAX_COMPILATION_CACHE_DIR is set). A test's subprocess must not read what an earlier run left
-there, nor leave anything behind: the suite stays hermetic and its time does not depend on
-history. Each test passes its own `tmp_path`, so processes of one test may share the cache
-(a resumed job warm-starts, as it would for a user) and nothing crosses tests.
+The engine and the CLI turn on JAX's persistent compilation cache (`~/.cache/etjax/xla` unless
+JAX_COMPILATION_CACHE_DIR is set: etjax/compilation_cache.py). A test's subprocess must not
+read what an earlier run left there, nor leave anything behind: the suite stays hermetic and
+its time does not depend on history. Each test passes its own `tmp_path`, so processes of one
+test may share the cache (a resumed job warm-starts, as it would for a user) and nothing
+crosses tests.
 """
 
 from __future__ import annotations
