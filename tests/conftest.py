@@ -13,6 +13,11 @@ from etjax.host_limits import current_map_count
 from tests import hypothesis_profiles  # noqa: F401  (loads the profile before any test)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The engine and the CLI turn on JAX's persistent compilation cache for the process (in the
+# user's home); in the test process that would make the suite's time depend on earlier runs.
+# Set before any fixture can build an engine. Subprocesses get a cache directory of their own
+# instead (subprocess_env.py), which takes precedence over this switch.
+os.environ["ETJAX_COMPILATION_CACHE"] = "off"
 
 
 @pytest.fixture(scope="session")
@@ -118,15 +123,6 @@ def tiny_hf_dir(tmp_path_factory, hf_smollm2_tokenizer):
 def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     """max |ours - reference| over max |reference|: the scale-free error of a logit tensor."""
     return float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
-
-
-@pytest.fixture(autouse=True)
-def _no_persistent_compilation_cache(monkeypatch):
-    # The engine and the CLI turn on JAX's persistent compilation cache for the process (in
-    # the user's home); inside the test process that would change global JAX state for every
-    # later test and make the suite's time depend on earlier runs. Subprocesses get their own
-    # cache directory instead (subprocess_env.py), which takes precedence over this switch.
-    monkeypatch.setenv("ETJAX_COMPILATION_CACHE", "off")
 
 
 @pytest.fixture(autouse=True, scope="module")
