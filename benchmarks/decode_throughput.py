@@ -96,7 +96,7 @@ class _Engines:
         self.torch = torch
 
     def run_etjax(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        from etjax.runtime.generate import RequestSettings, generate_ids
+        from etjax.engine.build import RequestSettings, generate_ids
 
         settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
         outs = generate_ids(
@@ -122,7 +122,7 @@ class _Engines:
         return time.perf_counter() - started
 
     def prefill_rates(self, lee: list[str], repeats: int) -> dict:
-        from etjax.runtime.generate import RequestSettings, generate_ids
+        from etjax.engine.build import RequestSettings, generate_ids
 
         tokens = self.model.tokenizer.encode(" ".join(lee[:20]))[:PREFILL_TOKENS]
         settings = [RequestSettings(max_new_tokens=1, ignore_eos=True)]
@@ -207,7 +207,7 @@ def _memory_probe(engine: str, new_tokens: int) -> None:
     prompts = [tokenizer.encode(lee[i])[:PROMPT_TOKENS] for i in range(8)]
     if engine == "etjax":
         import etjax
-        from etjax.runtime.generate import RequestSettings, generate_ids
+        from etjax.engine.build import RequestSettings, generate_ids
 
         model = etjax.load_model(path)
         settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * 8

@@ -40,8 +40,8 @@ def _time(fn, *args, repeats: int = 20) -> list[float]:
 
 def main() -> None:
     import etjax
+    from etjax.engine.build import RequestSettings, RuntimeOptions
     from etjax.entropy import estimators as est
-    from etjax.runtime.generate import RequestSettings, RuntimeOptions
     from etjax.sampling.sampler import initial_sampler_state, sample_next
     from etjax.sampling.settings import SamplerSettings, pack_sampler_params
 
@@ -127,8 +127,8 @@ def _decode_step_ms(model, RequestSettings, RuntimeOptions, bare_stage: bool = F
     # Time whole decode bursts through the engine's own loop: 32 prompts of 64 tokens, 128 new.
     # With bare_stage the entropy-and-sampling stage is replaced by a bare argmax, so the
     # difference is what the stage costs inside the step (fused with the rest), not alone.
+    from etjax.engine import build as gen
     from etjax.engine import device
-    from etjax.runtime import generate as gen
     from etjax.runtime import steps
     from etjax.sampling import sampler
 

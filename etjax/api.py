@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.errors import RequestError
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
@@ -22,7 +23,6 @@ from etjax.request_checks import (
     stop_strings,
     tokenize_prompt,
 )
-from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
 from etjax.runtime.options import TRACE_FIELDS
 
 __all__ = ["Result", "decode", "load_model"]

@@ -27,8 +27,8 @@ def main() -> None:
 
     import etjax
     from etjax.bench.corpus import lee_articles
+    from etjax.engine.build import generate_ids
     from etjax.pruning.config import PruningConfig
-    from etjax.runtime.generate import generate_ids
     from etjax.runtime.options import RequestSettings, RuntimeOptions
     from etjax.sampling.settings import SamplerSettings
 

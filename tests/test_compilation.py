@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.sampling import SamplerSettings
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"

@@ -4,7 +4,7 @@ mixing with prefill, or preemption and recompute."""
 from __future__ import annotations
 
 from etjax.cache.page_allocator import pages_needed
-from etjax.runtime.generate import build_engine
+from etjax.engine.build import build_engine
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 
 NEW = 48

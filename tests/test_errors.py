@@ -7,9 +7,9 @@ import json
 import pytest
 
 import etjax
+from etjax.engine.build import RuntimeOptions, build_engine
 from etjax.errors import ConfigError, ModelLoadError, RequestError
 from etjax.runtime.footprint import check_fits, engine_bytes
-from etjax.runtime.generate import RuntimeOptions, build_engine
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +17,10 @@ def tiny(tiny_hf_dir):
     return etjax.load_model(tiny_hf_dir("llama"))
 
 
-def test_missing_path_says_nothing_is_downloaded(tmp_path):
-    with pytest.raises(ModelLoadError, match="never downloads"):
+def test_a_missing_path_is_not_taken_for_a_hub_id(tmp_path):
+    # An absolute path is never a hub id: nothing is fetched, and the error says what is
+    # accepted.
+    with pytest.raises(ModelLoadError, match="nor a Hugging Face hub id"):
         etjax.load_model(tmp_path / "nope")
 
 

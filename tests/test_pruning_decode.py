@@ -7,8 +7,8 @@ import pytest
 
 import etjax
 from etjax.attention import resolve_backend
+from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.pruning.config import PruningConfig
-from etjax.runtime.generate import RequestSettings, RuntimeOptions, generate_ids
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import etjax
+from etjax.engine.build import RequestSettings, SequenceOutput, generate_ids
 from etjax.errors import RequestError
-from etjax.runtime.generate import RequestSettings, SequenceOutput, generate_ids
 from etjax.sampling.filters import apply_penalties, truncate
 from etjax.sampling.sampler import initial_sampler_state, sample_next
 from etjax.sampling.settings import SamplerSettings, pack_sampler_params

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from etjax.bench.workloads import WorkloadRequest
+from etjax.engine.build import build_engine, workload_pages
 from etjax.entropy.cost import CostModel
 from etjax.run_config import RunConfig
-from etjax.runtime.generate import build_engine, workload_pages
 from etjax.runtime.options import RequestSettings, SequenceOutput
 from etjax.sampling.settings import SamplerSettings
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from etjax import path_checks
 from etjax.cache.page_allocator import pages_needed
+from etjax.engine.build import build_engine
 from etjax.engine.engine import Engine, RequestHandle
 from etjax.errors import ConfigError, JobError, JobInterrupted, RequestError
 from etjax.jobs import openai_format
@@ -44,7 +45,6 @@ from etjax.loaders.loaded_model import Model
 from etjax.progress import Progress
 from etjax.run_config import RunConfig
 from etjax.runtime.buckets import pages_bucket
-from etjax.runtime.generate import build_engine
 from etjax.runtime.options import SequenceOutput
 
 log = logging.getLogger("etjax")
