@@ -19,6 +19,7 @@ from etjax.request_checks import (
     flag,
     positive_int,
     request_seeds,
+    sample_count,
     sampler_settings,
     stop_strings,
     tokenize_prompt,
@@ -137,7 +138,7 @@ def decode(
     prompt_list = _prompt_list(prompts)
     chat, raise_on_invalid = flag("chat", chat), flag("raise_on_invalid", raise_on_invalid)
     trusted_chat = flag("trusted_chat", trusted_chat)
-    n = positive_int("n", n)
+    n = sample_count(n)
     settings = RequestSettings(
         max_new_tokens=positive_int("max_new_tokens", max_new_tokens),
         ignore_eos=flag("ignore_eos", ignore_eos),

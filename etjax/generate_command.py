@@ -57,7 +57,7 @@ def add_generate(commands) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from etjax.api import decode
     from etjax.loaders.resolve import load_model
-    from etjax.request_checks import positive_int, sampler_settings, stop_strings
+    from etjax.request_checks import positive_int, sample_count, sampler_settings, stop_strings
     from etjax.run_config import RunConfig, load_run_config
 
     config = load_run_config(args.config) if args.config else RunConfig("built-in defaults")
@@ -75,7 +75,7 @@ def run_generate(args: argparse.Namespace) -> int:
     pruning = True if args.pruning else config.options.pruning
     # The settings first: a bad value fails in a second, not after the model has loaded.
     positive_int("max_new_tokens", max_new)
-    positive_int("n", args.n)
+    sample_count(args.n)
     stop_strings(stop)
     options = {k: v for k, v in sampler.items() if k not in ("sampler", "temperature")}
     sampler_settings(sampler["sampler"], sampler["temperature"], 0, dict(options))

@@ -145,6 +145,15 @@ def seed_value(value: object) -> int:
     return value
 
 
+MAX_SAMPLES = 128  # samples of one prompt (`n`), as the OpenAI API allows
+
+
+def sample_count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SAMPLES:
+        raise RequestError(f"n={value!r}; must be an integer from 1 to {MAX_SAMPLES}")
+    return value
+
+
 def derived_seed(seed: int, key: object) -> int:
     """A well-mixed 32-bit seed for stream `key` (a prompt's index, a record's id) of `seed`:
     every prompt of a call (every record of a job) gets its own reproducible stream."""
@@ -168,6 +177,8 @@ def request_seeds(seed: object, count: int) -> list[int]:
 def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
+    if not isinstance(stop, str | list | tuple):
+        raise RequestError(f"stop={stop!r}; must be a string or a list of strings")
     items = [stop] if isinstance(stop, str) else list(stop)
     for s in items:
         if not isinstance(s, str) or not s:

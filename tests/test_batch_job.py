@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import etjax
 from etjax.errors import ConfigError
 from etjax.jobs.batch import run_batch, shard_path
-from etjax.jobs.records import parse_record
+from etjax.jobs.records import REQUEST_FIELDS, parse_record
 from etjax.jobs.results_file import ResultsFile
 from etjax.run_config import load_run_config
 from etjax.sampling import SamplerSettings
@@ -231,10 +231,7 @@ _JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner),
     max_leaves=6,
 )
-_FIELDS = sorted(
-    {"id", "prompt", "max_new_tokens", "ignore_eos", "chat", "system_prompt", "stop", "priority"}
-    | set(SamplerSettings.__dataclass_fields__)
-)
+_FIELDS = sorted(REQUEST_FIELDS | set(SamplerSettings.__dataclass_fields__))
 
 
 @settings(max_examples=examples(150), suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -244,7 +241,7 @@ def test_any_json_value_in_any_field_is_a_result_never_a_traceback(tiny, tmp_pat
     raw = {"id": "r", "prompt": "The river bank", field: value}
     rec = parse_record(json.dumps(raw), 1, tiny, config)
     if rec.error is None:  # accepted: then it is a request the engine can run
-        assert rec.prompt_ids and rec.settings.max_new_tokens >= 1
+        assert rec.prompt_ids and rec.settings.max_new_tokens >= 1 and 1 <= rec.n <= 128
     else:
         assert rec.error.startswith("line 1: ")
 

@@ -52,8 +52,9 @@ def test_n_gives_consecutive_samples_per_prompt(tiny):
         samples = results[3 * i : 3 * i + 3]
         assert len({tuple(r.token_ids) for r in samples}) == 3
         assert len({tuple(r.prompt_token_ids) for r in samples}) == 1
-    with pytest.raises(etjax.RequestError, match="n=0"):
-        etjax.decode("x", model=tiny, n=0)
+    for bad in (0, 129, 1.5, True):
+        with pytest.raises(etjax.RequestError, match=f"n={bad!r}; must be an integer from 1"):
+            etjax.decode("x", model=tiny, n=bad)
     with pytest.raises(etjax.RequestError, match="one per request needs 6"):
         etjax.decode(["a", "b"], model=tiny, n=3, seed=[1, 2])
 

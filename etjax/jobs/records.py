@@ -25,6 +25,7 @@ from etjax.loaders.loaded_model import Model
 from etjax.request_checks import (
     derived_seed,
     positive_int,
+    sample_count,
     sampler_settings,
     seed_value,
     stop_strings,
@@ -33,9 +34,8 @@ from etjax.request_checks import (
 from etjax.run_config import RunConfig
 from etjax.runtime.options import RequestSettings
 
-_REQUEST_FIELDS = {"id", "prompt", "messages", "max_new_tokens", "ignore_eos", "chat"}
-_REQUEST_FIELDS |= {"system_prompt"}
-_REQUEST_FIELDS |= {"stop", "priority", "n"}
+REQUEST_FIELDS = {"id", "prompt", "messages", "max_new_tokens", "ignore_eos", "chat"}
+REQUEST_FIELDS |= {"system_prompt", "stop", "priority", "n"}
 
 
 RecordId = str | int  # a given id (always a string) or a line number (always an int)
@@ -119,7 +119,7 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
             raw = openai_format.to_record(raw)
             rec.openai_model = body.get("model") if isinstance(body, dict) else None
         rec.settings, chat, system = _settings(raw, config, key)
-        rec.n = positive_int("n", raw.get("n", 1))
+        rec.n = sample_count(raw.get("n", 1))
         priority = raw.get("priority", 0.0)
         if isinstance(priority, bool) or not isinstance(priority, int | float):
             raise RequestError(f"priority={priority!r}; must be a number")
@@ -156,10 +156,10 @@ def _settings(
 ) -> tuple[RequestSettings, bool, str | None]:
     d = config.request
     sampler_fields = {f.name for f in dataclasses.fields(config.sampler)}
-    unknown = sorted(set(raw) - _REQUEST_FIELDS - sampler_fields)
+    unknown = sorted(set(raw) - REQUEST_FIELDS - sampler_fields)
     if unknown:
         raise RequestError(
-            f"unknown field {unknown[0]!r}; allowed: {sorted(_REQUEST_FIELDS | sampler_fields)}"
+            f"unknown field {unknown[0]!r}; allowed: {sorted(REQUEST_FIELDS | sampler_fields)}"
         )
     overrides = {k: raw[k] for k in sampler_fields if k in raw}
     base = dataclasses.asdict(config.sampler) | overrides
