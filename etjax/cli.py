@@ -43,6 +43,7 @@ def _log_to_stderr(level: int) -> None:
         handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("etjax: %(message)s"))
         log.addHandler(handler)
+        log.propagate = False  # printed here once, not again by a handler some library put on root
     log.setLevel(level)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -123,6 +124,18 @@ def tiny_hf_dir(tmp_path_factory, hf_smollm2_tokenizer):
 def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     """max |ours - reference| over max |reference|: the scale-free error of a logit tensor."""
     return float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
+
+
+@pytest.fixture(autouse=True)
+def _etjax_logger_restored():
+    # The CLI (main() runs in-process in some tests) gives the `etjax` logger a stderr handler
+    # and stops propagation, as a program's entry point does; later tests read the logger's
+    # records through pytest's handler on the root, so each test leaves it as it found it.
+    log = logging.getLogger("etjax")
+    saved = (list(log.handlers), log.propagate, log.level)
+    yield
+    log.handlers[:], log.propagate = saved[0], saved[1]
+    log.setLevel(saved[2])
 
 
 @pytest.fixture(autouse=True, scope="module")
