@@ -7,7 +7,8 @@ fix it), and runs every request to the end (`Engine.generate`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import heapq
+from collections.abc import Callable, Iterable, Sequence
 
 from etjax.cache.page_allocator import pages_needed
 from etjax.compilation_cache import use_persistent_cache
@@ -51,18 +52,24 @@ def build_engine(
     return Engine(backend, tokenizer, eos, options, policy, **kwargs)
 
 
+def request_pages(prompt_tokens: int, settings: RequestSettings, options: RuntimeOptions) -> int:
+    """The pages one request can come to hold: its prompt, its output and a burst to spare."""
+    length = prompt_tokens + settings.max_new_tokens + options.steps_per_sync
+    return pages_needed(length, options.page_size)
+
+
+def pool_pages(needs: Iterable[int], options: RuntimeOptions) -> int:
+    """A pool that holds the largest of these requests at once, up to the resident limit
+    (bucketed, the null page included)."""
+    return pages_bucket(sum(heapq.nlargest(options.resident_rows, needs)) + 1)
+
+
 def workload_pages(
     prompts: Sequence[Sequence[int]], settings: Sequence[RequestSettings], options: RuntimeOptions
 ) -> int:
     """A pool that holds every request at once, up to the resident limit (bucketed)."""
-    needs = sorted(
-        (
-            pages_needed(len(p) + s.max_new_tokens + options.steps_per_sync, options.page_size)
-            for p, s in zip(prompts, settings, strict=True)
-        ),
-        reverse=True,
-    )
-    return pages_bucket(sum(needs[: options.resident_rows]) + 1)
+    needs = (request_pages(len(p), s, options) for p, s in zip(prompts, settings, strict=True))
+    return pool_pages(needs, options)
 
 
 def generate_ids(

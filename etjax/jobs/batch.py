@@ -30,8 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from etjax import path_checks
-from etjax.cache.page_allocator import pages_needed
-from etjax.engine.build import build_engine
+from etjax.engine.build import build_engine, pool_pages, request_pages
 from etjax.engine.engine import Engine, RequestHandle
 from etjax.errors import ConfigError, JobError, JobInterrupted, RequestError
 from etjax.jobs import openai_format
@@ -44,7 +43,6 @@ from etjax.jobs.stop_signals import StopSignals
 from etjax.loaders.loaded_model import Model
 from etjax.progress import Progress
 from etjax.run_config import RunConfig
-from etjax.runtime.buckets import pages_bucket
 from etjax.runtime.options import SequenceOutput
 
 log = logging.getLogger("etjax")
@@ -140,7 +138,7 @@ class _Survey:
 
     def pool_pages(self, config: RunConfig) -> int:
         """A pool that holds the largest requests at once, up to the resident limit."""
-        return config.options.num_pages or pages_bucket(sum(self.needs) + 1)
+        return config.options.num_pages or pool_pages(self.needs, config.options)
 
 
 @dataclass
@@ -177,8 +175,7 @@ class _Job:
             s.pending += 1
             if rec.error is None:
                 s.runnable += 1
-                need = len(rec.prompt_ids) + rec.settings.max_new_tokens + options.steps_per_sync
-                need = pages_needed(need, options.page_size)
+                need = request_pages(len(rec.prompt_ids), rec.settings, options)
                 if len(s.needs) < options.resident_rows:
                     heapq.heappush(s.needs, need)
                 else:
