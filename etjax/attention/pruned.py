@@ -15,7 +15,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from etjax.cache.kv_cache import LayerKV
+from etjax.cache.kv_cache import PagePool
 from etjax.pruning.block_scores import block_upper_bounds, remember_mass
 from etjax.pruning.config import PruningConfig
 from etjax.pruning.selection import select_blocks
@@ -24,7 +24,7 @@ from pallas_kernels.block_sparse import block_sparse_attention_xla
 
 def pruned_decode_attention(
     q: jax.Array,
-    kv: LayerKV,
+    pool: PagePool,
     position: jax.Array,
     real: jax.Array,
     page_table: jax.Array,
@@ -32,27 +32,28 @@ def pruned_decode_attention(
     pruning: PruningConfig,
     max_kept: int,
     backend: str = "xla",
-) -> tuple[jax.Array, LayerKV]:
+) -> tuple[jax.Array, PagePool]:
     """q: [B, H, hd], one decode token per row at `position` [B] (its key already written);
-    real: [B] bool rows whose token is real; page_table: [B, P]; budget_blocks: [B] int32
+    real: [B] bool rows whose token is real; page_table: [B, P] the rows' pages as pool pages
+    (this layer's); budget_blocks: [B] int32
     blocks each row may read; max_kept: static width of the kept table; backend: "xla",
-    "pallas_tpu" or "pallas_gpu" (etjax/attention/seam.py). Returns [B, H, hd] and the layer's
-    cache with the remembered block mass updated."""
-    page_size = kv.k.shape[2]
+    "pallas_tpu" or "pallas_gpu" (etjax/attention/seam.py). Returns [B, H, hd] and the pool
+    with the remembered block mass updated."""
+    page_size = pool.k.shape[2]
     lengths = position + 1
     num_blocks = (lengths + page_size - 1) // page_size
-    scores = block_upper_bounds(q, kv.k_min, kv.k_max, page_table)  # [B, KVH, P]
-    last_mass = kv.block_mass[page_table].transpose(0, 2, 1)  # [B, KVH, P]
+    scores = block_upper_bounds(q, pool.k_min, pool.k_max, page_table)  # [B, KVH, P]
+    last_mass = pool.block_mass[page_table].transpose(0, 2, 1)  # [B, KVH, P]
     if pruning.share_heads:
         scores = scores.max(axis=1, keepdims=True)
         last_mass = last_mass.max(axis=1, keepdims=True)
     kept, counts = select_blocks(scores, num_blocks, budget_blocks, pruning, max_kept, last_mass)
     kernel = _block_sparse_kernel(backend)
-    out, mass = kernel(q, kv.k, kv.v, page_table, kept, counts, lengths)
+    out, mass = kernel(q, pool.k, pool.v, page_table, kept, counts, lengths)
     if pruning.mass_threshold > 0:
         physical = jnp.take_along_axis(page_table[:, None, :], kept, axis=2)
-        kv = kv.replace(block_mass=remember_mass(kv.block_mass, physical, mass, counts, real))
-    return out, kv
+        pool = pool.replace(block_mass=remember_mass(pool.block_mass, physical, mass, counts, real))
+    return out, pool
 
 
 def _block_sparse_kernel(backend: str):

@@ -35,7 +35,11 @@ def attend(
     v_pages: jax.Array,
     positions: jax.Array,
     plan: AttentionPlan,
+    first_page: jax.Array | int = 0,
 ) -> jax.Array:
-    """q: [T, H, hd] (RoPE applied); k_pages, v_pages: [N, KVH, ps, hd] one layer's pool,
-    already holding the step's keys; positions: [T] int32. Returns [T, H, hd] in q's dtype."""
-    return ragged_attention_xla(q, k_pages, v_pages, positions, plan.passes, plan.chunk)
+    """q: [T, H, hd] (RoPE applied); k_pages, v_pages: [N, KVH, ps, hd] a pool of pages already
+    holding the step's keys; positions: [T] int32; first_page: the pool page of the plan's page
+    0 (a layer's offset in the cache's pool, etjax/cache/kv_cache.py). Returns [T, H, hd] in
+    q's dtype."""
+    passes = tuple(p._replace(item_pages=p.item_pages + first_page) for p in plan.passes)
+    return ragged_attention_xla(q, k_pages, v_pages, positions, passes, plan.chunk)

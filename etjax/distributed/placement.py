@@ -29,8 +29,9 @@ from etjax.distributed.mesh import DATA, MODEL
 from etjax.model.weights import LayerWeights, Weights
 from etjax.runtime.state import DecodeState, StepOutputs
 
-# LayerWeights field -> the axis split over `model` (0 = rows / input, 1 = columns / output).
-_LAYER_SPLIT = {"wqkv": 1, "bqkv": 0, "wo": 0, "w_gate_up": 1, "w_down": 0}
+# LayerWeights field -> the axis split over `model` (after the layer axis: 1 = rows / input,
+# 2 = columns / output).
+_LAYER_SPLIT = {"wqkv": 2, "bqkv": 1, "wo": 1, "w_gate_up": 2, "w_down": 1}
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ class Placement:
 
         return Weights(
             embed=self.sharding(weights.embed.shape, {0: MODEL}),
-            layers=tuple(layer(lw) for lw in weights.layers),
+            layers=layer(weights.layers),
             final_norm=self.replicated,
             lm_head=None
             if weights.lm_head is None
@@ -97,24 +98,18 @@ class Placement:
 
     def _head_axes(self, num_kv_heads: int, head_dim_axis: int | None) -> dict[int, str]:
         if num_kv_heads % self.model == 0 or head_dim_axis is None:
-            return {1: MODEL}
+            return {2: MODEL}
         return {head_dim_axis: MODEL}
 
     def cache(self, cache: KVCache) -> KVCache:
-        """Pages [N, KVH, ps, hd] split by KV head, or by head dimension when heads don't
-        divide; the key bounds [N, KVH, hd] alike; the remembered mass [N, KVH] by head."""
-        heads = cache.k[0].shape[1]
-        page = self.sharding(cache.k[0].shape, self._head_axes(heads, 3))
-        bounds = self.sharding(cache.k_min[0].shape, self._head_axes(heads, 2))
-        mass = self.sharding(cache.block_mass[0].shape, {1: MODEL})
-        n = len(cache.k)
-        return KVCache(
-            k=(page,) * n,
-            v=(page,) * n,
-            k_min=(bounds,) * n,
-            k_max=(bounds,) * n,
-            block_mass=(mass,) * n,
-        )
+        """Pages [L, N, KVH, ps, hd] split by KV head, or by head dimension when heads don't
+        divide; the key bounds [L, N, KVH, hd] alike; the remembered mass [L, N, KVH] by
+        head. (Folding the layers into the page axis, as a forward pass does, keeps these.)"""
+        heads = cache.k.shape[2]
+        page = self.sharding(cache.k.shape, self._head_axes(heads, 4))
+        bounds = self.sharding(cache.k_min.shape, self._head_axes(heads, 3))
+        mass = self.sharding(cache.block_mass.shape, {2: MODEL})
+        return KVCache(k=page, v=page, k_min=bounds, k_max=bounds, block_mass=mass)
 
     def place_cache(self, cache: KVCache) -> KVCache:
         return jax.device_put(cache, self.cache(cache))

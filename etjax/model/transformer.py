@@ -4,6 +4,10 @@ One forward pass serves every phase over a flat batch of tokens: prefill (many t
 sequence starting at 0), chunked prefill (a chunk continuing a cached prefix) and decode (one
 token per sequence), mixed freely. New keys and values are written to their pages first, then
 the queries attend causally over their own sequence's pages (etjax/attention).
+
+The layers run as a `lax.scan` over the stacked weights (etjax/model/weights.py) with the cache
+as one pool of pages (etjax/cache/kv_cache.py): XLA compiles the layer body once, and each
+layer's attention reads and writes its own pages in the pool in place.
 """
 
 from __future__ import annotations
@@ -13,14 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from etjax.attention import AttentionPlan, attend, pruned_decode_attention
-from etjax.cache.kv_cache import (
-    NULL_PAGE,
-    KVCache,
-    LayerKV,
-    cache_from_layers,
-    cache_layers,
-    write_kv,
-)
+from etjax.cache.kv_cache import NULL_PAGE, KVCache, PagePool, cache_from_pool, page_pool, write_kv
 from etjax.model.config import ModelConfig
 from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu_mlp
 from etjax.model.weights import LayerWeights, Weights
@@ -56,16 +53,24 @@ def forward(
         raise ValueError("forward needs exactly one of an attention plan and a sparse plan")
     inv_freq = rope_inverse_frequencies(cfg)
     x = weights.embed[tokens]
-    layers_kv = []
-    for layer, kv in zip(weights.layers, cache_layers(cache), strict=True):
+
+    def layer_step(carry, layer_input):
+        x, pool = carry
+        index, layer = layer_input
+        first_page = index * pool.pages_per_layer
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        attn, kv = _attention(h, layer, kv, positions, write_pages, inv_freq, cfg, plan, sparse)
+        attn, pool = _attention(
+            h, layer, pool, first_page, positions, write_pages, inv_freq, cfg, plan, sparse
+        )
         x = x + attn
         h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
         x = x + swiglu_mlp(h, layer.w_gate_up, layer.w_down)
-        layers_kv.append(kv)
+        return (x, pool), None
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (x, pool), _ = jax.lax.scan(layer_step, (x, page_pool(cache)), (layer_ids, weights.layers))
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
-    return hidden, cache_from_layers(layers_kv)
+    return hidden, cache_from_pool(pool, cfg.num_layers)
 
 
 @flax.struct.dataclass
@@ -92,15 +97,17 @@ def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
 def _attention(
     h: jax.Array,
     layer: LayerWeights,
-    kv: LayerKV,
+    pool: PagePool,
+    first_page: jax.Array,
     positions: jax.Array,
     write_pages: jax.Array,
     inv_freq: jax.Array,
     cfg: ModelConfig,
     plan: AttentionPlan | None,
     sparse: SparsePlan | None,
-) -> tuple[jax.Array, LayerKV]:
-    # h: [T, D] -> attention output [T, D] and the layer's updated cache slice.
+) -> tuple[jax.Array, PagePool]:
+    # h: [T, D] -> attention output [T, D] and the pool with this layer's pages updated;
+    # first_page: the pool page of this layer's page 0.
     t = h.shape[0]
     hd = cfg.head_dim
     qkv = h @ layer.wqkv
@@ -112,20 +119,20 @@ def _attention(
     v = qkv[..., q_width + kv_width :].reshape(t, cfg.num_kv_heads, hd)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    kv = write_kv(kv, k, v, write_pages, positions)
+    pool = write_kv(pool, k, v, write_pages, positions, first_page)
     if sparse is not None:
         real = write_pages != NULL_PAGE
-        out, kv = pruned_decode_attention(
+        out, pool = pruned_decode_attention(
             q,
-            kv,
+            pool,
             positions,
             real,
-            sparse.page_table,
+            sparse.page_table + first_page,
             sparse.budget_blocks,
             sparse.pruning,
             sparse.max_kept,
             sparse.backend,
         )
     else:
-        out = attend(q, kv.k, kv.v, positions, plan)
-    return out.reshape(t, cfg.num_heads * hd) @ layer.wo, kv
+        out = attend(q, pool.k, pool.v, positions, plan, first_page)
+    return out.reshape(t, cfg.num_heads * hd) @ layer.wo, pool
