@@ -222,9 +222,8 @@ def _state(cfg, table, logits, context) -> DecodeState:
         token_counts=jnp.zeros((rows, vocab), jnp.int32),
         in_prompt=jnp.zeros((rows, vocab), bool),
         sampler=params,
-        entropy=initial_entropy_state(
-            initial_sampler_state(params), jnp.zeros((rows,)), jnp.zeros((rows,))
-        ),
+        sampler_state=initial_sampler_state(params),
+        entropy=initial_entropy_state(jnp.zeros((rows,)), jnp.zeros((rows,))),
     )
 
 

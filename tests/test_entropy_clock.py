@@ -12,13 +12,12 @@ import etjax
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import advance_tau, initial_entropy_state
-from etjax.sampling.sampler import SamplerState
 
 
 def test_tau_counts_only_entropy_reductions():
     entropies = [2.0, 1.5, 1.7, 0.2, 0.2, 1.0]  # drops: -, 0.5, 0, 1.5, 0, 0
     zeros = jnp.zeros(1)
-    state = initial_entropy_state(SamplerState(zeros, zeros), zeros, zeros)
+    state = initial_entropy_state(zeros, zeros)
     taus = []
     for h in entropies:
         state = advance_tau(state, jnp.asarray([h]), jnp.asarray([True]))

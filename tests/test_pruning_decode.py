@@ -94,3 +94,15 @@ def test_auto_backend_follows_the_platform():
     assert resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"
     with pytest.raises(ValueError, match="attention_backend"):
         RuntimeOptions(attention_backend="triton")
+
+
+def test_dense_decode_through_the_pallas_gpu_ragged_kernel_gives_the_xla_outputs(tiny):
+    # The product path of a GPU: every dense step (mixed prefill + decode, and K-step bursts)
+    # runs pallas_kernels/ragged_attention/pallas_gpu.py, interpreted on this CPU.
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (13, 6)]
+    xla = _run(tiny, prompts, PruningConfig(), new_tokens=6)
+    gpu = _run(tiny, prompts, PruningConfig(), new_tokens=6, attention_backend="pallas_gpu")
+    for a, b in zip(xla, gpu, strict=True):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose(a.entropy, b.entropy, rtol=1e-4, atol=1e-5)

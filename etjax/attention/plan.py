@@ -81,11 +81,16 @@ class AttentionPlan:
 
     passes: tuple[TilePass, ...]
     chunk: int = flax.struct.field(pytree_node=False, default=CHUNK)
+    # The kernels that run it (etjax/attention/seam.py): "xla", "pallas_tpu" or "pallas_gpu".
+    backend: str = flax.struct.field(pytree_node=False, default="xla")
 
 
-def plan_segments(segments: Sequence[Segment], num_tokens: int, sizes: PlanSizes) -> AttentionPlan:
+def plan_segments(
+    segments: Sequence[Segment], num_tokens: int, sizes: PlanSizes, backend: str = "xla"
+) -> AttentionPlan:
     """The plan of a flat batch of `num_tokens` tokens holding `segments` (host arrays), each
-    routed by length: to the first pass whose q_tile holds its tokens, else to the last."""
+    routed by length: to the first pass whose q_tile holds its tokens, else to the last; run by
+    `backend`'s kernels."""
     routed: list[list[Segment]] = [[] for _ in sizes.passes]
     for seg in segments:
         index = next(
@@ -93,11 +98,11 @@ def plan_segments(segments: Sequence[Segment], num_tokens: int, sizes: PlanSizes
             len(sizes.passes) - 1,
         )
         routed[index].append(seg)
-    return plan_passes(routed, num_tokens, sizes)
+    return plan_passes(routed, num_tokens, sizes, backend)
 
 
 def plan_passes(
-    groups: Sequence[Sequence[Segment]], num_tokens: int, sizes: PlanSizes
+    groups: Sequence[Sequence[Segment]], num_tokens: int, sizes: PlanSizes, backend: str = "xla"
 ) -> AttentionPlan:
     """The plan of a flat batch whose segments are already grouped by pass (a one-token
     prefill chunk belongs with the chunks, not the decode rows, whose tiles are counted)."""
@@ -113,7 +118,7 @@ def plan_passes(
         )
         for group, shape in zip(groups, sizes.passes, strict=True)
     )
-    return AttentionPlan(passes=passes, chunk=sizes.chunk)
+    return AttentionPlan(passes=passes, chunk=sizes.chunk, backend=backend)
 
 
 def padded_batch_plan(

@@ -1,11 +1,14 @@
 """`attend`: dense attention of a step's tokens over the paged cache, as its plan describes;
 and `resolve_backend`, the choice of kernels by platform.
 
-Dense attention runs the XLA backend on every platform today
-(pallas_kernels/ragged_attention/xla.py); its plan carries what JAX's TPU ragged paged attention
-kernel also takes (per-sequence query offsets, KV lengths and page lists), so a kernel backend
-slots in here without the model or the engine changing. Pruned decode attention
-(pruned.py) runs the project's block-sparse kernels: Pallas on TPU and GPU, XLA elsewhere.
+Dense attention runs the ragged kernel the plan names: `xla` (pallas_kernels/ragged_attention/
+xla.py, every platform) or `pallas_gpu` (pallas_gpu.py, Triton). On a TPU (`pallas_tpu`) dense
+steps still run the XLA kernel: JAX's ragged paged attention kernel wants keys and values
+interleaved in one pool `[pages, page_size, 2 * KV heads, head_dim]`, while this cache keeps
+one contiguous `[page_size, head_dim]` tile per page and KV head, the block the pruned kernels
+fetch and per-head pruning keeps or drops; adopting it means a cache layout per backend, not
+yet done. Pruned decode attention (pruned.py) runs the project's block-sparse kernels: Pallas
+on TPU and GPU, XLA elsewhere. A Pallas kernel asked for on a CPU runs in interpret mode.
 """
 
 from __future__ import annotations
@@ -42,4 +45,11 @@ def attend(
     0 (a layer's offset in the cache's pool, etjax/cache/kv_cache.py). Returns [T, H, hd] in
     q's dtype."""
     passes = tuple(p._replace(item_pages=p.item_pages + first_page) for p in plan.passes)
+    if plan.backend == "pallas_gpu":
+        from pallas_kernels.ragged_attention.pallas_gpu import ragged_attention_gpu
+
+        interpret = jax.default_backend() == "cpu"
+        return ragged_attention_gpu(
+            q, k_pages, v_pages, positions, passes, plan.chunk, interpret=interpret
+        )
     return ragged_attention_xla(q, k_pages, v_pages, positions, passes, plan.chunk)

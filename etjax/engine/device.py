@@ -125,7 +125,9 @@ class DeviceBackend:
                 Segment(start, n, job.start, reach, job.pages[: reach // opts.page_size + 1])
             )
             start += n
-        plan = plan_passes([decoding, chunks], num_tokens, self._mixed_sizes(num_tokens))
+        plan = plan_passes(
+            [decoding, chunks], num_tokens, self._mixed_sizes(num_tokens), self.attention_backend
+        )
         batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index)
         self.store, self.cache, out, logits = mixed_step(
             self.weights,
@@ -270,7 +272,9 @@ class DeviceBackend:
                 Segment(j, 1, n, n + k - 1, p[: pages_needed(n + k, ps)])
                 for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
             ]
-            plan = plan_segments(segments, num, PlanSizes.decode(num, self.num_pages, ps))
+            plan = plan_segments(
+                segments, num, PlanSizes.decode(num, self.num_pages, ps), self.attention_backend
+            )
         self.store, self.cache, out = decode_steps(
             self.weights,
             self.cache,
@@ -310,7 +314,8 @@ def _insert_new_row(
         token_counts=jnp.zeros((1, store.token_counts.shape[1]), jnp.int32),
         in_prompt=in_prompt,
         sampler=params,
-        entropy=initial_entropy_state(initial_sampler_state(params), flops[None], nbytes[None]),
+        sampler_state=initial_sampler_state(params),
+        entropy=initial_entropy_state(flops[None], nbytes[None]),
     )
     return put_rows(store, row[None], one)
 
@@ -352,7 +357,6 @@ def _empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> Decod
         token_counts=jnp.zeros((rows, cfg.vocab_size), jnp.int32),
         in_prompt=jnp.zeros((rows, cfg.vocab_size), bool),
         sampler=params,
-        entropy=initial_entropy_state(
-            initial_sampler_state(params), jnp.asarray(zeros), jnp.asarray(zeros.copy())
-        ),
+        sampler_state=initial_sampler_state(params),
+        entropy=initial_entropy_state(jnp.asarray(zeros), jnp.asarray(zeros.copy())),
     )

@@ -6,8 +6,6 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from etjax.sampling.sampler import SamplerState
-
 
 @flax.struct.dataclass
 class EntropyState:
@@ -25,12 +23,9 @@ class EntropyState:
     budget: jax.Array  # [B] fraction of KV pages the next step may read (1 = dense)
     cost_flops: jax.Array  # [B] cumulative FLOPs
     cost_bytes: jax.Array  # [B] cumulative bytes read
-    sampler: SamplerState
 
 
-def initial_entropy_state(
-    sampler: SamplerState, cost_flops: jax.Array, cost_bytes: jax.Array
-) -> EntropyState:
+def initial_entropy_state(cost_flops: jax.Array, cost_bytes: jax.Array) -> EntropyState:
     """State before the first token, with the prompt's (prefill) cost already counted."""
     # Distinct buffers per field: the decode step donates its state, and XLA refuses to donate
     # one buffer twice.
@@ -44,7 +39,6 @@ def initial_entropy_state(
         budget=jnp.ones(shape, jnp.float32),
         cost_flops=cost_flops,
         cost_bytes=cost_bytes,
-        sampler=sampler,
     )
 
 

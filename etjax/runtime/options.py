@@ -43,9 +43,10 @@ class RuntimeOptions:
     min_advance_rounds: every resident sequence runs at least once in this many rounds.
     max_batch_groups: a round's batch may run as up to this many bursts of rows of similar
       attention width, when that reads fewer bytes (etjax/engine/grouping.py); 1 = one burst.
-    attention_backend: the kernels of pruned decode attention: "auto" (Pallas on a TPU or a
-      GPU, XLA elsewhere), "xla", "pallas_tpu" or "pallas_gpu". Dense attention runs the
-      ragged XLA path on every platform (etjax/attention/seam.py).
+    attention_backend: the attention kernels: "auto" (Pallas on a TPU or a GPU, XLA
+      elsewhere), "xla", "pallas_tpu" or "pallas_gpu". Dense steps run the ragged kernel of
+      that backend (on a TPU still the XLA one), pruned steps its block-sparse kernel
+      (etjax/attention/seam.py). A Pallas backend on a CPU runs interpreted: slow, for tests.
     mesh: "DATAxMODEL" devices of this process to run on ("2x4": rows split two ways, weights,
       KV heads and vocabulary four ways; etjax/distributed). "1x1" = the default device.
     compilation_cache: keep compiled programs on disk for later processes

@@ -6,6 +6,7 @@ import flax.struct
 import jax
 
 from etjax.entropy.state import EntropyState
+from etjax.sampling.sampler import SamplerState
 from etjax.sampling.settings import SamplerParams
 
 
@@ -30,6 +31,7 @@ class DecodeState:
     token_counts: jax.Array  # [B, V] int32 occurrences of each token in the output
     in_prompt: jax.Array  # [B, V] bool token occurs in the prompt (repetition penalty)
     sampler: SamplerParams
+    sampler_state: SamplerState  # the adaptive samplers' state (controller, Mirostat)
     entropy: EntropyState
 
 

@@ -229,7 +229,7 @@ def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backen
     tokens, info, sampler_state = sample_next(
         state.logits,
         state.sampler,
-        state.entropy.sampler,
+        state.sampler_state,
         state.token_counts,
         state.in_prompt,
         state.num_generated,
@@ -261,7 +261,6 @@ def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backen
         temperature=jnp.where(active, info.temperature, entropy.temperature),
         cost_flops=entropy.cost_flops + flops,
         cost_bytes=entropy.cost_bytes + nbytes,
-        sampler=sampler_state,
     )
     rows = jnp.arange(tokens.shape[0])
     state = state.replace(
@@ -270,6 +269,7 @@ def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backen
         num_generated=num_generated,
         active=runs,
         token_counts=state.token_counts.at[rows, tokens].add(active.astype(jnp.int32)),
+        sampler_state=sampler_state,
         entropy=entropy,
     )
     outputs = StepOutputs(
