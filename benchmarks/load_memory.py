@@ -211,8 +211,6 @@ def _write_hf_dir(model, directory: Path, dtype: str) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from etjax.model.weights import layer_slice
-
     cfg = model.config
     np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float32
 
@@ -222,8 +220,7 @@ def _write_hf_dir(model, directory: Path, dtype: str) -> Path:
     q = cfg.num_heads * cfg.head_dim
     kv = cfg.num_kv_heads * cfg.head_dim
     tensors = {"model.embed_tokens.weight": host(model.weights.embed)}
-    for i in range(cfg.num_layers):
-        layer = layer_slice(model.weights, i)
+    for i, layer in enumerate(model.weights.layers):
         p = f"model.layers.{i}."
         qkv = np.asarray(layer.wqkv).T
         gate_up = np.asarray(layer.w_gate_up).T

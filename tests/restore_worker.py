@@ -19,7 +19,7 @@ def main() -> None:
     path = sys.argv[1]
     sharded = etjax.load_model(path, mesh="2x4")
     plain = etjax.load_model(path)
-    layer, ref = sharded.weights.layers, plain.weights.layers
+    layer, ref = sharded.weights.layers[0], plain.weights.layers[0]
     report = {}
     for name, got, want in [
         ("embed", sharded.weights.embed, plain.weights.embed),

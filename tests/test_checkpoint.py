@@ -40,8 +40,8 @@ def test_restore_in_another_dtype(tiny_hf_dir, tmp_path):
     assert main(["convert", str(tiny_hf_dir("llama")), str(destination)]) == 0
     restored = etjax.load_model(destination, dtype="bfloat16")
     assert restored.config.dtype == "bfloat16"
-    assert str(restored.weights.layers.wqkv.dtype) == "bfloat16"
-    assert str(restored.weights.layers.attn_norm.dtype) == "float32"
+    assert str(restored.weights.layers[0].wqkv.dtype) == "bfloat16"
+    assert str(restored.weights.layers[0].attn_norm.dtype) == "float32"
 
 
 def test_convert_refuses_non_empty_destination(tiny_hf_dir, tmp_path):
@@ -61,41 +61,6 @@ def test_damaged_checkpoint_is_reported(tiny_hf_dir, tmp_path):
     shutil.rmtree(destination / "weights")
     with pytest.raises(ModelLoadError, match="weights"):
         etjax.load_model(destination)
-
-
-def test_version_1_checkpoint_with_per_layer_trees_restores_stacked(tiny_hf_dir, tmp_path):
-    # Version 1 saved the layers as a tuple of per-layer trees; such a checkpoint still loads,
-    # stacked, and gives the source model's logits.
-    import json
-
-    import jax
-    import orbax.checkpoint as ocp
-
-    from etjax.loaders.checkpoint import save_model
-
-    source = etjax.load_model(tiny_hf_dir("qwen2"))
-    destination = tmp_path / "v1"
-    save_model(source, destination)
-    per_layer = tuple(
-        jax.tree.map(lambda leaf, i=i: leaf[i], source.weights.layers)
-        for i in range(source.config.num_layers)
-    )
-    old_tree = source.weights.replace(layers=per_layer)
-    import shutil
-
-    shutil.rmtree(destination / "weights")
-    checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(destination / "weights", old_tree)
-    checkpointer.wait_until_finished()
-    manifest = json.loads((destination / "etjax_model.json").read_text())
-    (destination / "etjax_model.json").write_text(json.dumps(manifest | {"format_version": 1}))
-
-    restored = etjax.load_model(destination)
-    ids = np.random.default_rng(1).integers(0, source.config.vocab_size, (1, 24), np.int32)
-    np.testing.assert_array_equal(
-        full_logits(restored.weights, restored.config, ids),
-        full_logits(source.weights, source.config, ids),
-    )
 
 
 def test_unknown_checkpoint_version_is_named(tiny_hf_dir, tmp_path):

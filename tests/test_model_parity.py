@@ -57,7 +57,7 @@ def test_qwen2_bias_is_loaded(tiny_hf_dir):
     directory = tiny_hf_dir("qwen2")
     cfg = read_hf_config(directory / "config.json", "float32")
     weights = load_safetensors_weights(directory, cfg)
-    assert cfg.attention_bias and weights.layers.bqkv is not None
+    assert cfg.attention_bias and weights.layers[0].bqkv is not None
 
 
 def test_smollm2_gguf_logits_match_transformers(smollm2, hf_smollm2, lee):

@@ -29,9 +29,8 @@ from etjax.distributed.mesh import DATA, MODEL
 from etjax.model.weights import LayerWeights, Weights
 from etjax.runtime.state import DecodeState, StepOutputs
 
-# LayerWeights field -> the axis split over `model` (after the layer axis: 1 = rows / input,
-# 2 = columns / output).
-_LAYER_SPLIT = {"wqkv": 2, "bqkv": 1, "wo": 1, "w_gate_up": 2, "w_down": 1}
+# LayerWeights field -> the axis split over `model` (0 = rows / input, 1 = columns / output).
+_LAYER_SPLIT = {"wqkv": 1, "bqkv": 0, "wo": 0, "w_gate_up": 1, "w_down": 0}
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ class Placement:
 
         return Weights(
             embed=self.sharding(weights.embed.shape, {0: MODEL}),
-            layers=layer(weights.layers),
+            layers=tuple(layer(lw) for lw in weights.layers),
             final_norm=self.replicated,
             lm_head=None
             if weights.lm_head is None

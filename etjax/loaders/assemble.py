@@ -44,65 +44,52 @@ class SourceTensor:
     read_rows: Callable[[int], Iterator[np.ndarray]]
 
 
-@dataclass(frozen=True)
-class LayerSources:
-    """The Hugging Face-layout tensors of one decoder layer, unread."""
+def assembled_layer(
+    *,
+    attn_norm: SourceTensor,
+    wq: SourceTensor,
+    wk: SourceTensor,
+    wv: SourceTensor,
+    wo: SourceTensor,
+    mlp_norm: SourceTensor,
+    w_gate: SourceTensor,
+    w_up: SourceTensor,
+    w_down: SourceTensor,
+    dtype: np.dtype,
+    bq: SourceTensor | None = None,
+    bk: SourceTensor | None = None,
+    bv: SourceTensor | None = None,
+) -> LayerWeights:
+    """One layer's `LayerWeights` from Hugging Face-layout tensors; matrices in `dtype`.
 
-    attn_norm: SourceTensor
-    wq: SourceTensor
-    wk: SourceTensor
-    wv: SourceTensor
-    wo: SourceTensor
-    mlp_norm: SourceTensor
-    w_gate: SourceTensor
-    w_up: SourceTensor
-    w_down: SourceTensor
-    bq: SourceTensor | None = None
-    bk: SourceTensor | None = None
-    bv: SourceTensor | None = None
+    Norm scales stay float32: they are tiny and RMSNorm runs in float32 anyway.
+    """
+    return LayerWeights(
+        attn_norm=as_stored(attn_norm, np.float32),
+        wqkv=input_major([wq, wk, wv], dtype),
+        bqkv=None if bq is None else input_major([bq, bk, bv], dtype),
+        wo=input_major([wo], dtype),
+        mlp_norm=as_stored(mlp_norm, np.float32),
+        w_gate_up=input_major([w_gate, w_up], dtype),
+        w_down=input_major([w_down], dtype),
+    )
 
 
 def assembled_weights(
     *,
     embed: SourceTensor,
-    layers: Sequence[LayerSources],
+    layers: Sequence[LayerWeights],
     final_norm: SourceTensor,
     lm_head: SourceTensor | None,
     dtype: np.dtype,
 ) -> Weights:
-    """The `Weights` pytree, matrices in `dtype`; norm scales stay float32 (they are tiny and
-    RMSNorm runs in float32 anyway). Each stacked layer leaf is one host buffer `[L, ...]`
-    filled layer by layer. `lm_head` is Hugging Face-layout `[V, D]`, stored input-major
-    `[D, V]`."""
-    with_bias = layers[0].bq is not None
+    """The `Weights` pytree from built layers and the remaining tensors; matrices in `dtype`.
 
-    def stacked(fill, parts_of, shape, leaf_dtype):
-        out = _empty_aligned((len(layers), *shape), leaf_dtype)
-        for i, layer in enumerate(layers):
-            fill(parts_of(layer), out[i])
-        return jax.device_put(out)
-
-    def norm(name: str):
-        shape = getattr(layers[0], name).shape
-        return stacked(_fill_stored, lambda x: getattr(x, name), shape, np.float32)
-
-    def fused(*names: str):
-        parts = [getattr(layers[0], n) for n in names]
-        shape = (*parts[0].shape[1:], sum(p.shape[0] for p in parts))
-        return stacked(_fill_input_major, lambda x: [getattr(x, n) for n in names], shape, dtype)
-
-    stacked_layers = LayerWeights(
-        attn_norm=norm("attn_norm"),
-        wqkv=fused("wq", "wk", "wv"),
-        bqkv=fused("bq", "bk", "bv") if with_bias else None,
-        wo=fused("wo"),
-        mlp_norm=norm("mlp_norm"),
-        w_gate_up=fused("w_gate", "w_up"),
-        w_down=fused("w_down"),
-    )
+    `lm_head` is Hugging Face-layout `[V, D]`, stored input-major `[D, V]`.
+    """
     return Weights(
         embed=as_stored(embed, dtype),
-        layers=stacked_layers,
+        layers=tuple(layers),
         final_norm=as_stored(final_norm, np.float32),
         lm_head=None if lm_head is None else input_major([lm_head], dtype),
     )
@@ -111,7 +98,11 @@ def assembled_weights(
 def as_stored(tensor: SourceTensor, dtype: np.dtype) -> jax.Array:
     """`tensor` in its own layout, cast to `dtype`."""
     out = _empty_aligned(tensor.shape, dtype)
-    _fill_stored(tensor, out)
+    row = 0
+    for rows in tensor.read_rows(_rows_per_chunk(tensor)):
+        out[row : row + len(rows)] = rows
+        row += len(rows)
+    _check_rows_read(row, tensor)
     return jax.device_put(out)
 
 
@@ -122,19 +113,6 @@ def input_major(parts: Sequence[SourceTensor], dtype: np.dtype) -> jax.Array:
     """
     inner = parts[0].shape[1:]
     out = _empty_aligned((*inner, sum(p.shape[0] for p in parts)), dtype)
-    _fill_input_major(parts, out)
-    return jax.device_put(out)
-
-
-def _fill_stored(tensor: SourceTensor, out: np.ndarray) -> None:
-    row = 0
-    for rows in tensor.read_rows(_rows_per_chunk(tensor)):
-        out[row : row + len(rows)] = rows
-        row += len(rows)
-    _check_rows_read(row, tensor)
-
-
-def _fill_input_major(parts: Sequence[SourceTensor], out: np.ndarray) -> None:
     column = 0
     for part in parts:
         first = column
@@ -142,6 +120,7 @@ def _fill_input_major(parts: Sequence[SourceTensor], out: np.ndarray) -> None:
             out[..., column : column + len(rows)] = rows.T
             column += len(rows)
         _check_rows_read(column - first, part)
+    return jax.device_put(out)
 
 
 def _rows_per_chunk(tensor: SourceTensor) -> int:

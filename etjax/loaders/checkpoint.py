@@ -28,10 +28,7 @@ from etjax.model.config import Llama3RopeScaling, ModelConfig
 from etjax.model.weights import LayerWeights, Weights
 from etjax.tokenizer import Tokenizer
 
-# Version 2 stacks the layers on a leading axis; version 1 (a tuple of layers) is read and
-# stacked on load.
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 1
 _MANIFEST = "etjax_model.json"
 
 
@@ -69,11 +66,11 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
     manifest_path = path / _MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
-        version = manifest.get("format_version")
-        if version not in READABLE_VERSIONS:
+        if manifest.get("format_version") != FORMAT_VERSION:
             raise ModelLoadError(
-                f"{manifest_path}: format_version={version!r}; this etjax reads versions "
-                f"{READABLE_VERSIONS} (convert the model again with `etjax convert`)"
+                f"{manifest_path}: format_version={manifest.get('format_version')!r}; "
+                f"this etjax reads version {FORMAT_VERSION} (convert the model again with "
+                "`etjax convert`)"
             )
         raw = dict(manifest["config"])
         if raw.get("rope_scaling"):
@@ -84,8 +81,8 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
     cfg = saved_cfg.with_dtype(dtype)
     # Restored straight into `dtype`: orbax casts each array on the host as it reads it, so a
     # model saved in another dtype is never whole in both.
-    target = abstract_weights(cfg, layers_stacked=version >= 2)
-    if placement is not None and version >= 2:
+    target = abstract_weights(cfg)
+    if placement is not None:
         target = jax.tree.map(
             lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding),
             target,
@@ -93,24 +90,18 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
         )
     try:
         weights = _restore_weights(path / "weights", target)
-        if version < 2:
-            weights = _stack_layers(weights)
-            if placement is not None:
-                weights = placement.place_weights(weights)
     except Exception as e:  # orbax raises many types for missing or damaged files
         raise ModelLoadError(f"{path / 'weights'}: cannot restore weights ({e})") from None
     tokenizer = Tokenizer.from_hf_dir(path / "tokenizer")
     return Model(cfg, weights, tokenizer, name=manifest.get("name", path.name), source=path)
 
 
-def abstract_weights(cfg: ModelConfig, layers_stacked: bool = True) -> Weights:
-    """A `Weights` tree of `jax.ShapeDtypeStruct`s describing a model with this config (with
-    `layers_stacked` False: as format version 1 saved it, a tuple of per-layer trees)."""
+def abstract_weights(cfg: ModelConfig) -> Weights:
+    """A `Weights` tree of `jax.ShapeDtypeStruct`s describing a model with this config."""
     d, f, dtype = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
-    lead = (cfg.num_layers,) if layers_stacked else ()
 
-    def spec(*shape: int, f32: bool = False, layer: bool = True) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(lead + shape if layer else shape, jnp.float32 if f32 else dtype)
+    def spec(*shape: int, f32: bool = False) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, jnp.float32 if f32 else dtype)
 
     layer = LayerWeights(
         attn_norm=spec(d, f32=True),
@@ -122,24 +113,11 @@ def abstract_weights(cfg: ModelConfig, layers_stacked: bool = True) -> Weights:
         w_down=spec(f, d),
     )
     return Weights(
-        embed=spec(cfg.vocab_size, d, layer=False),
-        layers=layer if layers_stacked else tuple(layer for _ in range(cfg.num_layers)),
-        final_norm=spec(d, f32=True, layer=False),
-        lm_head=None if cfg.tie_word_embeddings else spec(d, cfg.vocab_size, layer=False),
+        embed=spec(cfg.vocab_size, d),
+        layers=tuple(layer for _ in range(cfg.num_layers)),
+        final_norm=spec(d, f32=True),
+        lm_head=None if cfg.tie_word_embeddings else spec(d, cfg.vocab_size),
     )
-
-
-def _stack_layers(weights: Weights) -> Weights:
-    # A version-1 tree: stack one field at a time, dropping the per-layer arrays as it goes,
-    # so the transient is one field's bytes, not the model's.
-    per_layer = list(weights.layers)
-    fields = {}
-    for name in LayerWeights.__dataclass_fields__:
-        parts = [getattr(layer, name) for layer in per_layer]
-        fields[name] = None if parts[0] is None else jnp.stack(parts)
-        per_layer = [layer.replace(**{name: None}) for layer in per_layer]
-        del parts
-    return weights.replace(layers=LayerWeights(**fields))
 
 
 def _restore_weights(directory: Path, target: Weights) -> Weights:

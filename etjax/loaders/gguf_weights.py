@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from etjax.errors import ModelLoadError
-from etjax.loaders.assemble import LayerSources, SourceTensor, assembled_weights
+from etjax.loaders.assemble import SourceTensor, assembled_layer, assembled_weights
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 
@@ -157,7 +157,7 @@ def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
         layers.append(
-            LayerSources(
+            assembled_layer(
                 attn_norm=take(p + "attn_norm.weight"),
                 wq=take(p + "attn_q.weight", rope_heads=cfg.num_heads),
                 wk=take(p + "attn_k.weight", rope_heads=cfg.num_kv_heads),
@@ -170,6 +170,7 @@ def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:
                 bq=optional(p + "attn_q.bias"),
                 bk=optional(p + "attn_k.bias"),
                 bv=optional(p + "attn_v.bias"),
+                dtype=dtype,
             )
         )
     return assembled_weights(

@@ -12,7 +12,7 @@ import numpy as np
 from safetensors import safe_open
 
 from etjax.errors import ModelLoadError
-from etjax.loaders.assemble import LayerSources, SourceTensor, assembled_weights
+from etjax.loaders.assemble import SourceTensor, assembled_layer, assembled_weights
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 
@@ -69,7 +69,7 @@ def load_safetensors_weights(directory: Path, cfg: ModelConfig) -> Weights:
             else {}
         )
         layers.append(
-            LayerSources(
+            assembled_layer(
                 attn_norm=take(p + "input_layernorm.weight"),
                 wq=take(p + "self_attn.q_proj.weight"),
                 wk=take(p + "self_attn.k_proj.weight"),
@@ -79,6 +79,7 @@ def load_safetensors_weights(directory: Path, cfg: ModelConfig) -> Weights:
                 w_gate=take(p + "mlp.gate_proj.weight"),
                 w_up=take(p + "mlp.up_proj.weight"),
                 w_down=take(p + "mlp.down_proj.weight"),
+                dtype=dtype,
                 **bias,
             )
         )

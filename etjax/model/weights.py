@@ -1,11 +1,8 @@
 """The weights pytree of a Llama-family decoder.
 
-The layers are one `LayerWeights` whose every leaf is stacked on a leading layer axis
-`[L, ...]`: the model runs its layers as a `lax.scan` (etjax/model/transformer.py), so XLA
-compiles one layer body instead of one per layer (SmolLM2's 30-layer forward pass compiled in
-3.7 s unrolled and 0.8 s scanned on a 2-core CPU; a decode step ran 2-5% slower). Inside the
-scan each step reads its layer's slice in place; outside it, a static slice `leaf[i]` is a
-copy, which is fine for tests and loaders but never done per step.
+Layers are a tuple of per-layer pytrees rather than arrays stacked on a layer axis: the decode
+step unrolls its layer loop, and a static slice of a stacked array would be materialised as a
+copy before each matrix product on XLA:CPU, doubling the bytes read per step.
 
 Projections are stored input-major (`x @ w`) and fused where they share an input: q|k|v in one
 matrix and gate|up in another, so each layer runs two large products instead of five small ones.
@@ -16,19 +13,22 @@ from __future__ import annotations
 import flax.struct
 import jax
 
+from etjax.model.config import ModelConfig
+
 
 @flax.struct.dataclass
 class LayerWeights:
-    """The decoder layers, stacked. L = layers, D = hidden, F = intermediate, Q = qkv width,
-    A = heads * head_dim."""
+    """One decoder layer. D = hidden, F = intermediate, Q = qkv width, A = heads * head_dim."""
 
-    attn_norm: jax.Array  # [L, D]
-    wqkv: jax.Array  # [L, D, Q]  columns: q heads | k heads | v heads, half-split RoPE layout
-    bqkv: jax.Array | None  # [L, Q] or None (only Qwen2-style attention_bias)
-    wo: jax.Array  # [L, A, D]
-    mlp_norm: jax.Array  # [L, D]
-    w_gate_up: jax.Array  # [L, D, 2F]  columns: gate | up
-    w_down: jax.Array  # [L, F, D]
+    attn_norm: jax.Array  # [D]
+    wqkv: (
+        jax.Array
+    )  # [D, Q]  columns: q heads | k heads | v heads, Hugging Face (half-split) RoPE layout
+    bqkv: jax.Array | None  # [Q] or None (only Qwen2-style attention_bias)
+    wo: jax.Array  # [A, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate_up: jax.Array  # [D, 2F]  columns: gate | up
+    w_down: jax.Array  # [F, D]
 
 
 @flax.struct.dataclass
@@ -36,11 +36,41 @@ class Weights:
     """All weights of a decoder. V = vocabulary."""
 
     embed: jax.Array  # [V, D]
-    layers: LayerWeights
+    layers: tuple[LayerWeights, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [D, V], or None when tied to `embed`
 
 
-def layer_slice(weights: Weights, index: int) -> LayerWeights:
-    """Layer `index`'s weights, unstacked (a copy: for tests and inspection, not a step)."""
-    return jax.tree.map(lambda leaf: leaf[index], weights.layers)
+def check_weights_shapes(weights: Weights, cfg: ModelConfig, source: str) -> None:
+    """Raise ValueError naming `source` and the field if any weight has the wrong shape."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    a = cfg.num_heads * cfg.head_dim
+    expected = {
+        "embed": (cfg.vocab_size, d),
+        "final_norm": (d,),
+    }
+    if weights.lm_head is not None:
+        expected["lm_head"] = (d, cfg.vocab_size)
+    for name, shape in expected.items():
+        got = getattr(weights, name).shape
+        if got != shape:
+            raise ValueError(f"{source}: {name} has shape {got}, expected {shape} from the config")
+    if len(weights.layers) != cfg.num_layers:
+        raise ValueError(
+            f"{source}: found {len(weights.layers)} layers, config says {cfg.num_layers}"
+        )
+    layer_expected = {
+        "attn_norm": (d,),
+        "wqkv": (d, cfg.qkv_size),
+        "wo": (a, d),
+        "mlp_norm": (d,),
+        "w_gate_up": (d, 2 * f),
+        "w_down": (f, d),
+    }
+    for i, layer in enumerate(weights.layers):
+        for name, shape in layer_expected.items():
+            got = getattr(layer, name).shape
+            if got != shape:
+                raise ValueError(
+                    f"{source}: layer {i} {name} has shape {got}, expected {shape} from the config"
+                )
