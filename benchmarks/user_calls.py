@@ -89,8 +89,11 @@ def _first_call() -> dict:
 
 
 def _first_call_in_fresh_process() -> dict:
+    # No persistent compilation cache: neither JAX's nor the one etjax turns on by default,
+    # which a previous run would have filled with these very programs.
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["JAX_PLATFORMS"] = "cpu"
+    env["ETJAX_COMPILATION_CACHE"] = "off"
     out = subprocess.run(
         [sys.executable, __file__, "--first-call"],
         env=env,

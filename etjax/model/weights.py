@@ -1,8 +1,9 @@
 """The weights pytree of a Llama-family decoder.
 
-Layers are a tuple of per-layer pytrees rather than arrays stacked on a layer axis: the decode
-step unrolls its layer loop, and a static slice of a stacked array would be materialised as a
-copy before each matrix product on XLA:CPU, doubling the bytes read per step.
+Layers are a tuple of per-layer pytrees rather than arrays stacked on a layer axis: a slice of
+a stacked array, static or indexed by a scan, is materialised as a copy before each matrix
+product on XLA:CPU, doubling the bytes read per step. The forward pass still loops over layers
+with a `lax.scan`, choosing each layer's buffers with `lax.switch` (etjax/model/transformer.py).
 
 Projections are stored input-major (`x @ w`) and fused where they share an input: q|k|v in one
 matrix and gate|up in another, so each layer runs two large products instead of five small ones.
