@@ -43,10 +43,6 @@ class KVCache:
     block_mass: jax.Array  # [L, N, KVH] float32
 
     @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
-
-    @property
     def num_pages(self) -> int:
         return self.k.shape[1]
 
@@ -81,9 +77,9 @@ def page_pool(cache: KVCache) -> PagePool:
     )
 
 
-def cache_from_pool(pool: PagePool, num_layers: int) -> KVCache:
+def cache_from_pool(pool: PagePool) -> KVCache:
     """The inverse of `page_pool`."""
-    unfold = lambda a: a.reshape(num_layers, -1, *a.shape[1:])  # noqa: E731
+    unfold = lambda a: a.reshape(-1, pool.pages_per_layer, *a.shape[1:])  # noqa: E731
     return KVCache(
         k=unfold(pool.k),
         v=unfold(pool.v),

@@ -93,7 +93,7 @@ def forward(
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     (x, pool), _ = jax.lax.scan(layer_step, (x, page_pool(cache)), layer_ids)
     hidden = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
-    return hidden, cache_from_pool(pool, cfg.num_layers)
+    return hidden, cache_from_pool(pool)
 
 
 @flax.struct.dataclass
