@@ -26,17 +26,21 @@ from pallas_kernels.ragged_attention.work_items import (
 )
 
 # Tiling, chosen by timing the XLA backend on this 2-core CPU (SmolLM2's 9 heads, 3 KV heads,
-# head_dim 64, pages of 16; medians of warm calls, 2026-11-30): 16 items per loop trip; decode
-# tokens against key tiles of 4 pages; prefill tiles of 64 queries against 4 pages. Per layer,
-# 8 rows of 8 pages took 0.32 ms (the padded gather it replaced: 0.30 ms) and 32 rows of
-# 128 pages 22 ms (57 ms); a 512-token chunk after 3584 cached tokens 103 ms (173 ms). Larger
-# trips waste more of the last one on short rows (chunk 64: 0.69 ms for the 8 x 8 case). A
-# tile-major layout for prefill (a trip's items all of one tile, scored as one 512-key block,
-# only that tile's accumulator touched) measured slower: 111-189 ms against 97 ms.
+# head_dim 64, pages of 16; medians of warm calls, per layer).
+# - Decode: 16 items per loop trip, one-token tiles against key tiles of 4 pages. 8 rows of
+#   8 pages took 0.32 ms (the padded gather it replaced: 0.30 ms), 32 rows of 128 pages 22 ms
+#   (57 ms); larger trips waste more of the last one on short rows (chunk 64: 0.69 ms for
+#   8 x 8). (2026-11-30)
+# - Prefill, run by the tile loop (pallas_kernels/ragged_attention/xla.py): the eight 512-token
+#   chunks of a 4K document took 164-172 ms in all with tiles of 64 queries x 4 pages, 152-155
+#   ms with 128 x 8, 124-126 ms with 128 x 16 and 113 ms with 256 x 16 (the chunked item loop
+#   before it: about 280 ms). Wide tiles waste work on short chunks: eight 60-token prompts took
+#   1.0-1.3 ms with 64 x 4, 4.0-4.2 ms with 128 x 16, 6.8-6.9 ms with 256 x 16. So chunks of
+#   up to 64 tokens (short prompts, a document's tail) get a pass of their own. (2026-12-01)
 CHUNK = 16
 DECODE_KV_TILE = 4
-PREFILL_Q_TILE = 64
-PREFILL_KV_TILE = 4
+SHORT_PREFILL_Q_TILE, SHORT_PREFILL_KV_TILE = 64, 4
+PREFILL_Q_TILE, PREFILL_KV_TILE = 128, 16
 
 
 @dataclass(frozen=True)
@@ -68,11 +72,31 @@ class PlanSizes:
     @staticmethod
     def prefill(num_tokens: int, rows: int, max_seq_pages: int, page_size: int) -> PlanSizes:
         """Chunks of up to `rows` sequences holding `num_tokens` tokens in all, each sequence
-        at most `max_seq_pages` pages long."""
+        at most `max_seq_pages` pages long: a pass for short chunks (one tile each), then one
+        for the rest."""
+        short_items = rows * -(-max_seq_pages // SHORT_PREFILL_KV_TILE)
+        short = PassShape(
+            SHORT_PREFILL_Q_TILE,
+            SHORT_PREFILL_KV_TILE,
+            rows,
+            items_capacity(short_items, CHUNK),
+        )
         tiles = num_tokens // PREFILL_Q_TILE + rows
-        items = items_capacity(tiles * (-(-max_seq_pages // PREFILL_KV_TILE)), CHUNK)
-        shape = PassShape(PREFILL_Q_TILE, PREFILL_KV_TILE, tiles, items)
-        return PlanSizes(page_size, (shape,))
+        items = items_capacity(tiles * -(-max_seq_pages // PREFILL_KV_TILE), CHUNK)
+        long = PassShape(PREFILL_Q_TILE, PREFILL_KV_TILE, tiles, items)
+        return PlanSizes(page_size, (short, long))
+
+    def route(self, segments: Sequence[Segment]) -> list[list[Segment]]:
+        """`segments` grouped by pass: each goes to the first pass whose q_tile holds its
+        tokens, else to the last."""
+        routed: list[list[Segment]] = [[] for _ in self.passes]
+        for seg in segments:
+            index = next(
+                (i for i, p in enumerate(self.passes) if seg.num_tokens <= p.q_tile),
+                len(self.passes) - 1,
+            )
+            routed[index].append(seg)
+        return routed
 
 
 @flax.struct.dataclass
@@ -89,16 +113,8 @@ def plan_segments(
     segments: Sequence[Segment], num_tokens: int, sizes: PlanSizes, backend: str = "xla"
 ) -> AttentionPlan:
     """The plan of a flat batch of `num_tokens` tokens holding `segments` (host arrays), each
-    routed by length: to the first pass whose q_tile holds its tokens, else to the last; run by
-    `backend`'s kernels."""
-    routed: list[list[Segment]] = [[] for _ in sizes.passes]
-    for seg in segments:
-        index = next(
-            (i for i, p in enumerate(sizes.passes) if seg.num_tokens <= p.q_tile),
-            len(sizes.passes) - 1,
-        )
-        routed[index].append(seg)
-    return plan_passes(routed, num_tokens, sizes, backend)
+    routed by length (`PlanSizes.route`); run by `backend`'s kernels."""
+    return plan_passes(sizes.route(segments), num_tokens, sizes, backend)
 
 
 def plan_passes(
@@ -144,14 +160,12 @@ def padded_batch_plan(
         write_pages[start : start + n] = page_table[row, positions // page_size]
         pages = page_table[row, : (first + n - 1) // page_size + 1]
         segments.append(Segment(start, n, first, first + n - 1, pages.tolist()))
-    q_tile, kv_tile = (
-        (1, DECODE_KV_TILE)
-        if tokens_per_row == 1
-        else (
-            PREFILL_Q_TILE,
-            PREFILL_KV_TILE,
-        )
-    )
+    if tokens_per_row == 1:
+        q_tile, kv_tile = 1, DECODE_KV_TILE
+    elif tokens_per_row <= SHORT_PREFILL_Q_TILE:
+        q_tile, kv_tile = SHORT_PREFILL_Q_TILE, SHORT_PREFILL_KV_TILE
+    else:
+        q_tile, kv_tile = PREFILL_Q_TILE, PREFILL_KV_TILE
     tiles = b * -(-tokens_per_row // q_tile)
     items = items_capacity(tiles * -(-p // kv_tile), CHUNK)
     sizes = PlanSizes(page_size, (PassShape(q_tile, kv_tile, tiles, items),))

@@ -125,8 +125,12 @@ class DeviceBackend:
                 Segment(start, n, job.start, reach, job.pages[: reach // opts.page_size + 1])
             )
             start += n
+        decode_sizes, prefill_sizes = self._mixed_sizes(num_tokens)
         plan = plan_passes(
-            [decoding, chunks], num_tokens, self._mixed_sizes(num_tokens), self.attention_backend
+            [decoding, *prefill_sizes.route(chunks)],
+            num_tokens,
+            PlanSizes(opts.page_size, decode_sizes.passes + prefill_sizes.passes),
+            self.attention_backend,
         )
         batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index)
         self.store, self.cache, out, logits = mixed_step(
@@ -151,13 +155,14 @@ class DeviceBackend:
         """Padded token count of a ragged step (a power of two from 16 up)."""
         return next_power_of_two(num_tokens, minimum=16)
 
-    def _mixed_sizes(self, num_tokens: int) -> PlanSizes:
+    def _mixed_sizes(self, num_tokens: int) -> tuple[PlanSizes, PlanSizes]:
+        # The decoding rows' pass and the chunks' passes of a step of `num_tokens` tokens.
         opts = self.options
         decode = PlanSizes.decode(batch_bucket(opts.max_batch_size), self.num_pages, opts.page_size)
         prefill = PlanSizes.prefill(
             num_tokens, self.prefill_rows, self.max_seq_pages, opts.page_size
         )
-        return PlanSizes(opts.page_size, decode.passes + prefill.passes)
+        return decode, prefill
 
     def _prefill_cost(self, job: PrefillJob, num_jobs: int) -> tuple[float, float]:
         cost = self.cost

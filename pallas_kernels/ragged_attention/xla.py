@@ -1,15 +1,26 @@
 """Ragged paged attention in XLA: the portable backend and the fast one on CPU.
 
-Split-KV work items with an online-softmax merge. A `lax.fori_loop` whose trip count is the
-number of real items (a traced value) walks the item list `chunk` items at a time: each chunk
-gathers its key tiles and query tiles, scores them, and folds its partial softmax into running
-per-tile accumulators (max, normaliser, weighted values). Items never cross sequences, so each
-token only reads its own sequence's pages, and only those at or before its position (the
-causal part of a prefill chunk, the real length of a decode row). The loop's shape is fixed by
-the capacities, so one program serves every mix of context lengths.
+Split-KV work items with an online-softmax merge, in two loop shapes chosen by a pass's query
+tile (a static size):
+
+- One-token tiles (decode): a `lax.fori_loop` whose trip count is the number of real items (a
+  traced value) walks the item list `chunk` items at a time: each trip gathers its key tiles
+  and query tokens, scores them, and folds its partial softmax into running per-tile
+  accumulators (max, normaliser, weighted values) with scatters. A decode item is small, so
+  batching `chunk` of them per trip is what amortises the loop.
+- Wide tiles (prefill chunks): an outer loop over the real query tiles and an inner loop over
+  that tile's items, the accumulators of one tile carried in registers of the loop, so no trip
+  scatters into or rescales the accumulators of the others. Each trip is one product of the
+  tile's queries (all heads of a KV group stacked as rows) against the item's keys. On this
+  2-core CPU this ran a 512-token chunk after 3584 cached tokens in 25 ms per layer against
+  63 ms for the chunked item loop (plan.py has the tiling's measurements).
+
+Items never cross sequences, so each token only reads its own sequence's pages, and only those
+at or before its position (the causal part of a prefill chunk, the real length of a decode
+row). Loop shapes are fixed by the capacities, so one program serves every mix of lengths.
 
 Accumulation is float32. Masked scores take a large finite negative, not -inf, so a tile with
-no visible key in a chunk contributes nothing and never produces NaN.
+no visible key in an item contributes nothing and never produces NaN.
 """
 
 from __future__ import annotations
@@ -20,6 +31,8 @@ import jax.numpy as jnp
 from pallas_kernels.ragged_attention.work_items import TilePass
 
 _MASKED = -1e30
+# Passes whose query tiles hold at least this many tokens run the tile loop.
+TILE_LOOP_MIN_QUERIES = 16
 
 
 def ragged_attention_xla(
@@ -36,13 +49,17 @@ def ragged_attention_xla(
     t, h, hd = q.shape
     out = jnp.zeros((t, h, hd), jnp.float32)
     for tile_pass in passes:
-        part = _run_pass(q, k_pages, v_pages, q_positions, tile_pass, chunk)  # [Nq, Qt, H, hd]
+        wide = tile_pass.tile_tokens.shape[1] >= TILE_LOOP_MIN_QUERIES
+        run = _tile_loop_pass if wide else _item_chunk_pass
+        part = run(q, k_pages, v_pages, q_positions, tile_pass, chunk)  # [Nq, Qt, H, hd]
         tokens = tile_pass.tile_tokens.reshape(-1)
         out = out.at[tokens].add(part.reshape(-1, h, hd), mode="drop")
     return out.astype(q.dtype)
 
 
-def _run_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int) -> jax.Array:
+def _item_chunk_pass(
+    q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int
+) -> jax.Array:
     _, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
     g = h // kvh
@@ -96,3 +113,62 @@ def _run_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int)
     _, norm, acc = jax.lax.fori_loop(0, trips, body, init)
     out = acc / jnp.where(norm > 0, norm, 1.0)[..., None]
     return out.reshape(nq, qt, h, hd)
+
+
+def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int):
+    del chunk  # one item per inner trip: a wide tile's product is large enough on its own
+    _, h, hd = q.shape
+    _, kvh, ps, _ = k_pages.shape
+    g = h // kvh
+    tile_tokens, item_tile, item_pages, item_key_start, num_items = map(jnp.asarray, tile_pass)
+    nq, qt = tile_tokens.shape
+    w, kt = item_pages.shape
+    # build_pass emits a tile's items together and tiles in order from 0, so tile j's items
+    # are [first[j], first[j + 1]) and the tiles with items are the first `num_tiles`.
+    real = jnp.arange(w) < num_items
+    counts = jnp.zeros(nq, jnp.int32).at[item_tile].add(real.astype(jnp.int32))
+    first = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts)])
+    num_tiles = jnp.sum(counts > 0)
+    key_offsets = jnp.arange(kt * ps, dtype=jnp.int32)
+
+    def tile_body(j, out):
+        tokens = tile_tokens[j]
+        # The tile's queries as rows per KV head: [KVH, Qt * G, hd], pre-scaled.
+        queries = q.astype(jnp.float32).at[tokens].get(mode="fill", fill_value=0.0)
+        queries = queries.reshape(qt, kvh, g, hd).transpose(1, 0, 2, 3) * hd**-0.5
+        queries = queries.reshape(kvh, qt * g, hd)
+        positions = q_positions.at[tokens].get(mode="fill", fill_value=-1)  # -1 sees nothing
+        row_positions = jnp.repeat(positions, g)  # [Qt * G], row order (token, group)
+
+        def item_body(i, carry):
+            best, norm, acc = carry  # [KVH, Qt * G], same, [KVH, Qt * G, hd]
+            pages = item_pages[i]
+            keys = k_pages[pages].transpose(1, 0, 2, 3).reshape(kvh, kt * ps, hd)
+            values = v_pages[pages].transpose(1, 0, 2, 3).reshape(kvh, kt * ps, hd)
+            key_pos = item_key_start[i] + key_offsets
+            visible = (key_pos[None, :] <= row_positions[:, None])[None]  # [1, Qt * G, S]
+            scores = jnp.einsum("krd,ksd->krs", queries, keys, preferred_element_type=jnp.float32)
+            scores = jnp.where(visible, scores, _MASKED)
+            new_best = jnp.maximum(best, scores.max(axis=-1))
+            rescale = jnp.exp(best - new_best)
+            weights = jnp.where(visible, jnp.exp(scores - new_best[..., None]), 0.0)
+            part = jnp.einsum(
+                "krs,ksd->krd",
+                weights,
+                values.astype(jnp.float32),
+                preferred_element_type=jnp.float32,
+            )
+            return new_best, norm * rescale + weights.sum(axis=-1), acc * rescale[..., None] + part
+
+        init = (
+            jnp.full((kvh, qt * g), _MASKED, jnp.float32),
+            jnp.zeros((kvh, qt * g), jnp.float32),
+            jnp.zeros((kvh, qt * g, hd), jnp.float32),
+        )
+        _, norm, acc = jax.lax.fori_loop(first[j], first[j + 1], item_body, init)
+        tile_out = acc / jnp.where(norm > 0, norm, 1.0)[..., None]
+        tile_out = tile_out.reshape(kvh, qt, g, hd).transpose(1, 0, 2, 3).reshape(qt, h, hd)
+        return jax.lax.dynamic_update_index_in_dim(out, tile_out, j, axis=0)
+
+    out = jnp.zeros((nq, qt, h, hd), jnp.float32)
+    return jax.lax.fori_loop(0, num_tiles, tile_body, out)
