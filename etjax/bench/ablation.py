@@ -102,9 +102,13 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
 
     distinct = _distinct(configs, lambda c: c.options)
     online = plan.workload == "online"
+    # The warm-ups are the workload's cold runs: what they compiled is what a user's first
+    # run of this workload compiles (the timed runs below compile nothing).
+    warmups = raw["warm_up"] = {}
     for config in distinct[:1] if online else distinct:
         on_progress(f"warm-up ({config.name})")
-        measure(model, config, workload, at_once)
+        cold = measure(model, config, workload, at_once)
+        warmups[config.name] = {k: cold[k] for k in ("compile_s", "programs_compiled")}
     arrivals = at_once
     if online:
         on_progress("capacity")

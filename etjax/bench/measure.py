@@ -26,13 +26,15 @@ TRACE_FIELDS = ("entropy", "sampled_entropy", "temperature", "tau")
 
 
 class CompileClock:
-    """Seconds XLA spent compiling since this process started (JAX's monitoring events).
+    """Seconds XLA spent compiling, and the programs it compiled, since this process started
+    (JAX's monitoring events).
 
     A timed run that compiles measures the compiler, not the engine; `measure` records how
     much of each run was compilation so a reader can see that the warm-up did its job.
     """
 
     seconds = 0.0
+    programs = 0
     _listening = False
 
     @classmethod
@@ -47,6 +49,7 @@ class CompileClock:
     def _on_event(cls, event: str, duration: float, **_) -> None:
         if event.endswith("backend_compile_duration"):
             cls.seconds += duration
+            cls.programs += 1
 
 
 def request_settings(
@@ -90,7 +93,7 @@ def measure(
     )
     cost = CostModel.for_model(model.config, options.page_size)
     CompileClock.start()
-    compiled_before = CompileClock.seconds
+    compiled_before = CompileClock.seconds, CompileClock.programs
     start = time.perf_counter()
     handles = [
         engine.submit(p, s, arrival_time=start + float(a))
@@ -111,7 +114,8 @@ def measure(
         "throughput_tok_s": tokens / makespan,
         "host_ms_per_step": 1e3 * engine.host_seconds / steps,
         "device_ms_per_step": 1e3 * engine.device_seconds / steps,
-        "compile_s": CompileClock.seconds - compiled_before,
+        "compile_s": CompileClock.seconds - compiled_before[0],
+        "programs_compiled": CompileClock.programs - compiled_before[1],
         "requests": requests,
     }
 

@@ -46,6 +46,10 @@ def _document(raw: dict, workload: str, command: str) -> str:
         f"measured ({raw['capacity_requests_per_s']:.2f} requests/s)"
     )
     same = ", ".join(f"{a} = {b}" for a, b in raw["same_tokens_as"].items()) or "none"
+    cold = "; ".join(
+        f"{name}: {w['programs_compiled']} programs in {w['compile_s']:.1f} s"
+        for name, w in raw.get("warm_up", {}).items()
+    )
     return "\n".join(
         [
             f"## Ablation on the `{workload}` workload ({raw['model']})",
@@ -57,7 +61,12 @@ def _document(raw: dict, workload: str, command: str) -> str:
             "Quality: greedy outputs against the first config's greedy outputs (ROUGE-L, "
             f"BLEU); perplexity ratio of {plan['ppl_docs']} documents of {plan['ppl_length']} "
             f"tokens; passkey at {', '.join(map(str, plan['passkey_lengths']))} tokens. "
-            f"Configs that reproduced an earlier config's sampled tokens exactly: {same}.",
+            f"Configs that reproduced an earlier config's sampled tokens exactly: {same}."
+            + (
+                f" Compiled by the cold (warm-up) run of each engine setting: {cold}."
+                if cold
+                else ""
+            ),
             "",
             markdown(raw),
         ]
