@@ -177,7 +177,12 @@ def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
 
     def record(model, config, requests, arrivals, greedy=False):
         calls.append((config.name, float(np.max(arrivals))))
-        return {"makespan_s": 8.0, "requests": [{"token_ids": [1]}] * len(requests)}
+        return {
+            "makespan_s": 8.0,
+            "compile_s": 2.0 if len(calls) == 1 else 0.0,
+            "programs_compiled": 3 if len(calls) == 1 else 0,
+            "requests": [{"token_ids": [1]}] * len(requests),
+        }
 
     monkeypatch.setattr(ablation, "measure", record)
     plan = BenchPlan(
@@ -192,6 +197,8 @@ def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
     assert len(progress) == len(calls) == ablation.count_work(plan)
     timed = calls[-6:]
     assert [name for name, _ in timed] == ["baseline", "scheduling_only", "full"] * 2
+    # The cold (first) run of each setting is what the report's compile figures come from.
+    assert raw["warm_up"]["baseline"] == {"compile_s": 2.0, "programs_compiled": 3}
     if workload == "mixed":
         assert calls[:3] == [(n, 0.0) for n in ("baseline", "scheduling_only", "full")]
         assert all(last == 0.0 for _, last in timed)
