@@ -229,16 +229,16 @@ class DeviceBackend:
     def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
         """Estimated bytes one step of a burst over these rows reads: the weights once, then
         dense, each row's own pages (the ragged attention reads no padding, so splitting a
-        batch never pays); pruned, every padded row over the widest kept-block table, plus the
-        per-page key bounds the selection scores."""
+        batch never pays); pruned, every padded row up to the largest kept count (the kernels
+        stop there, not at the padded table's width), plus the per-page key bounds the
+        selection scores."""
         opts, cfg, cost = self.options, self.cfg, self.cost
         pages = [pages_needed(n + opts.steps_per_sync, opts.page_size) for n in lengths]
         if not opts.pruning.enabled:
             return cost.weight_bytes + sum(pages) * opts.page_size * cost.kv_bytes_per_key
         num = batch_bucket(len(lengths))
         width = pages_bucket(max(pages))
-        widest = max(self.row_width(n, b) for n, b in zip(lengths, budgets, strict=True))
-        read = kept_bucket(widest, width)
+        read = max(self.row_width(n, b) for n, b in zip(lengths, budgets, strict=True))
         scored = num * width * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
         return cost.weight_bytes + num * read * opts.page_size * cost.kv_bytes_per_key + scored
 

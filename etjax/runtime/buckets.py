@@ -25,10 +25,11 @@ def pages_bucket(num_pages: int) -> int:
 
 
 def kept_bucket(needed: int, width: int) -> int:
-    """Padded width of the kept-block table: `needed` rounded up to an eighth of the page table.
+    """Padded width of the kept-block table: `needed` rounded up to an eighth of the page-table
+    bucket, for at most eight compiled variants per table width.
 
-    Power-of-two rounding could double the blocks a pruned step reads; eighths bound the waste
-    at 12.5% of the context for at most eight compiled variants per table width.
+    The padding is not read: the XLA and Triton kernels loop up to the kept count, and the TPU
+    kernel's grid steps past it skip their work and repeat the last block's copy.
     """
     step = max(4, pages_bucket(width) // 8)
     return min(width, -(-max(needed, 1) // step) * step)
