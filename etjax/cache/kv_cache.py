@@ -17,6 +17,7 @@ touches only the pages it reads and writes, never a copy of a layer's slice.
 from __future__ import annotations
 
 import functools
+from typing import ClassVar
 
 import flax.struct
 import jax
@@ -41,6 +42,15 @@ class KVCache:
     # Attention mass each page drew, per KV head, the last time a pruned decode step read it;
     # 0 for pages never read that way (etjax/pruning/block_scores.py).
     block_mass: jax.Array  # [L, N, KVH] float32
+
+    # Each array's dimensions by name, for the mesh placement (etjax/distributed/placement.py).
+    AXES: ClassVar[dict[str, tuple[str | None, ...]]] = {
+        "k": ("layers", "pages", "kv_heads", None, "head_dim"),
+        "v": ("layers", "pages", "kv_heads", None, "head_dim"),
+        "k_min": ("layers", "pages", "kv_heads", "head_dim"),
+        "k_max": ("layers", "pages", "kv_heads", "head_dim"),
+        "block_mass": ("layers", "pages", "kv_heads"),
+    }
 
     @property
     def num_pages(self) -> int:

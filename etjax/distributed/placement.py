@@ -1,5 +1,9 @@
 """Where every array of a decode lives on a (data, model) mesh, as `NamedSharding`s.
 
+The weights and the KV cache name their arrays' dimensions (`AXES` of Weights, LayerWeights and
+KVCache); this module maps names to mesh axes (`SPLITS`) and knows no field, so weights of
+another layout place themselves by naming their dimensions. The resulting layout:
+
 - **Weights** are split along the `model` axis the Megatron way: the fused q|k|v and gate|up
   projections by output column, the attention output and down projections by input row, the
   embedding table and LM head by vocabulary; norms are replicated. Each data group holds a
@@ -18,19 +22,25 @@ sharded program computes what the single-device one does, up to the order of flo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from etjax.cache.kv_cache import KVCache
 from etjax.distributed.mesh import DATA, MODEL
-from etjax.model.weights import LayerWeights, Weights
-from etjax.runtime.state import DecodeState, StepOutputs
 
-# LayerWeights field -> the axis split over `model` (0 = rows / input, 1 = columns / output).
-_LAYER_SPLIT = {"wqkv": 1, "bqkv": 0, "wo": 0, "w_gate_up": 1, "w_down": 0}
+if TYPE_CHECKING:
+    from etjax.cache.kv_cache import KVCache
+    from etjax.model.weights import Weights
+    from etjax.runtime.state import DecodeState, StepOutputs
+
+# The pytrees name their arrays' dimensions (`AXES` of Weights, LayerWeights and KVCache); each
+# mesh axis splits the first of these names, in this order, that an array has and the axis
+# divides. So KV pages split by KV head, or by head dimension where the heads do not divide.
+SPLITS = {MODEL: ("vocab", "heads", "ffn", "kv_heads", "head_dim"), DATA: ("rows",)}
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,38 @@ class Placement:
                 spec[dim] = axis
         return NamedSharding(self.mesh, P(*spec))
 
+    def named_sharding(
+        self, shape: tuple[int, ...], names: tuple[str | None, ...]
+    ) -> NamedSharding:
+        """The sharding of an array whose dimensions are called `names` (see `SPLITS`)."""
+        axes = {}
+        for axis, preferred in SPLITS.items():
+            for name in preferred:
+                dim = names.index(name) if name in names else None
+                if dim is not None and shape[dim] % self.mesh.shape[axis] == 0:
+                    axes[dim] = axis
+                    break
+        return self.sharding(shape, axes)
+
+    def shardings(self, tree: Any) -> Any:
+        """The sharding of every array of `tree`: dataclasses that declare `AXES`, tuples of
+        them, and None for absent arrays."""
+        if tree is None:
+            return None
+        if isinstance(tree, tuple):
+            return tuple(self.shardings(t) for t in tree)
+        axes = getattr(type(tree), "AXES", None)
+        if axes is None:
+            raise TypeError(f"{type(tree).__name__} does not name its dimensions (AXES)")
+        fields = {}
+        for field in dataclasses.fields(tree):
+            value = getattr(tree, field.name)
+            if field.name in axes and value is not None:
+                fields[field.name] = self.named_sharding(value.shape, axes[field.name])
+            else:
+                fields[field.name] = self.shardings(value)
+        return tree.replace(**fields)
+
     def tracing(self):
         """A context for tracing a program on this mesh: code that adapts to the mesh (the
         sharded top-k, etjax/distributed/topk.py) sees it through `get_abstract_mesh`."""
@@ -64,56 +106,25 @@ class Placement:
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
 
-    # Weights ------------------------------------------------------------------------------
+    # Weights and KV cache: by the names they give their dimensions -------------------------
 
     def weights(self, weights: Weights) -> Weights:
         """The sharding of every weight (a `Weights` tree of `NamedSharding`s)."""
-
-        def layer(lw: LayerWeights) -> LayerWeights:
-            fields = {}
-            for name in ("attn_norm", "wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
-                array = getattr(lw, name)
-                if array is None:
-                    fields[name] = None
-                elif name in _LAYER_SPLIT:
-                    fields[name] = self.sharding(array.shape, {_LAYER_SPLIT[name]: MODEL})
-                else:
-                    fields[name] = self.replicated
-            return LayerWeights(**fields)
-
-        return Weights(
-            embed=self.sharding(weights.embed.shape, {0: MODEL}),
-            layers=tuple(layer(lw) for lw in weights.layers),
-            final_norm=self.replicated,
-            lm_head=None
-            if weights.lm_head is None
-            else self.sharding(weights.lm_head.shape, {1: MODEL}),
-        )
+        return self.shardings(weights)
 
     def place_weights(self, weights: Weights) -> Weights:
         return jax.device_put(weights, self.weights(weights))
 
-    # KV cache -----------------------------------------------------------------------------
-
-    def _head_axes(self, num_kv_heads: int, head_dim_axis: int | None) -> dict[int, str]:
-        if num_kv_heads % self.model == 0 or head_dim_axis is None:
-            return {2: MODEL}
-        return {head_dim_axis: MODEL}
-
     def cache(self, cache: KVCache) -> KVCache:
         """Pages [L, N, KVH, ps, hd] split by KV head, or by head dimension when heads don't
-        divide; the key bounds [L, N, KVH, hd] alike; the remembered mass [L, N, KVH] by
-        head. (Folding the layers into the page axis, as a forward pass does, keeps these.)"""
-        heads = cache.k.shape[2]
-        page = self.sharding(cache.k.shape, self._head_axes(heads, 4))
-        bounds = self.sharding(cache.k_min.shape, self._head_axes(heads, 3))
-        mass = self.sharding(cache.block_mass.shape, {2: MODEL})
-        return KVCache(k=page, v=page, k_min=bounds, k_max=bounds, block_mass=mass)
+        divide; the key bounds alike; the remembered mass [L, N, KVH] by head. (Folding the
+        layers into the page axis, as a forward pass does, keeps these.)"""
+        return self.shardings(cache)
 
     def place_cache(self, cache: KVCache) -> KVCache:
         return jax.device_put(cache, self.cache(cache))
 
-    # Decode state -------------------------------------------------------------------------
+    # Decode state: every leaf is per row ----------------------------------------------------
 
     def state(self, state: DecodeState, vocab_size: int) -> DecodeState:
         """Rows over `data`; [rows, vocab] arrays also over `model`; shared eos ids

@@ -11,6 +11,8 @@ matrix and gate|up in another, so each layer runs two large products instead of 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import flax.struct
 import jax
 
@@ -31,6 +33,19 @@ class LayerWeights:
     w_gate_up: jax.Array  # [D, 2F]  columns: gate | up
     w_down: jax.Array  # [F, D]
 
+    # Each array's dimensions by name, for the mesh placement (etjax/distributed/placement.py):
+    # "heads" and "ffn" are what tensor parallelism splits (q|k|v and gate|up by output column,
+    # the output and down projections by input row); unnamed dimensions are never split.
+    AXES: ClassVar[dict[str, tuple[str | None, ...]]] = {
+        "attn_norm": (None,),
+        "wqkv": (None, "heads"),
+        "bqkv": ("heads",),
+        "wo": ("heads", None),
+        "mlp_norm": (None,),
+        "w_gate_up": (None, "ffn"),
+        "w_down": ("ffn", None),
+    }
+
 
 @flax.struct.dataclass
 class Weights:
@@ -40,6 +55,13 @@ class Weights:
     layers: tuple[LayerWeights, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [D, V], or None when tied to `embed`
+
+    # As `LayerWeights.AXES`; `layers` holds LayerWeights, which name their own.
+    AXES: ClassVar[dict[str, tuple[str | None, ...]]] = {
+        "embed": ("vocab", None),
+        "final_norm": (None,),
+        "lm_head": (None, "vocab"),
+    }
 
 
 def check_weights_shapes(weights: Weights, cfg: ModelConfig, source: str) -> None:
