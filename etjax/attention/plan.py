@@ -34,9 +34,10 @@ from pallas_kernels.ragged_attention.work_items import (
 # - Prefill, run by the tile loop (pallas_kernels/ragged_attention/xla.py): the eight 512-token
 #   chunks of a 4K document took 164-172 ms in all with tiles of 64 queries x 4 pages, 152-155
 #   ms with 128 x 8, 124-126 ms with 128 x 16 and 113 ms with 256 x 16 (the chunked item loop
-#   before it: about 280 ms). Wide tiles waste work on short chunks: eight 60-token prompts took
-#   1.0-1.3 ms with 64 x 4, 4.0-4.2 ms with 128 x 16, 6.8-6.9 ms with 256 x 16. So chunks of
-#   up to 64 tokens (short prompts, a document's tail) get a pass of their own. (2026-12-01)
+#   before it: 63 ms for the last chunk alone). Wide tiles waste work on short chunks: eight
+#   60-token prompts took 1.0-1.3 ms with 64 x 4, 4.0-4.2 ms with 128 x 16, 6.8-6.9 ms with
+#   256 x 16. So chunks of up to 64 tokens (short prompts, a document's tail) get a pass of
+#   their own. (2026-12-01)
 CHUNK = 16
 DECODE_KV_TILE = 4
 SHORT_PREFILL_Q_TILE, SHORT_PREFILL_KV_TILE = 64, 4
