@@ -99,8 +99,7 @@ def measure(
         engine.submit(p, s, arrival_time=start + float(a))
         for p, s, a in zip(prompts, settings, arrivals, strict=True)
     ]
-    while engine.step():
-        _sleep_until_next_arrival(engine)
+    engine.run_until_idle()
     makespan = time.perf_counter() - start
     requests = [
         _request_record(h.result(), len(p), cost) for h, p in zip(handles, prompts, strict=True)
@@ -118,14 +117,6 @@ def measure(
         "programs_compiled": CompileClock.programs - compiled_before[1],
         "requests": requests,
     }
-
-
-def _sleep_until_next_arrival(engine) -> None:
-    # Nothing runnable until the next request arrives: wait for it rather than spin.
-    live = engine.live
-    now = time.perf_counter()
-    if live and all(s.arrival_time > now for s in live):
-        time.sleep(max(min(s.arrival_time for s in live) - now, 0.0))
 
 
 def _request_record(out: SequenceOutput, prompt_tokens: int, cost: CostModel) -> dict:

@@ -38,6 +38,7 @@ import numpy as np
 from etjax.cache.page_allocator import PageAllocator, pages_needed
 from etjax.engine import scheduler
 from etjax.engine.backend import Backend, PrefillJob, RowInit
+from etjax.engine.feed import run_fed
 from etjax.engine.grouping import split_by_width
 from etjax.engine.policies import Policy
 from etjax.engine.sequence import Sequence, Status
@@ -184,30 +185,38 @@ class Engine:
         `on_text(i, piece)` receives prompt i's text as it is produced, `on_done(i, output)`
         each output as it completes."""
         handles: list[RequestHandle] = []
-        live: list[int] = []  # prompts submitted and not yet done
-        while True:
-            while len(live) < self.feed_window and len(handles) < len(prompts):
-                i = len(handles)
-                priority = 0.0 if priorities is None else priorities[i]
-                handles.append(self.submit(prompts[i], settings[i], priority))
-                live.append(i)
-            if not live:
-                break
-            self.step()
-            if on_text is not None:
-                for i in live:
-                    for piece in handles[i].drain():
-                        on_text(i, piece)
+
+        def submit(i: int) -> list[RequestHandle]:
+            priority = 0.0 if priorities is None else priorities[i]
+            handles.append(self.submit(prompts[i], settings[i], priority))
+            return [handles[i]]
+
+        def stream(in_flight: list[tuple[int, list[RequestHandle]]]) -> None:
+            for i, (handle,) in in_flight:
+                for piece in handle.drain():
+                    on_text(i, piece)
+
+        def finished(i: int, done: list[RequestHandle]) -> None:
             if on_done is not None:
-                for i in live:
-                    if handles[i].done:
-                        on_done(i, handles[i].output)
-            live = [i for i in live if not handles[i].done]
+                on_done(i, done[0].output)
+
+        run_fed(
+            self,
+            range(len(prompts)),
+            submit,
+            on_done=finished,
+            on_round=stream if on_text is not None else None,
+        )
         return [h.result() for h in handles]
 
     def run_until_idle(self) -> None:
+        """Run rounds until every submitted request is done. While none of them has arrived
+        yet (future `arrival_time`s), sleep until the first does instead of spinning; the
+        clock is in seconds."""
         while self.step():
-            pass
+            now = self.clock()
+            if self.live and all(s.arrival_time > now for s in self.live):
+                time.sleep(max(min(s.arrival_time for s in self.live) - now, 0.0))
 
     # One round ----------------------------------------------------------------------------
 

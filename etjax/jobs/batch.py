@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import heapq
+import itertools
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import numpy as np
 from etjax import path_checks
 from etjax.engine.build import build_engine, pool_pages, request_pages
 from etjax.engine.engine import Engine, RequestHandle
+from etjax.engine.feed import run_fed
 from etjax.errors import ConfigError, JobError, JobInterrupted, RequestError
 from etjax.jobs import openai_format
 from etjax.jobs.input_lines import input_lines
@@ -184,53 +186,70 @@ class _Job:
 
     def run(self, make_engine: EngineFactory, pages: int, progress: Progress | None) -> RunSummary:
         results, stats = self.results, RunSummary()
-        engine: Engine | None = None
-        inflight: list[_InFlight] = []
-        lines = (line for line in self._lines() if line.id not in results.done)
-        more = True
-        while True:
-            while more and (engine is None or len(inflight) < engine.feed_window):
-                line = next(lines, None)
-                if line is None:
-                    more = False
-                    break
-                rec = line.parse(self.model, self.config)
-                valid = rec.error is None
-                if valid:
-                    engine = engine or make_engine(pages)
-                    try:
-                        inflight.append(_InFlight(rec, _submit(engine, rec)))
-                        continue
-                    except RequestError as e:
-                        rec.error = f"line {rec.line}: {e}"
-                results.append(_error_record(rec))
-                if progress and valid:  # refused by the engine: part of the surveyed work
-                    progress.update(requests=1)
-                elif progress:
-                    progress.reject()
-            if not inflight:
-                break
-            engine.step()
-            still = []
-            for item in inflight:
-                outs = [h.output for h in item.handles]
-                if progress:
-                    tokens = sum(len(out.token_ids) for out in outs)
-                    progress.update(tokens=tokens - item.counted)
-                    item.counted = tokens
-                if not all(h.done for h in item.handles):
-                    still.append(item)
-                    continue
-                results.append(self._result_record(item.record, outs))
-                for out in outs:
-                    stats.add(out)
-                if progress:
-                    progress.update(requests=1)
-            inflight = still
+        records = (
+            line.parse(self.model, self.config)
+            for line in self._lines()
+            if line.id not in results.done
+        )
+        # Records before the first valid one are answered without an engine, so none is built
+        # when every record left is invalid.
+        first = next((rec for rec in records if self._submittable(rec, progress)), None)
+        if first is None:
             results.sync()
-            self._check_stop(len(inflight))
+            return stats
+        engine = make_engine(pages)
+        counted: dict[int, int] = {}  # tokens already shown by the progress line, per record
+
+        def submit(rec: ParsedRecord) -> list[RequestHandle] | None:
+            if not self._submittable(rec, progress):
+                return None
+            try:
+                return _submit(engine, rec)
+            except RequestError as e:
+                rec.error = f"line {rec.line}: {e}"
+                results.append(_error_record(rec))
+                if progress:  # refused by the engine: part of the surveyed work
+                    progress.update(requests=1)
+                return None
+
+        def show_tokens(in_flight: list[tuple[ParsedRecord, list[RequestHandle]]]) -> None:
+            for rec, handles in in_flight:
+                tokens = sum(len(h.output.token_ids) for h in handles)
+                progress.update(tokens=tokens - counted.get(rec.line, 0))
+                counted[rec.line] = tokens
+
+        def finished(rec: ParsedRecord, handles: list[RequestHandle]) -> None:
+            outs = [h.output for h in handles]
+            results.append(self._result_record(rec, outs))
+            for out in outs:
+                stats.add(out)
+            counted.pop(rec.line, None)
+            if progress:
+                progress.update(requests=1)
+
+        def checkpoint(in_flight: int) -> None:
+            results.sync()
+            self._check_stop(in_flight)
+
+        run_fed(
+            engine,
+            itertools.chain([first], records),
+            submit,
+            on_done=finished,
+            on_round=show_tokens if progress else None,
+            after_round=checkpoint,
+        )
         results.sync()
         return stats
+
+    def _submittable(self, rec: ParsedRecord, progress: Progress | None) -> bool:
+        # Whether `rec` can be submitted; an invalid one is answered with its error record.
+        if rec.error is None:
+            return True
+        self.results.append(_error_record(rec))
+        if progress:
+            progress.reject()
+        return False
 
     def _result_record(self, rec: ParsedRecord, outs: list[SequenceOutput]) -> dict:
         if rec.openai_url is not None:
@@ -255,13 +274,6 @@ class _Job:
             f"{self.output} are complete and on disk{lost}. Rerun the same command to resume",
             self.stop.received,
         )
-
-
-@dataclass
-class _InFlight:
-    record: ParsedRecord
-    handles: list[RequestHandle]  # one per sample
-    counted: int = 0  # tokens already shown by the progress line
 
 
 def _submit(engine: Engine, rec: ParsedRecord) -> list[RequestHandle]:
