@@ -20,11 +20,13 @@ TRACE_FIELDS = {
     "tau": ("entropic time tau", "nats"),
     "cost_bytes": ("cumulative bytes read", "bytes"),
 }
+# What `plot_trace` draws unless told otherwise, and what the bench keeps for its plots.
+DEFAULT_FIELDS = ("entropy", "sampled_entropy", "temperature", "tau")
 
 
 def plot_trace(
     results: Result | Sequence[Result],
-    fields: Sequence[str] = ("entropy", "sampled_entropy", "temperature", "tau"),
+    fields: Sequence[str] = DEFAULT_FIELDS,
     labels: Sequence[str] | None = None,
 ) -> Figure:
     """Draw each trace field of one or several results against the token index.

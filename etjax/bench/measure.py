@@ -17,12 +17,12 @@ import numpy as np
 from etjax.bench.workloads import WorkloadRequest
 from etjax.engine.build import build_engine, workload_pages
 from etjax.entropy.cost import CostModel
+from etjax.plot import DEFAULT_FIELDS
 from etjax.run_config import RunConfig
 from etjax.runtime.options import RequestSettings, SequenceOutput
 from etjax.sampling.settings import SamplerSettings
 
 # Per-token traces kept for the plots.
-TRACE_FIELDS = ("entropy", "sampled_entropy", "temperature", "tau")
 
 
 class CompileClock:
@@ -137,7 +137,7 @@ def _request_record(out: SequenceOutput, prompt_tokens: int, cost: CostModel) ->
         "decode_steps": len(kept),
         "kv_bytes": float(kv_bytes),
         "mean_logprob": float(np.mean(out.logprob)) if n else 0.0,
-        "traces": {f: [round(float(x), 4) for x in getattr(out, f)] for f in TRACE_FIELDS}
+        "traces": {f: [round(float(x), 4) for x in getattr(out, f)] for f in DEFAULT_FIELDS}
         | {"kept_fraction": [round(k / b, 4) for k, b in zip(kept, blocks, strict=True)]},
     }
 
