@@ -182,3 +182,35 @@ def test_selection_shared_by_kv_heads_equals_it_repeated_per_head(backend):
     assert mass.shape == (b, kvh, 4)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)
     np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_xla_loop_over_a_wide_padded_table_matches_the_reference(shared):
+    # 19 kept columns: three trips of LOOP_BLOCKS = 8 with the last one padded; rows keep 1, 8,
+    # 9 and 19 blocks, so trips end inside a row's list, on its boundary and past it, and the
+    # padding past each count (valid ids, as the selection leaves them) must read as nothing.
+    rng = np.random.default_rng(7)
+    b, kvh, group, hd, ps, width = 4, 2, 3, 16, 8, 24
+    heads = 1 if shared else kvh
+    lengths = np.array([width * ps, width * ps - 5, 10 * ps + 3, width * ps], np.int32)
+    counts = np.broadcast_to(np.array([1, 8, 9, 19], np.int32)[:, None], (b, heads))
+    kept = np.zeros((b, heads, 19), np.int32)
+    for i in range(b):
+        used = -(-int(lengths[i]) // ps)
+        for h in range(heads):
+            chosen = rng.permutation(used)[: counts[i, h]]
+            kept[i, h] = np.concatenate([chosen, np.full(19 - len(chosen), chosen[0])])
+    args = dict(
+        q=jnp.asarray(rng.normal(size=(b, kvh * group, hd)), jnp.float32),
+        k_pages=jnp.asarray(rng.normal(size=(1 + b * width, kvh, ps, hd)), jnp.float32),
+        v_pages=jnp.asarray(rng.normal(size=(1 + b * width, kvh, ps, hd)), jnp.float32),
+        page_table=jnp.asarray((1 + rng.permutation(b * width)).reshape(b, width), jnp.int32),
+        kept_blocks=jnp.asarray(kept),
+        kept_counts=jnp.asarray(np.ascontiguousarray(counts)),
+        lengths=jnp.asarray(lengths),
+    )
+    out, mass = BACKENDS["xla"](**args)
+    ref_out, ref_mass = block_sparse_attention_reference(**args)
+    tol = TOLERANCE["float32"]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=tol["out"], rtol=0)
+    np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=tol["mass"], rtol=0)
