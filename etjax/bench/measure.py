@@ -22,8 +22,6 @@ from etjax.run_config import RunConfig
 from etjax.runtime.options import RequestSettings, SequenceOutput
 from etjax.sampling.settings import SamplerSettings
 
-# Per-token traces kept for the plots.
-
 
 class CompileClock:
     """Seconds XLA spent compiling, and the programs it compiled, since this process started
@@ -137,6 +135,7 @@ def _request_record(out: SequenceOutput, prompt_tokens: int, cost: CostModel) ->
         "decode_steps": len(kept),
         "kv_bytes": float(kv_bytes),
         "mean_logprob": float(np.mean(out.logprob)) if n else 0.0,
+        # The per-token traces the plots draw.
         "traces": {f: [round(float(x), 4) for x in getattr(out, f)] for f in DEFAULT_FIELDS}
         | {"kept_fraction": [round(k / b, 4) for k, b in zip(kept, blocks, strict=True)]},
     }

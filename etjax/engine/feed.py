@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 InFlight = list[tuple[T, "list[RequestHandle]"]]
+_END = object()  # what `next` returns when the items run out (an item may be None)
 
 
 def run_fed(
@@ -60,6 +61,3 @@ def run_fed(
         in_flight = still
         if after_round is not None:
             after_round(len(in_flight))
-
-
-_END = object()
