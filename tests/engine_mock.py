@@ -45,9 +45,6 @@ class MockBackend:
     # What a burst costs beyond its rows (burst_bytes); so large by default that splitting a
     # batch never pays, which keeps one burst per round unless a test lowers it.
     weight_bytes: float = 1e12
-    # Whether a round's decode rows and prefill chunks share one step (as the device does
-    # without pruning); False runs them as two calls, as under pruning.
-    mixes_decode: bool = True
     vocab_size: int = 1000  # prompts hold request ids and 5; token_of stays below 910
 
     def __post_init__(self) -> None:
@@ -67,7 +64,7 @@ class MockBackend:
             assert holder == row, f"page {page} held by rows {holder} and {row}"
             self.owner[page] = row
 
-    def mixed(self, rows, pages, lengths, jobs: list[PrefillJob]):
+    def mixed(self, rows, pages, lengths, budgets, jobs: list[PrefillJob]):
         # One step: the rows decode one token each, the jobs are cached.
         costs = self._prefill(jobs)
         if not rows:

@@ -207,17 +207,14 @@ workloads = st.lists(
     batch=st.integers(1, 3),
     rounds=st.integers(1, 3),
     pages=st.integers(12, 40),
-    mixes=st.booleans(),
 )
 def test_any_workload_finishes_without_starvation_leaks_or_lost_tokens(
-    workload, policy, batch, rounds, pages, mixes
+    workload, policy, batch, rounds, pages
 ):
     resident = batch * rounds
     entropy = {r: (4.0 + r % 3, 0.1 * (r % 4)) for r in range(1, len(workload) + 1)}
     eos = {r: w[4] for r, w in enumerate(workload, start=1) if w[4] is not None}
-    engine, backend = _engine(
-        policy, batch, resident, pages, rounds, entropy=entropy, eos_at=eos, mixes_decode=mixes
-    )
+    engine, backend = _engine(policy, batch, resident, pages, rounds, entropy=entropy, eos_at=eos)
     handles = []
     for r, (length, new, arrival, priority, _) in enumerate(workload, start=1):
         if -(-(length + new) // PAGE) > pages - 1:

@@ -106,3 +106,41 @@ def test_dense_decode_through_the_pallas_gpu_ragged_kernel_gives_the_xla_outputs
     for a, b in zip(xla, gpu, strict=True):
         assert a.token_ids == b.token_ids
         np.testing.assert_allclose(a.entropy, b.entropy, rtol=1e-4, atol=1e-5)
+
+
+def test_pruned_rows_in_a_ragged_step_decode_as_they_do_alone(tiny, monkeypatch):
+    # A short prompt decodes while a long one is still prefilling in 16-token chunks: its
+    # pruned tokens then run inside ragged steps beside the chunks (dense chunk attention,
+    # pruned row attention in one pass). Alone, the same request decodes in K-step bursts
+    # only. Both must keep the same blocks and give the same tokens and entropies.
+    from etjax.engine.device import DeviceBackend
+
+    rows_per_step = []
+    mixed = DeviceBackend.mixed
+
+    def counting(self, rows, *args):
+        rows_per_step.append(len(rows))
+        return mixed(self, rows, *args)
+
+    monkeypatch.setattr(DeviceBackend, "mixed", counting)
+    rng = np.random.default_rng(4)
+    short, long = (rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (48, 120))
+    pruning = PruningConfig(
+        enabled=True, min_fraction=0.3, entropy_low=50.0, entropy_high=60.0, min_blocks=3
+    )
+    settings = RequestSettings(max_new_tokens=8, ignore_eos=True)
+
+    def run(prompts):
+        options = RuntimeOptions(page_size=4, steps_per_sync=4, prefill_chunk=16, pruning=pruning)
+        return generate_ids(
+            tiny.weights, tiny.config, tiny.tokenizer, prompts, [settings] * len(prompts), options
+        )
+
+    (alone,) = run([short])
+    rows_per_step.clear()
+    together, _ = run([short, long])
+    assert max(rows_per_step) >= 1, "no pruned row shared a step with a chunk"
+    assert max(alone.kept_blocks) < -(-56 // 4)  # blocks were really dropped
+    assert together.kept_blocks == alone.kept_blocks
+    assert together.token_ids == alone.token_ids
+    np.testing.assert_allclose(together.entropy, alone.entropy, rtol=1e-4, atol=1e-5)

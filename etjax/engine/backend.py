@@ -45,15 +45,17 @@ class Backend(Protocol):
     num_pages: int  # the KV pool, page 0 (the null page) included
     vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
 
-    @property
-    def mixes_decode(self) -> bool:
-        """Whether decoding rows and prefill chunks share one step."""
-
     def mixed(
-        self, rows: list[int], pages: list[list[int]], lengths: list[int], jobs: list[PrefillJob]
+        self,
+        rows: list[int],
+        pages: list[list[int]],
+        lengths: list[int],
+        budgets: list[float],
+        jobs: list[PrefillJob],
     ) -> tuple[StepOutputs | None, np.ndarray, list[tuple[float, float]]]:
-        """One step: `rows` decode a token each, `jobs` append their chunks. Returns the rows'
-        outputs [1, len(rows)], their budget fractions, and each job's (FLOPs, bytes)."""
+        """One step: `rows` decode a token each (at their budget fractions, under pruning),
+        `jobs` append their chunks. Returns the rows' outputs [1, len(rows)], their next budget
+        fractions, and each job's (FLOPs, bytes)."""
 
     def decode(
         self, rows: list[int], pages: list[list[int]], lengths: list[int], budgets: list[float]

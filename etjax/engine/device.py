@@ -4,9 +4,9 @@ The engine (engine.py) decides; this executes. Resident sequences each own a row
 `DecodeState` store on device with `rows + 1` rows (the last is a never-active pad row). A round
 runs one program (etjax/runtime/steps.py): `mixed`, one ragged step in which the decoding rows
 each advance a token and prefill chunks of other sequences ride along in the same flat batch,
-or `decode`, K steps of the rows in one scan when nothing is prefilling. Under pruning a step
-cannot mix (a pruned decode token and a dense chunk take different attention paths), so the
-chunks run as a `mixed` step without rows and the rows decode after. Every program gathers its
+or `decode`, K steps of the rows in one scan when nothing is prefilling. Under pruning the
+rows' tokens of either program read only the blocks their budgets keep, while a ragged step's
+chunks attend densely (etjax/model/transformer.py). Every program gathers its
 rows from the store and scatters them back itself. Page lists live on the host (the engine's)
 and each call gets just the arrays its plan needs (etjax/attention/plan.py).
 """
@@ -80,19 +80,20 @@ class DeviceBackend:
             pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
         )
 
-    @property
-    def mixes_decode(self) -> bool:
-        """Whether decoding rows and prefill chunks share one step (not under pruning)."""
-        return not self.options.pruning.enabled
-
     # One ragged step ------------------------------------------------------------------------
 
     def mixed(
-        self, rows: list[int], pages: list[list[int]], lengths: list[int], jobs: list[PrefillJob]
+        self,
+        rows: list[int],
+        pages: list[list[int]],
+        lengths: list[int],
+        budgets: list[float],
+        jobs: list[PrefillJob],
     ) -> tuple[StepOutputs, np.ndarray, list[tuple[float, float]]]:
-        """One step: each row of `rows` (with its pages and cached length) decodes one token,
-        and each job appends its chunk. Returns the rows' outputs [1, len(rows)], their budget
-        fractions, and the (FLOPs, bytes) of each job; a job's logits are kept for `insert`."""
+        """One step: each row of `rows` (with its pages, cached length and budget fraction)
+        decodes one token, and each job appends its chunk. Returns the rows' outputs
+        [1, len(rows)], their budget fractions, and the (FLOPs, bytes) of each job; a job's
+        logits are kept for `insert`. Under pruning the rows read only their kept blocks."""
         opts, cfg = self.options, self.cfg
         if len(rows) > opts.max_batch_size:
             raise ValueError(f"{len(rows)} decoding rows; max_batch_size={opts.max_batch_size}")
@@ -111,7 +112,8 @@ class DeviceBackend:
         for j, (row, row_pages, n) in enumerate(zip(rows, pages, lengths, strict=True)):
             index[j], decode_slot[j], positions[j] = row, j, n
             write_pages[j] = row_pages[n // opts.page_size]
-            decoding.append(Segment(j, 1, n, n, row_pages[: n // opts.page_size + 1]))
+            if not opts.pruning.enabled:  # pruned rows attend outside the plan
+                decoding.append(Segment(j, 1, n, n, row_pages[: n // opts.page_size + 1]))
         start = len(rows)
         for j, job in enumerate(jobs):
             n = len(job.tokens)
@@ -133,6 +135,9 @@ class DeviceBackend:
             self.attention_backend,
         )
         batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index)
+        table, max_kept = None, 0
+        if opts.pruning.enabled:
+            table, max_kept = self._pruned_tables(pages, [n + 1 for n in lengths], budgets, width)
         self.store, self.cache, out, logits = mixed_step(
             self.weights,
             self.cache,
@@ -142,7 +147,11 @@ class DeviceBackend:
             plan,
             cfg,
             self.cost,
+            table,
+            opts.pruning,
+            max_kept,
             self.placement,
+            self.attention_backend,
         )
         for j, job in enumerate(jobs):
             self._logits[job.row] = (logits, np.int32(j))  # sliced inside the insert program
@@ -254,14 +263,8 @@ class DeviceBackend:
         index[: len(rows)] = rows
         max_kept, plan = 0, None
         if opts.pruning.enabled:
-            # The whole table: the block selection scores every page of a row.
-            reach = [n + k for n in lengths]
-            width = pages_bucket(max(pages_needed(r, ps) for r in reach))
-            table = page_table_rows([p[:width] for p in pages] + [[]] * (num - len(rows)), width)
+            table, max_kept = self._pruned_tables(pages, [n + k for n in lengths], budgets, num)
             base = np.zeros(num, np.int32)
-            blocks = np.array([pages_needed(r, ps) for r in reach])
-            needed = np.asarray(kept_block_count(np.asarray(budgets), blocks, opts.pruning))
-            max_kept = kept_bucket(int(needed.max()), width)
         else:
             # Dense: writes need only the pages the burst's positions fall in, and attention
             # reads each row's own pages up to its length after the burst.
@@ -299,6 +302,19 @@ class DeviceBackend:
         out, budget = jax.device_get((out, self.store.entropy.budget))
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
         return out, np.asarray(budget)[index[: len(rows)]]
+
+    def _pruned_tables(
+        self, pages: list[list[int]], reach: list[int], budgets: list[float], num: int
+    ) -> tuple[np.ndarray, int]:
+        # A pruned step's whole page tables [num, W] (the block selection scores every page of
+        # a row), W bucketed by the longest `reach` (each row's length after the step), and
+        # the static width of the kept table for the largest budget.
+        opts, ps = self.options, self.options.page_size
+        width = pages_bucket(max((pages_needed(r, ps) for r in reach), default=1))
+        table = page_table_rows([p[:width] for p in pages] + [[]] * (num - len(pages)), width)
+        blocks = np.array([pages_needed(r, ps) for r in reach], np.int64)
+        needed = np.asarray(kept_block_count(np.asarray(budgets, np.float32), blocks, opts.pruning))
+        return table, kept_bucket(int(needed.max(initial=1)), width)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

@@ -19,9 +19,6 @@ A round (`step`):
      grouping.py; with ragged attention that only pays under pruning). The host streams the
      new tokens, applies stop strings and frees finished sequences.
 
-Under pruning (the backend's `mixes_decode` is False) the chunks run first as a step of their
-own, and the burst follows in the same round.
-
 The host loop is plain, single-threaded Python over a small backend interface (`mixed`,
 `decode`, insert, save, release, and row_width / burst_bytes for the grouping), so the same
 code runs on the device (`DeviceBackend`) and on a mock with hand-computable outputs in the tests.
@@ -233,28 +230,16 @@ class Engine:
                 self._stamp_finish(seq, now)
         arrived = [s for s in live if not s.finished and s.arrival_time <= now]
         self._admit([s for s in arrived if s.status is Status.WAITING])
-        budget = self.options.token_budget
-        if self.backend.mixes_decode:
-            # One ragged step: the decoding rows first (prefill never starves decode), then
-            # chunks up to the token budget; with nothing to prefill, a K-step burst. (Pages
-            # for the batch may preempt a prefilling sequence: list those after.)
-            batch = self._pick_batch([s for s in arrived if s.status is Status.RUNNING])
-            prefilling = [s for s in arrived if s.status is Status.PREFILLING]
-            jobs = self._prefill_jobs(prefilling, budget - len(batch))
-            if jobs:
-                device += self._mixed(batch, jobs)
-            elif batch:
-                device += self._decode(batch)
-        else:
-            # Pruned decode cannot share a step with prefill: chunks first, then a burst that
-            # may already include the sequences they completed.
-            prefilling = [s for s in arrived if s.status is Status.PREFILLING]
-            jobs = self._prefill_jobs(prefilling, budget)
-            if jobs:
-                device += self._mixed([], jobs)
-            batch = self._pick_batch([s for s in arrived if s.status is Status.RUNNING])
-            if batch:
-                device += self._decode(batch)
+        # One ragged step: the decoding rows first (prefill never starves decode), then chunks
+        # up to the token budget; with nothing to prefill, a K-step burst. (Pages for the
+        # batch may preempt a prefilling sequence: list those after.)
+        batch = self._pick_batch([s for s in arrived if s.status is Status.RUNNING])
+        prefilling = [s for s in arrived if s.status is Status.PREFILLING]
+        jobs = self._prefill_jobs(prefilling, self.options.token_budget - len(batch))
+        if jobs:
+            device += self._mixed(batch, jobs)
+        elif batch:
+            device += self._decode(batch)
         self.live = [s for s in self.live if not s.finished]
         self.round += 1
         self.device_seconds += device
@@ -315,6 +300,7 @@ class Engine:
             [s.row for s in batch],
             [s.pages for s in batch],
             [s.length for s in batch],
+            [s.budget for s in batch],
             [job for _, job in jobs],
         )
         elapsed = time.perf_counter() - started

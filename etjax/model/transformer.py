@@ -48,15 +48,17 @@ def forward(
       write_pages: [T] int32 the page each token's key and value go to; the null page for
         padding tokens, which are computed but neither cached nor meaningful.
       plan: what each token attends to (etjax/attention/plan.py), for dense attention.
-      sparse: instead of `plan`, for decode tokens (one per row of `sparse.page_table`): attend
-        per layer and KV head only to the blocks the budget keeps, chosen by query-aware key
-        bounds (etjax/pruning).
+      sparse: for decode tokens (one per row of `sparse.page_table`, at the flat indices
+        `sparse.slots`, or every token when that is None): attend per layer only to the blocks
+        the budget keeps, chosen by query-aware key bounds (etjax/pruning). With a plan too
+        (a ragged step under pruning), the plan's tokens attend densely and the rows' tokens
+        take the pruned path; the plan lists no items for them.
 
     Returns:
       hidden: [T, D] final-normed hidden states in the model dtype, and the updated cache.
     """
-    if (plan is None) == (sparse is None):
-        raise ValueError("forward needs exactly one of an attention plan and a sparse plan")
+    if plan is None and (sparse is None or sparse.slots is not None):
+        raise ValueError("forward needs an attention plan for tokens that are not pruned rows")
     inv_freq = rope_inverse_frequencies(cfg)
     x = weights.embed[tokens]
 
@@ -105,6 +107,9 @@ class SparsePlan:
     pruning: PruningConfig = flax.struct.field(pytree_node=False)
     max_kept: int = flax.struct.field(pytree_node=False)  # static width of the kept table
     backend: str = flax.struct.field(pytree_node=False, default="xla")  # the kernel
+    # [B] int32 flat index of each row's token in a ragged step (out of range for padding
+    # rows); None: the step's tokens are exactly the rows'.
+    slots: jax.Array | None = None
 
 
 def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
@@ -133,15 +138,23 @@ def _attention(
     pool = write_kv(pool, k, v, write_pages, positions, first_page)
     if sparse is None:
         return attend(q, pool.k, pool.v, positions, plan, first_page), pool
-    real = write_pages != NULL_PAGE
-    return pruned_decode_attention(
-        q,
+    slots = sparse.slots
+
+    def rows_of(x):  # the rows' entries of a flat array (zeros for padding rows)
+        return x if slots is None else x.at[slots].get(mode="fill", fill_value=0)
+
+    heads, pool = pruned_decode_attention(
+        rows_of(q),
         pool,
-        positions,
-        real,
+        rows_of(positions),
+        rows_of(write_pages) != NULL_PAGE,
         sparse.page_table + first_page,
         sparse.budget_blocks,
         sparse.pruning,
         sparse.max_kept,
         sparse.backend,
     )
+    if slots is None:
+        return heads, pool
+    dense = attend(q, pool.k, pool.v, positions, plan, first_page)
+    return dense.at[slots].set(heads, mode="drop"), pool

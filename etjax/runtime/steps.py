@@ -3,16 +3,17 @@
 - `mixed_step`: one ragged step. A flat batch of tokens holds the next token of each decoding
   row (sampled here from the row's logits) followed by prefill chunks of other sequences; the
   model runs once over all of them, each token attending to its own sequence's pages
-  (etjax/attention). Returns the logits after each chunk.
+  (etjax/attention); under pruning the rows' tokens read only their kept blocks. Returns the
+  logits after each chunk.
 - `prefill_chunk`: the same flat prefill without rows to decode and without the store.
 - `decode_steps`: K decode steps of a batch of rows in one `lax.scan`, for rounds with nothing
   to prefill (fewer host round trips).
 
 `mixed_step` and `decode_steps` gather their rows from the store and scatter them back inside
 the program, and donate the store and the KV cache. Shapes: `mixed_step` by its token bucket,
-`decode_steps` by its row bucket (and, under pruning, the page-table and kept-table widths);
-the host sizes every other array from the engine's fixed sizes, so a run compiles a bounded
-set of programs once.
+`decode_steps` by its row bucket (and both, under pruning, by the rows' page-table and
+kept-table widths); the host sizes every other array from the engine's fixed sizes, so a run
+compiles a bounded set of programs once.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from etjax.pruning.config import PruningConfig
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.sampling.sampler import sample_next
 
+DENSE = PruningConfig()  # pruning disabled: every block of the context is read
+
 
 @flax.struct.dataclass
 class FlatBatch:
@@ -53,7 +56,9 @@ class FlatBatch:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("cfg", "cost", "placement"), donate_argnames=("cache", "store")
+    jax.jit,
+    static_argnames=("cfg", "cost", "pruning", "max_kept", "placement", "attention_backend"),
+    donate_argnames=("cache", "store"),
 )
 def mixed_step(
     weights: Weights,
@@ -64,21 +69,29 @@ def mixed_step(
     plan: AttentionPlan,
     cfg: ModelConfig,
     cost: CostModel,
+    page_table: jax.Array | None = None,
+    pruning: PruningConfig = DENSE,
+    max_kept: int = 0,
     placement: Placement | None = None,
+    attention_backend: str = "xla",
 ) -> tuple[DecodeState, KVCache, StepOutputs, jax.Array]:
     """One ragged step: every row in `rows` [Bm] (the store's pad row for padding) samples its
     next token, which runs through the model together with the prefill tokens of `batch`.
 
+    Dense, `plan` holds every token's attention work. With `pruning.enabled`, the rows'
+    tokens attend to the blocks their budgets keep (as in `decode_steps`), scored over their
+    whole page tables `page_table` [Bm, W], and `plan` holds only the chunks' work.
     Returns the store, the cache, the rows' outputs [1, Bm] and float32 logits [Sp, V] after
     each prefill sequence's last token.
     """
     with _on_mesh(placement):
-        state = take_rows(store, rows)
+        state = take_rows(store, rows).replace(page_table=page_table)
         prefill_hidden = []
 
         def run_model(tokens, runs, sparse):
-            del sparse  # a ragged step is dense
             slot = batch.decode_slot
+            if sparse is not None:
+                sparse = sparse.replace(slots=slot)
             flat = batch.tokens.at[slot].set(tokens, mode="drop")
             # A row that finished on this token writes nothing (its token is not run).
             write_pages = batch.write_pages.at[slot].set(
@@ -86,12 +99,14 @@ def mixed_step(
                 mode="drop",
             )
             hidden, new_cache = forward(
-                weights, cache, flat, batch.positions, write_pages, cfg, plan=plan
+                weights, cache, flat, batch.positions, write_pages, cfg, plan=plan, sparse=sparse
             )
             prefill_hidden.append(hidden[batch.last_index])
             return hidden.at[slot].get(mode="fill", fill_value=0), new_cache
 
-        state, cache, outputs = _decode_step(weights, state, cfg, cost, DENSE, 0, run_model)
+        state, cache, outputs = _decode_step(
+            weights, state, cfg, cost, pruning, max_kept, run_model, attention_backend
+        )
         logits = logits_from_hidden(weights, prefill_hidden[0])
         store = put_rows(store, rows, state)
         if placement is not None:
@@ -136,9 +151,6 @@ def prefill_chunk(
 def _on_mesh(placement: Placement | None):
     # While tracing: let mesh-aware code (the sharded top-k) see the placement's mesh.
     return contextlib.nullcontext() if placement is None else placement.tracing()
-
-
-DENSE = PruningConfig()  # pruning disabled: every block of the context is read
 
 
 @functools.partial(
