@@ -28,13 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
 from benchmarks.pruning_settings import SETTINGS
-from etjax.attention import PlanSizes, padded_batch_plan, plan_segments
+from etjax.attention import PlanSizes, kept_table_width, padded_batch_plan, plan_segments
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
 from etjax.pruning.budget import kept_block_count
 from etjax.pruning.config import PruningConfig
-from etjax.runtime.buckets import kept_bucket
 from etjax.runtime.state import DecodeState
 from etjax.runtime.steps import decode_steps, prefill_chunk
 from etjax.sampling.sampler import initial_sampler_state
@@ -113,7 +112,7 @@ def main() -> None:
                 max_kept = 0
                 if pruning.enabled:
                     needed = np.asarray(kept_block_count(budgets[name], reach, pruning))
-                    max_kept = kept_bucket(int(needed.max()), width)
+                    max_kept = kept_table_width("xla", int(needed.max()), width)
                 state = state.replace(
                     entropy=state.entropy.replace(budget=jnp.asarray(budgets[name]))
                 )

@@ -139,3 +139,37 @@ def test_mass_memory_stores_real_observations_and_forgets_reused_pages():
     memory = forget_mass(memory, jnp.asarray([3, 1]), jnp.asarray([0, 5]))  # page 3 reused
     expected[3] = 0
     np.testing.assert_array_equal(np.asarray(memory), expected)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_page_scores_loop_only_to_the_longest_row_and_match_the_plain_bound(shared):
+    # The engine passes page tables as wide as its longest possible sequence; scoring loops
+    # over slices of SCORE_PAGES pages up to the batch's longest row. Every page a row holds
+    # must get the plain bound and mass (several trips, a last slice past the table's end).
+    from etjax.attention.pruned import SCORE_PAGES, _score_pages
+    from etjax.cache.kv_cache import PagePool
+
+    rng = np.random.default_rng(5)
+    b, h, kvh, hd, n_pages, width = 3, 6, 3, 8, 200, 2 * SCORE_PAGES + 37
+    k_min = rng.normal(size=(n_pages, kvh, hd)).astype(np.float32)
+    pool = PagePool(
+        k=jnp.zeros((n_pages, kvh, 4, hd)),
+        v=jnp.zeros((n_pages, kvh, 4, hd)),
+        k_min=jnp.asarray(k_min),
+        k_max=jnp.asarray(k_min + rng.uniform(0, 2, size=k_min.shape).astype(np.float32)),
+        block_mass=jnp.asarray(rng.uniform(size=(n_pages, kvh)).astype(np.float32)),
+        pages_per_layer=n_pages,
+    )
+    table = rng.integers(1, n_pages, size=(b, width)).astype(np.int32)
+    num_blocks = np.array([5, 2 * SCORE_PAGES + 20, SCORE_PAGES], np.int32)
+    q = jnp.asarray(rng.normal(size=(b, h, hd)).astype(np.float32))
+    scores, mass = _score_pages(q, pool, jnp.asarray(table), jnp.asarray(num_blocks), shared)
+    plain = np.asarray(block_upper_bounds(q, pool.k_min, pool.k_max, jnp.asarray(table)))
+    plain_mass = np.asarray(pool.block_mass)[table].transpose(0, 2, 1)
+    if shared:
+        plain, plain_mass = plain.max(1, keepdims=True), plain_mass.max(1, keepdims=True)
+    assert scores.shape == plain.shape == mass.shape
+    reached = -(-num_blocks.max() // SCORE_PAGES) * SCORE_PAGES
+    np.testing.assert_allclose(np.asarray(scores)[..., :reached], plain[..., :reached], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(mass)[..., :reached], plain_mass[..., :reached])
+    assert np.all(np.asarray(scores)[..., reached:] == -np.inf)  # never read

@@ -5,7 +5,8 @@
   padded [rows, tokens] batch.
 - `seam.py`: `attend`, which runs a plan, and `resolve_backend`, the kernels by platform.
 - `pruned.py`: `pruned_decode_attention`, block selection by Quest bounds and the
-  block-sparse kernel of the chosen backend.
+  block-sparse kernel of the chosen backend; `kept_table_width`, the kept table's static
+  width per backend.
 
 The paged cache layout (etjax/cache/kv_cache.py) and the kernels (pallas_kernels/) sit below;
 the engine and the device programs (etjax/runtime/, etjax/engine/) above.
@@ -18,7 +19,7 @@ from etjax.attention.plan import (
     plan_passes,
     plan_segments,
 )
-from etjax.attention.pruned import pruned_decode_attention
+from etjax.attention.pruned import kept_table_width, pruned_decode_attention
 from etjax.attention.seam import BACKENDS, attend, resolve_backend
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "AttentionPlan",
     "PlanSizes",
     "attend",
+    "kept_table_width",
     "padded_batch_plan",
     "plan_passes",
     "plan_segments",

@@ -21,6 +21,9 @@ from etjax.pruning.config import PruningConfig
 from etjax.pruning.selection import select_blocks
 from pallas_kernels.block_sparse import block_sparse_attention_xla
 
+# Pages scored per loop trip (see _score_pages).
+SCORE_PAGES = 32
+
 
 def pruned_decode_attention(
     q: jax.Array,
@@ -42,11 +45,7 @@ def pruned_decode_attention(
     page_size = pool.k.shape[2]
     lengths = position + 1
     num_blocks = (lengths + page_size - 1) // page_size
-    scores = block_upper_bounds(q, pool.k_min, pool.k_max, page_table)  # [B, KVH, P]
-    last_mass = pool.block_mass[page_table].transpose(0, 2, 1)  # [B, KVH, P]
-    if pruning.share_heads:
-        scores = scores.max(axis=1, keepdims=True)
-        last_mass = last_mass.max(axis=1, keepdims=True)
+    scores, last_mass = _score_pages(q, pool, page_table, num_blocks, pruning.share_heads)
     kept, counts = select_blocks(scores, num_blocks, budget_blocks, pruning, max_kept, last_mass)
     kernel = _block_sparse_kernel(backend)
     out, mass = kernel(q, pool.k, pool.v, page_table, kept, counts, lengths)
@@ -54,6 +53,51 @@ def pruned_decode_attention(
         physical = jnp.take_along_axis(page_table[:, None, :], kept, axis=2)
         pool = pool.replace(block_mass=remember_mass(pool.block_mass, physical, mass, counts, real))
     return out, pool
+
+
+def kept_table_width(backend: str, needed: int, width: int) -> int:
+    """Static width of the kept-block table for a page table `width` wide when the largest
+    budget of the step keeps `needed` blocks. The XLA and Triton kernels loop up to the kept
+    count (a traced value), so padding costs them nothing: the table is the page table's
+    width and the step compiles once. The TPU kernel's grid is static and each step past the
+    count still costs a grid step, so its table is rounded to an eighth of the width (at most
+    eight programs per width)."""
+    if backend != "pallas_tpu":
+        return width
+    step = max(4, width // 8)
+    return min(width, -(-max(needed, 1) // step) * step)
+
+
+def _score_pages(
+    q: jax.Array, pool: PagePool, page_table: jax.Array, num_blocks: jax.Array, shared: bool
+) -> tuple[jax.Array, jax.Array]:
+    # Quest bounds and last read mass of every page of each row: [B, 1|KVH, P] each. The
+    # table is as wide as the longest sequence the engine holds; a loop of SCORE_PAGES-page
+    # slices up to the batch's longest row (a traced count) reads only the pages rows have.
+    b, p = page_table.shape
+    kvh = pool.k_min.shape[1]
+    heads = 1 if shared else kvh
+    chunk = min(SCORE_PAGES, p)
+    padded = -(-p // chunk) * chunk
+    table = jnp.pad(page_table, ((0, 0), (0, padded - p)))  # the null page: masked later
+
+    def body(i, carry):
+        scores, mass = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, i * chunk, chunk, axis=1)
+        part = block_upper_bounds(q, pool.k_min, pool.k_max, pages)  # [B, KVH, C]
+        last = pool.block_mass[pages].transpose(0, 2, 1)  # [B, KVH, C]
+        if shared:
+            part, last = part.max(axis=1, keepdims=True), last.max(axis=1, keepdims=True)
+        scores = jax.lax.dynamic_update_slice_in_dim(scores, part, i * chunk, axis=2)
+        return scores, jax.lax.dynamic_update_slice_in_dim(mass, last, i * chunk, axis=2)
+
+    init = (
+        jnp.full((b, heads, padded), -jnp.inf, jnp.float32),
+        jnp.zeros((b, heads, padded), jnp.float32),
+    )
+    trips = (jnp.max(num_blocks) + chunk - 1) // chunk
+    scores, mass = jax.lax.fori_loop(0, trips, body, init)
+    return scores[..., :p], mass[..., :p]
 
 
 def _block_sparse_kernel(backend: str):

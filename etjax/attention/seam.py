@@ -9,6 +9,14 @@ one contiguous `[page_size, head_dim]` tile per page and KV head, the block the 
 fetch and per-head pruning keeps or drops; adopting it means a cache layout per backend, not
 yet done. Pruned decode attention (pruned.py) runs the project's block-sparse kernels: Pallas
 on TPU and GPU, XLA elsewhere. A Pallas kernel asked for on a CPU runs in interpret mode.
+
+Why a pruned step is not the upstream kernel over each row's compacted kept pages (which
+would be exact: keys are cached after RoPE, and a row's kept list ends with its last, partly
+filled page, so the kept length is (count - 1) * page_size + the tail): the selection ranks
+pages by the attention mass they drew when last read (`mass_threshold`, on by default), and
+that mass comes from the per-block log-sum-exps the block-sparse kernels return; the upstream
+kernel returns only the merged output. Per-head selection (`share_heads` off) would also need
+one page list per KV head, where the upstream kernel takes one per sequence.
 """
 
 from __future__ import annotations

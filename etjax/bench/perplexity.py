@@ -18,13 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from etjax.attention import PlanSizes, padded_batch_plan, plan_segments
+from etjax.attention import PlanSizes, kept_table_width, padded_batch_plan, plan_segments
 from etjax.cache.kv_cache import KVCache, init_kv_cache, token_pages
 from etjax.entropy.estimators import exact_entropy
 from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
-from etjax.runtime.buckets import kept_bucket
 from etjax.runtime.steps import prefill_chunk
 from pallas_kernels.ragged_attention import Segment
 
@@ -142,7 +141,7 @@ def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
         # Size the kept table for the largest budget the setting can grant, as the engine does.
         top = 1.0 if pruning.entropy_low < 99 else pruning.min_fraction
         needed = int(kept_block_count(jnp.asarray([top]), jnp.asarray([pages]), pruning)[0])
-        max_kept = kept_bucket(needed, pages)
+        max_kept = kept_table_width("xla", needed, pages)
     tokens = jnp.asarray([d[prefix:] for d in prefilled.docs], jnp.int32)
     rows, scored = tokens.shape
     table_host = np.asarray(table)

@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from etjax.attention import PlanSizes, plan_passes, plan_segments, resolve_backend
+from etjax.attention import (
+    PlanSizes,
+    kept_table_width,
+    plan_passes,
+    plan_segments,
+    resolve_backend,
+)
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.distributed.mesh import make_mesh
@@ -30,7 +36,7 @@ from etjax.entropy.state import initial_entropy_state
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
-from etjax.runtime.buckets import batch_bucket, kept_bucket, next_power_of_two, pages_bucket
+from etjax.runtime.buckets import batch_bucket, next_power_of_two, pages_bucket
 from etjax.runtime.footprint import check_fits
 from etjax.runtime.options import RuntimeOptions
 from etjax.runtime.state import DecodeState, StepOutputs
@@ -79,6 +85,9 @@ class DeviceBackend:
         self.max_seq_pages = min(
             pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
         )
+        # Pruned steps take every row's whole page table at this one width (scoring loops
+        # only up to the longest row), so their shapes do not follow context lengths.
+        self.pruned_table_width = pages_bucket(self.max_seq_pages)
 
     # One ragged step ------------------------------------------------------------------------
 
@@ -240,15 +249,14 @@ class DeviceBackend:
         dense, each row's own pages (the ragged attention reads no padding, so splitting a
         batch never pays); pruned, every padded row up to the largest kept count (the kernels
         stop there, not at the padded table's width), plus the per-page key bounds the
-        selection scores."""
+        selection scores, for every padded row up to the longest row's pages."""
         opts, cfg, cost = self.options, self.cfg, self.cost
         pages = [pages_needed(n + opts.steps_per_sync, opts.page_size) for n in lengths]
         if not opts.pruning.enabled:
             return cost.weight_bytes + sum(pages) * opts.page_size * cost.kv_bytes_per_key
         num = batch_bucket(len(lengths))
-        width = pages_bucket(max(pages))
         read = max(self.row_width(n, b) for n, b in zip(lengths, budgets, strict=True))
-        scored = num * width * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+        scored = num * max(pages) * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
         return cost.weight_bytes + num * read * opts.page_size * cost.kv_bytes_per_key + scored
 
     def decode(
@@ -307,14 +315,13 @@ class DeviceBackend:
         self, pages: list[list[int]], reach: list[int], budgets: list[float], num: int
     ) -> tuple[np.ndarray, int]:
         # A pruned step's whole page tables [num, W] (the block selection scores every page of
-        # a row), W bucketed by the longest `reach` (each row's length after the step), and
-        # the static width of the kept table for the largest budget.
-        opts, ps = self.options, self.options.page_size
-        width = pages_bucket(max((pages_needed(r, ps) for r in reach), default=1))
+        # a row) and the static width of the kept table for the largest budget, given each
+        # row's length after the step (`reach`).
+        opts, ps, width = self.options, self.options.page_size, self.pruned_table_width
         table = page_table_rows([p[:width] for p in pages] + [[]] * (num - len(pages)), width)
         blocks = np.array([pages_needed(r, ps) for r in reach], np.int64)
         needed = np.asarray(kept_block_count(np.asarray(budgets, np.float32), blocks, opts.pruning))
-        return table, kept_bucket(int(needed.max(initial=1)), width)
+        return table, kept_table_width(self.attention_backend, int(needed.max(initial=1)), width)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

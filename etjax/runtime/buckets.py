@@ -22,14 +22,3 @@ def batch_bucket(num_rows: int) -> int:
 def pages_bucket(num_pages: int) -> int:
     """Padded page-table width or page-pool size."""
     return next_power_of_two(num_pages, minimum=4)
-
-
-def kept_bucket(needed: int, width: int) -> int:
-    """Padded width of the kept-block table: `needed` rounded up to an eighth of the page-table
-    bucket, for at most eight compiled variants per table width.
-
-    The padding is not read: the XLA and Triton kernels loop up to the kept count, and the TPU
-    kernel's grid steps past it skip their work and repeat the last block's copy.
-    """
-    step = max(4, pages_bucket(width) // 8)
-    return min(width, -(-max(needed, 1) // step) * step)
