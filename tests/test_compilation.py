@@ -8,6 +8,7 @@ import pytest
 
 import etjax
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.pruning.config import PruningConfig
 from etjax.sampling import SamplerSettings
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
@@ -27,12 +28,24 @@ def backend_compiles():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def test_no_recompilation_after_warmup(tiny_hf_dir, backend_compiles):
+PRUNED = PruningConfig(
+    enabled=True, min_fraction=0.3, entropy_low=50.0, entropy_high=60.0, min_blocks=3
+)
+
+
+@pytest.mark.parametrize(
+    "page_size, num_pages, pruning", [(16, 64, PruningConfig()), (4, 160, PRUNED)]
+)
+def test_no_recompilation_after_warmup(
+    tiny_hf_dir, backend_compiles, page_size, num_pages, pruning
+):
+    # Pruned: pages of 4, so the rows' page counts (3 to 16) and kept counts differ between
+    # the runs; neither may shape a program.
     model = etjax.load_model(tiny_hf_dir("llama"))
     rng = np.random.default_rng(0)
 
     # A fixed pool: the shapes under test are those the prompts and budgets set.
-    options = RuntimeOptions(num_pages=64)
+    options = RuntimeOptions(num_pages=num_pages, page_size=page_size, pruning=pruning)
 
     def run(lengths: list[int], max_new: list[int]) -> None:
         prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in lengths]
@@ -51,4 +64,6 @@ def test_no_recompilation_after_warmup(tiny_hf_dir, backend_compiles):
     # prefill's by total tokens, 81 and 71; attention plans by the pool, not the lengths).
     run([27, 25, 18, 11], max_new=[30, 12, 6, 20])
     run([12, 25, 31, 3], max_new=[13, 13, 13, 13])
+    # Longer contexts than any warm-up row (up to 100 tokens, 25 pages of 4), the same buckets.
+    run([60, 30, 20, 10], max_new=[40, 8, 8, 8])
     assert backend_compiles[0] == warm

@@ -7,8 +7,11 @@ steps still run the XLA kernel: JAX's ragged paged attention kernel wants keys a
 interleaved in one pool `[pages, page_size, 2 * KV heads, head_dim]`, while this cache keeps
 one contiguous `[page_size, head_dim]` tile per page and KV head, the block the pruned kernels
 fetch and per-head pruning keeps or drops; adopting it means a cache layout per backend, not
-yet done. Pruned decode attention (pruned.py) runs the project's block-sparse kernels: Pallas
-on TPU and GPU, XLA elsewhere. A Pallas kernel asked for on a CPU runs in interpret mode.
+yet done: no TPU has been lent to this project, and the kernel cannot be checked here either,
+as JAX 0.10.2's TPU interpret mode fails on it ("'ReshapeTransform' object has no attribute
+'indices'"), so neither the layout nor the kernel could be tested against the reference.
+Pruned decode attention (pruned.py) runs the project's block-sparse kernels: Pallas on TPU
+and GPU, XLA elsewhere. A Pallas kernel asked for on a CPU runs in interpret mode.
 
 Why a pruned step is not the upstream kernel over each row's compacted kept pages (which
 would be exact: keys are cached after RoPE, and a row's kept list ends with its last, partly
