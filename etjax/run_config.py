@@ -1,11 +1,13 @@
 """Named run configurations: declarative TOML files in `etjax/configs/`, loaded into the frozen
 dataclasses that steer a run.
 
-A file has up to five tables, each optional:
+A file has up to six tables, each optional:
 
     [model]    name (a model name or path), dtype ("auto" | "float32" | "bfloat16")
-    [engine]   any `RuntimeOptions` field except pruning (page_size, max_batch_size, policy, ...)
+    [engine]   any `RuntimeOptions` field except pruning and speculation (page_size,
+               max_batch_size, policy, ...)
     [pruning]  any `PruningConfig` field (enabled, min_fraction, entropy_low, ...)
+    [speculation]  any `SpeculationConfig` field (enabled, max_draft, entropy_max, ...)
     [sampler]  any `SamplerSettings` field: the default for requests that do not set it
     [request]  max_new_tokens, ignore_eos, chat, system_prompt, stop: request defaults
 
@@ -26,6 +28,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from etjax.drafting.config import SpeculationConfig
 from etjax.errors import ConfigError, EtjaxError
 from etjax.model.config import DTYPE_CHOICES
 from etjax.pruning.config import PruningConfig
@@ -81,6 +84,7 @@ _TABLES = {
     "model": ModelChoice,
     "engine": RuntimeOptions,
     "pruning": PruningConfig,
+    "speculation": SpeculationConfig,
     "sampler": SamplerSettings,
     "request": RequestDefaults,
 }
@@ -117,7 +121,12 @@ def load_run_config(name_or_path: str | Path, model: str | Path | None = None) -
         built["model"] = _build(preset_path, "model", ModelChoice, preset.get("model", {}))
         engine = {**data.get("engine", {}), **preset.get("engine", {})}
         built["engine"] = _build(preset_path, "engine", RuntimeOptions, engine)
-    options = dataclasses.replace(built["engine"], pruning=built["pruning"])
+    try:  # the engine checks how the tables combine (speculation needs dense attention)
+        options = dataclasses.replace(
+            built["engine"], pruning=built["pruning"], speculation=built["speculation"]
+        )
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
     return RunConfig(
         name=path.stem,
         model=built["model"],
@@ -177,7 +186,7 @@ def _build(path: Path, table: str, cls, values: object):
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: [{table}] must be a table of key = value pairs")
     allowed = {f.name for f in dataclasses.fields(cls)} - (
-        {"pruning"} if table == "engine" else set()
+        {"pruning", "speculation"} if table == "engine" else set()
     )
     for key, value in values.items():
         if key not in allowed:

@@ -64,7 +64,7 @@ class MockBackend:
             assert holder == row, f"page {page} held by rows {holder} and {row}"
             self.owner[page] = row
 
-    def mixed(self, rows, pages, lengths, budgets, jobs: list[PrefillJob]):
+    def mixed(self, rows, pages, lengths, budgets, jobs: list[PrefillJob], drafts=None):
         # One step: the rows decode one token each, the jobs are cached.
         costs = self._prefill(jobs)
         if not rows:

@@ -64,11 +64,12 @@ class PlanSizes:
     chunk: int = CHUNK
 
     @staticmethod
-    def decode(rows: int, num_pages: int, page_size: int) -> PlanSizes:
-        """One token per row of `rows`, over a pool of `num_pages` pages: the rows' pages are
-        disjoint, so their items number at most num_pages / kv_tile + rows."""
+    def decode(rows: int, num_pages: int, page_size: int, q_tile: int = 1) -> PlanSizes:
+        """One token per row of `rows` (or up to `q_tile`: a token and its drafts), over a
+        pool of `num_pages` pages: the rows' pages are disjoint, so their items number at most
+        num_pages / kv_tile + rows."""
         items = items_capacity(num_pages // DECODE_KV_TILE + rows, CHUNK)
-        return PlanSizes(page_size, (PassShape(1, DECODE_KV_TILE, rows, items),))
+        return PlanSizes(page_size, (PassShape(q_tile, DECODE_KV_TILE, rows, items),))
 
     @staticmethod
     def prefill(num_tokens: int, rows: int, max_seq_pages: int, page_size: int) -> PlanSizes:

@@ -52,10 +52,12 @@ class Backend(Protocol):
         lengths: list[int],
         budgets: list[float],
         jobs: list[PrefillJob],
+        drafts: list[list[int]] | None = None,
     ) -> tuple[StepOutputs | None, np.ndarray, list[tuple[float, float]]]:
         """One step: `rows` decode a token each (at their budget fractions, under pruning),
-        `jobs` append their chunks. Returns the rows' outputs [1, len(rows)], their next budget
-        fractions, and each job's (FLOPs, bytes)."""
+        `jobs` append their chunks, and (speculation on) each row's `drafts` are run after its
+        token and verified. Returns the rows' outputs [steps, len(rows)] (emitted where a
+        token was committed), their next budget fractions, and each job's (FLOPs, bytes)."""
 
     def decode(
         self, rows: list[int], pages: list[list[int]], lengths: list[int], budgets: list[float]

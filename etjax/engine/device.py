@@ -98,15 +98,26 @@ class DeviceBackend:
         lengths: list[int],
         budgets: list[float],
         jobs: list[PrefillJob],
+        drafts: list[list[int]] | None = None,
     ) -> tuple[StepOutputs, np.ndarray, list[tuple[float, float]]]:
         """One step: each row of `rows` (with its pages, cached length and budget fraction)
         decodes one token, and each job appends its chunk. Returns the rows' outputs
-        [1, len(rows)], their budget fractions, and the (FLOPs, bytes) of each job; a job's
-        logits are kept for `insert`. Under pruning the rows read only their kept blocks."""
+        [steps, len(rows)], their budget fractions, and the (FLOPs, bytes) of each job; a
+        job's logits are kept for `insert`. Under pruning the rows read only their kept blocks.
+        With speculation on, `drafts[j]` (at most max_draft tokens) run after row j's token
+        and are verified; the outputs then have 1 + max_draft steps, emitted where
+        committed."""
         opts, cfg = self.options, self.cfg
+        spec = opts.speculation
+        drafts = drafts or [[] for _ in rows]
         if len(rows) > opts.max_batch_size:
             raise ValueError(f"{len(rows)} decoding rows; max_batch_size={opts.max_batch_size}")
-        total = len(rows) + sum(len(j.tokens) for j in jobs)
+        if any(drafts) and not spec.enabled:
+            raise ValueError("drafts given to an engine without speculation")
+        if any(len(d) > spec.max_draft for d in drafts):
+            raise ValueError(f"a draft of more than max_draft={spec.max_draft} tokens")
+        row_tokens = [1 + len(d) for d in drafts]
+        total = sum(row_tokens) + sum(len(j.tokens) for j in jobs)
         if total > opts.token_budget:
             raise ValueError(f"a step of {total} tokens exceeds token_budget={opts.token_budget}")
         num_tokens = self.token_bucket(total)
@@ -117,13 +128,24 @@ class DeviceBackend:
         index = np.full(width, self.rows, np.int32)  # pad rows: the never-active last row
         decode_slot = np.full(width, num_tokens, np.int32)  # out of range: dropped
         last_index = np.zeros(self.prefill_rows, np.int32)
-        decoding, chunks = [], []
-        for j, (row, row_pages, n) in enumerate(zip(rows, pages, lengths, strict=True)):
-            index[j], decode_slot[j], positions[j] = row, j, n
-            write_pages[j] = row_pages[n // opts.page_size]
+        draft_len = np.zeros(width, np.int32)
+        decoding, verifying, chunks = [], [], []
+        start = 0
+        for j, (row, row_pages, n, draft) in enumerate(
+            zip(rows, pages, lengths, drafts, strict=True)
+        ):
+            # The row's token (sampled on the device) at `start`, its drafts after it.
+            m = 1 + len(draft)
+            span = slice(start, start + m)
+            index[j], decode_slot[j], draft_len[j] = row, start, len(draft)
+            tokens[start + 1 : start + m] = draft
+            positions[span] = n + np.arange(m)
+            write_pages[span] = np.asarray(row_pages, np.int32)[positions[span] // opts.page_size]
             if not opts.pruning.enabled:  # pruned rows attend outside the plan
-                decoding.append(Segment(j, 1, n, n, row_pages[: n // opts.page_size + 1]))
-        start = len(rows)
+                reach = n + m - 1
+                segment = Segment(start, m, n, reach, row_pages[: reach // opts.page_size + 1])
+                (verifying if draft else decoding).append(segment)
+            start += m
         for j, job in enumerate(jobs):
             n = len(job.tokens)
             span = slice(start, start + n)
@@ -137,13 +159,16 @@ class DeviceBackend:
             )
             start += n
         decode_sizes, prefill_sizes = self._mixed_sizes(num_tokens)
+        groups, passes = [decoding], decode_sizes.passes
+        if spec.enabled:  # a row's token and drafts share one query tile
+            groups, passes = [decoding, verifying], passes + self._verify_sizes().passes
         plan = plan_passes(
-            [decoding, *prefill_sizes.route(chunks)],
+            [*groups, *prefill_sizes.route(chunks)],
             num_tokens,
-            PlanSizes(opts.page_size, decode_sizes.passes + prefill_sizes.passes),
+            PlanSizes(opts.page_size, passes + prefill_sizes.passes),
             self.attention_backend,
         )
-        batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index)
+        batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index, draft_len)
         table, max_kept = None, 0
         if opts.pruning.enabled:
             table, max_kept = self._pruned_tables(pages, [n + 1 for n in lengths], budgets, width)
@@ -161,6 +186,7 @@ class DeviceBackend:
             max_kept,
             self.placement,
             self.attention_backend,
+            spec.max_draft if spec.enabled else 0,
         )
         for j, job in enumerate(jobs):
             self._logits[job.row] = (logits, np.int32(j))  # sliced inside the insert program
@@ -181,6 +207,15 @@ class DeviceBackend:
             num_tokens, self.prefill_rows, self.max_seq_pages, opts.page_size
         )
         return decode, prefill
+
+    def _verify_sizes(self) -> PlanSizes:
+        # Rows with drafts: one query tile of 1 + max_draft tokens (a power of two) each,
+        # reading its pages once for all of them.
+        opts = self.options
+        tile = next_power_of_two(1 + opts.speculation.max_draft)
+        return PlanSizes.decode(
+            batch_bucket(opts.max_batch_size), self.num_pages, opts.page_size, q_tile=tile
+        )
 
     def _prefill_cost(self, job: PrefillJob, num_jobs: int) -> tuple[float, float]:
         cost = self.cost

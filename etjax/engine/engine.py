@@ -33,6 +33,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from etjax.cache.page_allocator import PageAllocator, pages_needed
+from etjax.drafting import DraftHistory, draft_lengths, lookup_draft
 from etjax.engine import scheduler
 from etjax.engine.backend import Backend, PrefillJob, RowInit
 from etjax.engine.feed import run_fed
@@ -235,9 +236,12 @@ class Engine:
         # batch may preempt a prefilling sequence: list those after.)
         batch = self._pick_batch([s for s in arrived if s.status is Status.RUNNING])
         prefilling = [s for s in arrived if s.status is Status.PREFILLING]
-        jobs = self._prefill_jobs(prefilling, self.options.token_budget - len(batch))
-        if jobs:
-            device += self._mixed(batch, jobs)
+        budget = self.options.token_budget - len(batch)
+        drafts = self._drafts(batch, budget)
+        budget -= sum(len(d) for d in drafts)
+        jobs = self._prefill_jobs(prefilling, budget)
+        if jobs or any(drafts):
+            device += self._mixed(batch, jobs, drafts)
         elif batch:
             device += self._decode(batch)
         self.live = [s for s in self.live if not s.finished]
@@ -292,9 +296,42 @@ class Engine:
             budget -= len(chunk)
         return jobs
 
-    def _mixed(self, batch: list[Sequence], jobs: list[tuple[Sequence, PrefillJob]]) -> float:
-        # One ragged step: the batch's rows decode a token each, the jobs append their chunks.
-        batch = sorted(batch, key=lambda s: s.row)
+    def _drafts(self, batch: list[Sequence], budget: int) -> list[list[int]]:
+        # What each row of the batch drafts this round (etjax/drafting): lengths by its
+        # entropy and its acceptance so far, tokens by prompt lookup. Nothing when
+        # speculation is off.
+        spec = self.options.speculation
+        if not spec.enabled:
+            return [[] for _ in batch]
+        for seq in batch:
+            if seq.drafts is None:
+                seq.drafts = DraftHistory(spec.acceptance_prior)
+        entropies = [s.output.entropy[-1] if s.output.entropy else None for s in batch]
+        lengths = draft_lengths(entropies, [s.drafts for s in batch], spec, budget)
+        # The lookup continues the committed text, so its first token predicts the one the
+        # device samples this step; the drafts are what follows that prediction.
+        return [
+            lookup_draft(
+                seq.history.view(seq.prompt, seq.output.token_ids),
+                n + 1,
+                spec.ngram_max,
+                spec.ngram_min,
+            )[1:]
+            if n
+            else []
+            for seq, n in zip(batch, lengths, strict=True)
+        ]
+
+    def _mixed(
+        self,
+        batch: list[Sequence],
+        jobs: list[tuple[Sequence, PrefillJob]],
+        drafts: list[list[int]],
+    ) -> float:
+        # One ragged step: the batch's rows decode a token each (and verify their drafts),
+        # the jobs append their chunks.
+        order = sorted(range(len(batch)), key=lambda i: batch[i].row)
+        batch, drafts = [batch[i] for i in order], [drafts[i] for i in order]
         started = time.perf_counter()
         out, budgets, costs = self.backend.mixed(
             [s.row for s in batch],
@@ -302,12 +339,18 @@ class Engine:
             [s.length for s in batch],
             [s.budget for s in batch],
             [job for _, job in jobs],
+            drafts if any(drafts) else None,
         )
         elapsed = time.perf_counter() - started
         if batch:
             self.decode_rounds += 1
             self.decode_bursts += 1
-            self._collect(batch, out, budgets)
+            if any(drafts):
+                committed = np.asarray(out.emitted).sum(axis=0)
+                for j, seq in enumerate(batch):
+                    accepted = max(int(committed[j]) - 1, 0)
+                    seq.drafts.record(len(drafts[j]), accepted, self.options.speculation)
+            self._collect(batch, out, budgets, one_pass=True)
         for (seq, job), (flops, nbytes) in zip(jobs, costs, strict=True):
             self._prefilled(seq, seq.prefilled + len(job.tokens), flops, nbytes)
         return elapsed
@@ -404,13 +447,16 @@ class Engine:
         self._collect(batch, out, budgets)
         return elapsed
 
-    def _collect(self, batch: list[Sequence], out, budgets) -> None:
+    def _collect(self, batch: list[Sequence], out, budgets, one_pass: bool = False) -> None:
         # Stream the rows' new tokens [steps, rows], apply stops, free finished sequences.
+        # `one_pass`: the steps are one model pass (a token and its verified drafts), not K.
         now = self.clock()
         trace_columns = [getattr(out, name) for name in TRACE_FIELDS.values()]
         for j, seq in enumerate(batch):
             seq.last_run_round = self.round
             seq.budget = float(budgets[j])
+            emitted_steps = int(np.count_nonzero(out.emitted[:, j]))
+            seq.decode_passes += min(emitted_steps, 1) if one_pass else emitted_steps
             produced = 0
             for k in np.nonzero(out.emitted[:, j])[0]:
                 trace = tuple(columns[k, j].item() for columns in trace_columns)
@@ -440,6 +486,13 @@ class Engine:
             "generated_tokens": float(n),
             "prompt_tokens": float(len(seq.prompt)),
             "preemptions": float(seq.preemptions),
+            # Speculation: model passes per generated token (1 without it), drafted tokens
+            # and the fraction of them accepted.
+            "passes_per_token": seq.decode_passes / n if n else 0.0,
+            "drafted_tokens": float(seq.drafts.drafted) if seq.drafts else 0.0,
+            "acceptance_rate": seq.drafts.accepted / seq.drafts.drafted
+            if seq.drafts and seq.drafts.drafted
+            else 0.0,
             "tau": out.tau[-1] if out.tau else 0.0,
             "cost_bytes": out.cost_bytes[-1] if out.cost_bytes else 0.0,
             "cost_flops": out.cost_flops[-1] if out.cost_flops else 0.0,

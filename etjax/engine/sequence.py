@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from etjax.drafting import DraftHistory, TokenHistory
 from etjax.runtime.options import TRACE_FIELDS, RequestSettings, SequenceOutput
 from etjax.tokenizer import IncrementalDetokenizer
 
@@ -50,6 +51,9 @@ class Sequence:
     resident_round: int = -1  # round its context was last fully prefilled
     finish_round: int = -1
     budget: float = 1.0  # kept-block fraction its next decode step may read
+    drafts: DraftHistory | None = None  # how its speculation fared (speculation on)
+    history: TokenHistory = field(default_factory=TokenHistory)  # prompt + output, for lookup
+    decode_passes: int = 0  # model passes that gave it tokens (speculation: < tokens)
     # Metrics, in the engine's clock.
     admitted_time: float | None = None
     first_token_time: float | None = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from etjax.attention.seam import BACKENDS as ATTENTION_BACKENDS
 from etjax.distributed.mesh import MeshShape
+from etjax.drafting.config import SpeculationConfig
 from etjax.pruning.config import PruningConfig
 from etjax.sampling.settings import SamplerSettings
 
@@ -51,6 +52,8 @@ class RuntimeOptions:
       KV heads and vocabulary four ways; etjax/distributed). "1x1" = the default device.
     compilation_cache: keep compiled programs on disk for later processes
       (etjax/compilation_cache.py; ETJAX_COMPILATION_CACHE=off also turns it off).
+    speculation: drafting and verification of tokens (etjax/drafting, off by default); needs
+      dense attention and 1 + max_draft <= steps_per_sync (the pages a round reserves).
     """
 
     page_size: int = 16
@@ -68,6 +71,7 @@ class RuntimeOptions:
     attention_backend: str = "auto"
     mesh: str = "1x1"
     compilation_cache: bool = True
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -103,6 +107,17 @@ class RuntimeOptions:
             raise ValueError(
                 f"token_budget={self.token_budget} must exceed max_batch_size="
                 f"{self.max_batch_size}: a step holds a token per decoding row and prefill"
+            )
+        if self.speculation.enabled and self.pruning.enabled:
+            raise ValueError(
+                "speculation.enabled and pruning.enabled: speculation needs dense attention "
+                "(a pruned step reads one token per row); turn one of them off"
+            )
+        if self.speculation.enabled and self.speculation.max_draft + 1 > self.steps_per_sync:
+            raise ValueError(
+                f"speculation.max_draft={self.speculation.max_draft} needs steps_per_sync >= "
+                f"{self.speculation.max_draft + 1} (a round reserves pages for steps_per_sync "
+                f"tokens); steps_per_sync={self.steps_per_sync}"
             )
         if self.max_resident is not None and self.max_resident < self.max_batch_size:
             raise ValueError(

@@ -31,13 +31,14 @@ from etjax.cache.kv_cache import KVCache
 from etjax.distributed.mesh import DATA, MODEL
 from etjax.distributed.placement import Placement
 from etjax.entropy.cost import CostModel
-from etjax.entropy.state import advance_tau
 from etjax.model.config import ModelConfig
 from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.model.weights import Weights
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
+from etjax.runtime.commit import commit_tokens, finishes
 from etjax.runtime.state import DecodeState, StepOutputs
+from etjax.runtime.verify import accept_drafts
 from etjax.sampling.sampler import sample_next
 
 DENSE = PruningConfig()  # pruning disabled: every block of the context is read
@@ -53,11 +54,22 @@ class FlatBatch:
     write_pages: jax.Array  # [T] int32 page of each token's position; null page for padding
     decode_slot: jax.Array  # [Bm] int32 flat index of each row's token (T for padding rows)
     last_index: jax.Array  # [Sp] int32 flat index of each prefill sequence's last token
+    # [Bm] int32 tokens drafted after each row's token, in the slots that follow it (0 for a
+    # row that does not speculate); the host writes them into `tokens`.
+    draft_len: jax.Array
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("cfg", "cost", "pruning", "max_kept", "placement", "attention_backend"),
+    static_argnames=(
+        "cfg",
+        "cost",
+        "pruning",
+        "max_kept",
+        "placement",
+        "attention_backend",
+        "max_draft",
+    ),
     donate_argnames=("cache", "store"),
 )
 def mixed_step(
@@ -74,9 +86,16 @@ def mixed_step(
     max_kept: int = 0,
     placement: Placement | None = None,
     attention_backend: str = "xla",
+    max_draft: int = 0,
 ) -> tuple[DecodeState, KVCache, StepOutputs, jax.Array]:
     """One ragged step: every row in `rows` [Bm] (the store's pad row for padding) samples its
     next token, which runs through the model together with the prefill tokens of `batch`.
+
+    With `max_draft` > 0 (dense only), row j's token is followed in the flat batch by
+    `batch.draft_len[j]` <= max_draft drafted tokens, run in the same pass and then verified
+    (etjax/runtime/verify.py): the accepted ones are committed, with outputs [1 + max_draft,
+    Bm] (emitted where committed); the keys of rejected drafts stay in the cache past the
+    row's length, where nothing reads them and the next tokens overwrite them.
 
     Dense, `plan` holds every token's attention work. With `pruning.enabled`, the rows'
     tokens attend to the blocks their budgets keep (as in `decode_steps`), scored over their
@@ -88,32 +107,50 @@ def mixed_step(
         state = take_rows(store, rows).replace(page_table=page_table)
         prefill_hidden = []
 
+        num_tokens = batch.tokens.shape[0]
+        # Flat index of each row's token and its drafts [Bm, 1 + max_draft]; out of range
+        # (dropped on writes, zeros on reads) past a row's drafts.
+        offsets = jnp.arange(1 + max_draft)
+        row_slots = jnp.where(
+            offsets <= batch.draft_len[:, None], batch.decode_slot[:, None] + offsets, num_tokens
+        )
+        prefill_hidden, draft_hidden = [], []
+
         def run_model(tokens, runs, sparse):
             slot = batch.decode_slot
             if sparse is not None:
                 sparse = sparse.replace(slots=slot)
             flat = batch.tokens.at[slot].set(tokens, mode="drop")
-            # A row that finished on this token writes nothing (its token is not run).
-            write_pages = batch.write_pages.at[slot].set(
-                jnp.where(runs, batch.write_pages.at[slot].get(mode="fill", fill_value=0), 0),
-                mode="drop",
+            # A row that finished on this token writes nothing (its token and drafts are not
+            # run).
+            own = batch.write_pages.at[row_slots].get(mode="fill", fill_value=0)
+            write_pages = batch.write_pages.at[row_slots].set(
+                jnp.where(runs[:, None], own, 0), mode="drop"
             )
             hidden, new_cache = forward(
                 weights, cache, flat, batch.positions, write_pages, cfg, plan=plan, sparse=sparse
             )
             prefill_hidden.append(hidden[batch.last_index])
-            return hidden.at[slot].get(mode="fill", fill_value=0), new_cache
+            rows_hidden = hidden.at[row_slots].get(mode="fill", fill_value=0)
+            draft_hidden.append(rows_hidden[:, 1:])
+            return rows_hidden[:, 0], new_cache
 
         state, cache, outputs = _decode_step(
             weights, state, cfg, cost, pruning, max_kept, run_model, attention_backend
         )
+        outputs = jax.tree.map(lambda x: x[None], outputs)
+        if max_draft:
+            drafts = batch.tokens.at[row_slots[:, 1:]].get(mode="fill", fill_value=0)
+            state, verified = accept_drafts(
+                weights, state, drafts, batch.draft_len, draft_hidden[0], cost
+            )
+            outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outputs, verified)
         logits = logits_from_hidden(weights, prefill_hidden[0])
         store = put_rows(store, rows, state)
         if placement is not None:
             logits = constrain(logits, placement.sharding(logits.shape, {0: DATA, 1: MODEL}))
             store = constrain(store, placement.state(store, cfg.vocab_size))
             cache = constrain(cache, placement.cache(cache))
-        outputs = jax.tree.map(lambda x: x[None], outputs)
         return store, cache, outputs, logits
 
 
@@ -238,17 +275,8 @@ def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backen
     # One step of every row of `state`: sample from its logits, run the model on the token
     # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache)`), account.
     active = state.active
-    tokens, info, sampler_state = sample_next(
-        state.logits,
-        state.sampler,
-        state.sampler_state,
-        state.token_counts,
-        state.in_prompt,
-        state.num_generated,
-    )
-    num_generated = state.num_generated + active
-    hit_eos = state.stop_on_eos & jnp.any(tokens[:, None] == state.eos_ids, axis=-1)
-    runs = active & ~(hit_eos | (num_generated >= state.max_new_tokens))
+    tokens, info, sampler_state = _sample(state)
+    runs = active & ~finishes(state, tokens, active)
 
     num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
     if pruning.enabled:
@@ -266,37 +294,31 @@ def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backen
         fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
     hidden, cache = run_model(tokens, runs, sparse)
     flops, nbytes = cost.token_cost((kept * cost.page_size).astype(jnp.float32), runs)
-    entropy = advance_tau(state.entropy, info.model_entropy, active)
-    entropy = entropy.replace(
-        budget=jnp.where(active, fraction, entropy.budget),
-        sampled_entropy=jnp.where(active, info.sampled_entropy, entropy.sampled_entropy),
-        temperature=jnp.where(active, info.temperature, entropy.temperature),
-        cost_flops=entropy.cost_flops + flops,
-        cost_bytes=entropy.cost_bytes + nbytes,
-    )
-    rows = jnp.arange(tokens.shape[0])
-    state = state.replace(
-        logits=logits_from_hidden(weights, hidden),
-        lengths=state.lengths + runs,
-        num_generated=num_generated,
-        active=runs,
-        token_counts=state.token_counts.at[rows, tokens].add(active.astype(jnp.int32)),
-        sampler_state=sampler_state,
-        entropy=entropy,
-    )
-    outputs = StepOutputs(
-        tokens=tokens,
-        model_entropy=info.model_entropy,
-        logprob=info.logprob,
-        sampled_entropy=info.sampled_entropy,
-        temperature=info.temperature,
-        tau=entropy.tau,
-        cost_flops=entropy.cost_flops,
-        cost_bytes=entropy.cost_bytes,
-        kept_blocks=jnp.where(runs, kept, 0).astype(jnp.int32),
-        emitted=active,
+    state, outputs = commit_tokens(
+        state,
+        tokens,
+        info,
+        sampler_state,
+        active,
+        logits_from_hidden(weights, hidden),
+        fraction,
+        kept,
+        flops,
+        nbytes,
     )
     return state, cache, outputs
+
+
+def _sample(state: DecodeState):
+    # Each row's next token from its logits, keyed by its index in the row's output.
+    return sample_next(
+        state.logits,
+        state.sampler,
+        state.sampler_state,
+        state.token_counts,
+        state.in_prompt,
+        state.num_generated,
+    )
 
 
 def take_rows(store: DecodeState, rows: jax.Array) -> DecodeState:

@@ -1,0 +1,16 @@
+"""Drafting for entropic speculation: what a decoding sequence proposes to verify.
+
+- `config.py`: `SpeculationConfig`, the settings (off by default).
+- `ngram.py`: prompt lookup: the continuation that followed the latest earlier occurrence of
+  the sequence's last few tokens, in its prompt or its output.
+- `rule.py`: how many tokens a sequence drafts this round, from its entropy and how its
+  recent drafts fared, within a batch-wide budget.
+
+Verification is on the device (etjax/runtime/verify.py); the engine ties them together.
+"""
+
+from etjax.drafting.config import SpeculationConfig
+from etjax.drafting.ngram import TokenHistory, lookup_draft
+from etjax.drafting.rule import DraftHistory, draft_lengths
+
+__all__ = ["DraftHistory", "SpeculationConfig", "TokenHistory", "draft_lengths", "lookup_draft"]

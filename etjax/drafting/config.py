@@ -1,0 +1,64 @@
+"""`SpeculationConfig`: the settings of entropic speculation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Largest verification width: a row's token and its drafts share one query tile of the
+# attention plan (etjax/engine/device.py), sized 1 + max_draft rounded up to a power of two.
+MAX_DRAFT_LIMIT = 15
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """How decoding sequences draft tokens for verification (etjax/drafting/rule.py has the
+    rule and the reasons for its constants).
+
+    enabled: draft and verify (dense attention only: a pruned step reads one token per row).
+    max_draft: the most tokens one sequence drafts per step; static (the verification pass
+      checks this many positions), so a larger value costs every verifying step a little.
+    ngram_max, ngram_min: the longest and shortest tail of the sequence matched against its
+      earlier tokens (longest first).
+    entropy_max: no drafting after a token drawn from a distribution with more entropy than
+      this (nats): the model is unsure, a copied continuation is unlikely to survive.
+    acceptance_prior: the expected fraction of drafts accepted before a sequence has history;
+      acceptance_memory: weight of the past in the running acceptance estimate.
+    min_survival: draft k tokens only while the chance all k are accepted (estimated
+      acceptance ** k) stays at least this.
+    draft_budget: the most drafted tokens in one step over the whole batch, lowest-entropy
+      sequences first: past a few dozen tokens a pass stops being bound by reading the
+      weights, and drafts that may be rejected cost real compute.
+    """
+
+    enabled: bool = False
+    max_draft: int = 4
+    ngram_max: int = 3
+    ngram_min: int = 1
+    entropy_max: float = 1.5
+    acceptance_prior: float = 0.5
+    acceptance_memory: float = 0.7
+    min_survival: float = 0.25
+    draft_budget: int = 32
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"enabled={self.enabled!r}; must be true or false")
+        for name in ("max_draft", "ngram_max", "ngram_min", "draft_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name}={value!r}; must be a positive integer")
+        if self.max_draft > MAX_DRAFT_LIMIT:
+            raise ValueError(f"max_draft={self.max_draft}; must be at most {MAX_DRAFT_LIMIT}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(
+                f"ngram_min={self.ngram_min} > ngram_max={self.ngram_max}; the shortest "
+                "matched tail cannot exceed the longest"
+            )
+        if not self.entropy_max > 0:
+            raise ValueError(f"entropy_max={self.entropy_max}; must be positive (nats)")
+        for name in ("acceptance_prior", "min_survival"):
+            value = getattr(self, name)
+            if not 0 < value < 1:
+                raise ValueError(f"{name}={value}; must be in (0, 1)")
+        if not 0 <= self.acceptance_memory < 1:
+            raise ValueError(f"acceptance_memory={self.acceptance_memory}; must be in [0, 1)")

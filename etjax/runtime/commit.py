@@ -1,0 +1,78 @@
+"""`commit_tokens`: what drawing a token does to a row's state, in one place.
+
+A decode step commits the token each active row sampled; a verification pass (verify.py)
+commits, draft after draft, the drafted tokens its rows' samplers drew again. Either way a
+committed token counts towards the row's output and stop conditions, advances its sampler and
+entropy state, and is charged its cost, exactly as the non-speculative step would.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from etjax.entropy.state import advance_tau
+from etjax.runtime.state import DecodeState, StepOutputs
+from etjax.sampling.sampler import SampleInfo, SamplerState
+
+
+def finishes(state: DecodeState, tokens: jax.Array, take: jax.Array) -> jax.Array:
+    """[B] bool: rows in `take` whose committed token `tokens` [B] ends them (an eos id,
+    unless eos is ignored, or their last allowed token), so the token is not run."""
+    hit_eos = state.stop_on_eos & jnp.any(tokens[:, None] == state.eos_ids, axis=-1)
+    return take & (hit_eos | (state.num_generated + take >= state.max_new_tokens))
+
+
+def commit_tokens(
+    state: DecodeState,
+    tokens: jax.Array,
+    info: SampleInfo,
+    sampler_state: SamplerState,
+    take: jax.Array,
+    next_logits: jax.Array,
+    fraction: jax.Array,
+    kept: jax.Array,
+    flops: jax.Array,
+    nbytes: jax.Array,
+) -> tuple[DecodeState, StepOutputs]:
+    """Commit `tokens` [B] for the rows in `take` [B] bool; the other rows keep their state.
+
+    info, sampler_state: what `sample_next` observed and left; next_logits: [B, V] the
+    distribution after the token (used where it runs, i.e. does not finish the row);
+    fraction, kept: the attention budget the token's pass used; flops, nbytes: its cost.
+    Returns the state and the step's outputs (emitted = take).
+    """
+    runs = take & ~finishes(state, tokens, take)
+    entropy = advance_tau(state.entropy, info.model_entropy, take)
+    entropy = entropy.replace(
+        budget=jnp.where(take, fraction, entropy.budget),
+        sampled_entropy=jnp.where(take, info.sampled_entropy, entropy.sampled_entropy),
+        temperature=jnp.where(take, info.temperature, entropy.temperature),
+        cost_flops=entropy.cost_flops + flops,
+        cost_bytes=entropy.cost_bytes + nbytes,
+    )
+    rows = jnp.arange(tokens.shape[0])
+    state = state.replace(
+        logits=jnp.where(runs[:, None], next_logits, state.logits),
+        lengths=state.lengths + runs,
+        num_generated=state.num_generated + take,
+        active=jnp.where(take, runs, state.active),
+        token_counts=state.token_counts.at[rows, tokens].add(take.astype(jnp.int32)),
+        sampler_state=jax.tree.map(
+            lambda new, old: jnp.where(take, new, old), sampler_state, state.sampler_state
+        ),
+        entropy=entropy,
+    )
+    outputs = StepOutputs(
+        tokens=tokens,
+        model_entropy=info.model_entropy,
+        logprob=info.logprob,
+        sampled_entropy=info.sampled_entropy,
+        temperature=info.temperature,
+        tau=entropy.tau,
+        cost_flops=entropy.cost_flops,
+        cost_bytes=entropy.cost_bytes,
+        kept_blocks=jnp.where(runs, kept, 0).astype(jnp.int32),
+        emitted=take,
+    )
+    return state, outputs

@@ -1,0 +1,126 @@
+"""`accept_drafts`: verification of drafted tokens, lossless for every sampler.
+
+A speculating row runs, in one pass, the token it sampled and the tokens drafted after it
+(etjax/engine/drafting.py); the pass gives the distribution after each of them. Draft i is
+then checked by sampling position i exactly as the non-speculative step would: from the
+distribution after the accepted prefix, with the row's sampler (penalties, temperature or the
+entropic controller, truncation, Mirostat) in the state the committed prefix left it, keyed
+by the token's index in the output. The draft is accepted if that sample equals it; the first
+mismatch ends the row's acceptance, and the mismatched sample is not committed: the row keeps
+the distribution it came from, and its next step draws the same sample again (same logits,
+same sampler state, same key), so nothing is lost.
+
+For a deterministic draft this is the speculative-sampling rule for a point-mass proposal
+(accept with probability p(draft), otherwise a token drawn from p without the draft), with
+the randomness coupled to the non-speculative run: a request's output is the one it would
+have produced without speculation, token for token, up to the float rounding of running
+several tokens in one pass. Each committed token is accounted as its own step (commit.py);
+rejected drafts are charged the compute they cost.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from etjax.entropy.cost import CostModel
+from etjax.model.transformer import logits_from_hidden
+from etjax.model.weights import Weights
+from etjax.runtime.commit import commit_tokens
+from etjax.runtime.state import DecodeState, StepOutputs
+from etjax.sampling.sampler import sample_next
+
+
+def accept_drafts(
+    weights: Weights,
+    state: DecodeState,
+    drafts: jax.Array,
+    draft_len: jax.Array,
+    draft_hidden: jax.Array,
+    cost: CostModel,
+) -> tuple[DecodeState, StepOutputs]:
+    """Accept the longest prefix of each row's drafts its sampler reproduces.
+
+    state: the rows after committing the token they sampled this step (its logits are the
+    distribution after that token); drafts: [B, k] int32 the tokens run after it; draft_len:
+    [B] int32 how many of them are real (the row ran them only if it is still active);
+    draft_hidden: [B, k, D] the final hidden state after each draft. Returns the state after
+    the accepted drafts and their outputs [k, B] (emitted where accepted).
+
+    Draft i is checked only while some row is still accepting (a `lax.cond`): the i-th
+    distribution (an LM-head product over the batch) and sample cost nothing once every row
+    has stopped.
+    """
+    k = drafts.shape[1]
+    ran = state.active & (draft_len > 0)  # rows whose drafts went through the model
+    carry = (state, state.active, jnp.zeros_like(draft_len))
+    outputs = []
+    for i in range(k):  # k is small and static: unrolled
+
+        def check(carry, i=i):
+            state, accepting, accepted = carry
+            tokens, info, sampler_state = sample_next(
+                state.logits,
+                state.sampler,
+                state.sampler_state,
+                state.token_counts,
+                state.in_prompt,
+                state.num_generated,
+            )
+            take = accepting & (i < draft_len) & (tokens == drafts[:, i])
+            num_blocks = (state.lengths + cost.page_size) // cost.page_size
+            keys = (num_blocks * cost.page_size).astype(jnp.float32)
+            flops = cost.matmul_flops_per_token + cost.attention_flops_per_key * keys
+            flops = jnp.where(take, flops, 0.0)
+            nbytes = jnp.where(take, cost.kv_bytes_per_key * keys, 0.0)  # weights: read once
+            state, out = commit_tokens(
+                state,
+                tokens,
+                info,
+                sampler_state,
+                take,
+                logits_from_hidden(weights, draft_hidden[:, i]),
+                jnp.ones_like(info.model_entropy),
+                num_blocks,
+                flops,
+                nbytes,
+            )
+            return (state, take & state.active, accepted + take), out
+
+        def skip(carry):
+            state, accepting, accepted = carry
+            return (state, jnp.zeros_like(accepting), accepted), _nothing(state)
+
+        pending = jnp.any(carry[1] & (i < draft_len))
+        carry, out = jax.lax.cond(pending, check, skip, carry)
+        outputs.append(out)
+    state, _, accepted = carry
+    # Rejected drafts still ran: their compute is the request's.
+    rejected = jnp.where(ran, draft_len - accepted, 0).astype(jnp.float32)
+    keys = (state.lengths + rejected).astype(jnp.float32)
+    entropy = state.entropy
+    state = state.replace(
+        entropy=entropy.replace(
+            cost_flops=entropy.cost_flops
+            + rejected * (cost.matmul_flops_per_token + cost.attention_flops_per_key * keys),
+            cost_bytes=entropy.cost_bytes + rejected * cost.kv_bytes_per_key * keys,
+        )
+    )
+    return state, jax.tree.map(lambda *x: jnp.stack(x), *outputs)
+
+
+def _nothing(state: DecodeState) -> StepOutputs:
+    # The outputs of a check no row needed: nothing emitted.
+    zeros = jnp.zeros_like(state.entropy.tau)
+    return StepOutputs(
+        tokens=jnp.zeros_like(state.lengths),
+        model_entropy=zeros,
+        logprob=zeros,
+        sampled_entropy=zeros,
+        temperature=zeros,
+        tau=state.entropy.tau,
+        cost_flops=state.entropy.cost_flops,
+        cost_bytes=state.entropy.cost_bytes,
+        kept_blocks=jnp.zeros_like(state.lengths),
+        emitted=jnp.zeros_like(state.active),
+    )
