@@ -111,7 +111,7 @@ def main() -> None:
                 reach = -(-(np.asarray(state.lengths) + STEPS) // PAGE)
                 max_kept = 0
                 if pruning.enabled:
-                    needed = np.asarray(kept_block_count(budgets[name], reach, pruning))
+                    needed = kept_block_count(budgets[name], reach, pruning, xp=np)
                     max_kept = kept_table_width("xla", int(needed.max()), width)
                 state = state.replace(
                     entropy=state.entropy.replace(budget=jnp.asarray(budgets[name]))

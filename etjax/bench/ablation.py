@@ -49,6 +49,7 @@ class BenchPlan:
         "sampling_only",
         "scheduling_only",
         "pruning_only",
+        "speculative_only",
         "full",
     )
     model: str | None = None  # a model preset (etjax/configs/models/); None: each config's own

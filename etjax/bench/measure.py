@@ -147,6 +147,9 @@ def summarise(run: dict) -> dict:
     latency = np.array([r["end_to_end_latency"] for r in reqs])
     tokens = sum(r["generated_tokens"] for r in reqs)
     steps = sum(r["decode_steps"] for r in reqs)
+    drafted = [r.get("drafted_tokens", 0.0) for r in reqs]
+    passes = sum(r.get("passes_per_token", 1.0) * r["generated_tokens"] for r in reqs)
+    accepted = sum(r.get("acceptance_rate", 0.0) * d for r, d in zip(reqs, drafted, strict=True))
     return {
         "throughput_tok_s": run["throughput_tok_s"],
         "latency_mean_s": float(latency.mean()),
@@ -164,4 +167,8 @@ def summarise(run: dict) -> dict:
         "host_ms_per_step": run["host_ms_per_step"],
         "compile_s": run.get("compile_s", 0.0),
         "preemptions": int(sum(r["preemptions"] for r in reqs)),
+        # Speculation: model passes per generated token over the run (1 without it) and the
+        # fraction of drafted tokens accepted (0 when nothing was drafted).
+        "passes_per_token": passes / max(tokens, 1),
+        "acceptance_rate": accepted / max(sum(drafted), 1.0),
     }

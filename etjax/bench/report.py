@@ -34,7 +34,8 @@ def medians(raw: dict) -> dict[str, dict[str, float]]:
 def absolute_table(raw: dict) -> str:
     meds, quality = medians(raw), raw.get("quality", {}).get("rows", {})
     head = [title for title, _, _ in TIMED.values()]
-    head += ["ROUGE-L", "BLEU", "ppl ratio", "passkey", "kept", "KV MB / token", "compile s"]
+    head += ["ROUGE-L", "BLEU", "ppl ratio", "passkey", "kept", "KV MB / token"]
+    head += ["passes / token", "compile s"]
     lines = ["| config | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for name, reps in raw["summary"].items():
         cells = []
@@ -56,6 +57,7 @@ def absolute_table(raw: dict) -> str:
         cells += [
             f"{meds[name]['kept_fraction']:.0%}",
             f"{meds[name]['kv_mb_per_token']:.1f}",
+            f"{meds[name].get('passes_per_token', 1.0):.2f}",
             f"{max(s['compile_s'] for s in reps):.1f}",
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -77,6 +79,7 @@ def absolute_table(raw: dict) -> str:
             "-",
             "100%",
             "-",
+            "1.00",
             "-",
         ]
         lines.append(

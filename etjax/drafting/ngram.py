@@ -9,8 +9,9 @@ def lookup_draft(context: np.ndarray, length: int, ngram_max: int, ngram_min: in
     """Up to `length` tokens proposed to follow `context` [n] int32 (prompt and output so far).
 
     The last g tokens (g from ngram_max down to ngram_min) are searched for in the earlier
-    context; at the latest match, the tokens that followed it are proposed (fewer where the
-    context ends first). No match: no draft. One vectorised comparison per tail length, so a
+    context; at the latest match followed by `length` tokens (else the latest match), the
+    tokens that followed it are proposed (fewer where the context ends first). No match: no
+    draft. One vectorised comparison per tail length, so a
     round costs microseconds per sequence even at thousands of tokens.
     """
     n = len(context)
@@ -24,7 +25,8 @@ def lookup_draft(context: np.ndarray, length: int, ngram_max: int, ngram_min: in
             starts &= context[offset : n - g + offset] == tail[offset]
         hits = np.flatnonzero(starts)
         if len(hits):
-            follow = hits[-1] + g
+            whole = hits[hits + g + length <= n]
+            follow = (whole[-1] if len(whole) else hits[-1]) + g
             return context[follow : follow + length].tolist()
     return []
 

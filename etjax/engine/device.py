@@ -277,7 +277,7 @@ class DeviceBackend:
         blocks = pages_needed(length + opts.steps_per_sync, opts.page_size)
         if not opts.pruning.enabled:
             return blocks
-        return int(kept_block_count(np.asarray([budget]), np.asarray([blocks]), opts.pruning)[0])
+        return int(kept_block_count(np.float32(budget), blocks, opts.pruning, xp=np))
 
     def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
         """Estimated bytes one step of a burst over these rows reads: the weights once, then
@@ -355,7 +355,7 @@ class DeviceBackend:
         opts, ps, width = self.options, self.options.page_size, self.pruned_table_width
         table = page_table_rows([p[:width] for p in pages] + [[]] * (num - len(pages)), width)
         blocks = np.array([pages_needed(r, ps) for r in reach], np.int64)
-        needed = np.asarray(kept_block_count(np.asarray(budgets, np.float32), blocks, opts.pruning))
+        needed = kept_block_count(np.asarray(budgets, np.float32), blocks, opts.pruning, xp=np)
         return table, kept_table_width(self.attention_backend, int(needed.max(initial=1)), width)
 
 

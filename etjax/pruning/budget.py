@@ -22,11 +22,15 @@ def kept_fraction(entropy: jax.Array, cfg: PruningConfig) -> jax.Array:
     return cfg.min_fraction + (1.0 - cfg.min_fraction) * jnp.clip(ramp, 0.0, 1.0)
 
 
-def kept_block_count(fraction: jax.Array, num_blocks: jax.Array, cfg: PruningConfig) -> jax.Array:
+def kept_block_count(
+    fraction: jax.Array, num_blocks: jax.Array, cfg: PruningConfig, xp=jnp
+) -> jax.Array:
     """Blocks [B] int32 to keep out of `num_blocks` [B]: the fraction, rounded up, with floors.
 
     At least `min_blocks` and the always-kept sinks and recent window; never more than exist.
+    `xp=np` computes it on the host: the engine sizes its tables from it every round, and
+    eager jnp calls would compile a small program for every new batch size.
     """
-    wanted = jnp.ceil(fraction * num_blocks).astype(jnp.int32)
+    wanted = xp.ceil(fraction * num_blocks).astype(xp.int32)
     floor = max(cfg.min_blocks, cfg.sink_blocks + cfg.recent_blocks)
-    return jnp.minimum(jnp.maximum(wanted, floor), num_blocks)
+    return xp.minimum(xp.maximum(wanted, floor), num_blocks)

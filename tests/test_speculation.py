@@ -1,0 +1,204 @@
+"""Entropic speculation: drafted tokens verified in the ragged step change no output.
+
+The truth is the engine without speculation: verification re-samples each drafted position
+exactly as the plain step would (etjax/runtime/verify.py), so greedy and sampled outputs must
+be the same token for token, for every sampler. Plus the host parts by hand: prompt lookup,
+the draft-length rule, and the settings' errors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from etjax.drafting import DraftHistory, SpeculationConfig, TokenHistory, lookup_draft
+from etjax.drafting.rule import draft_lengths, wanted_length
+from etjax.engine.build import build_engine
+from etjax.errors import ConfigError
+from etjax.run_config import load_run_config
+from etjax.runtime.options import RequestSettings, RuntimeOptions
+from etjax.sampling import SamplerSettings
+
+SPEC = SpeculationConfig(enabled=True)
+
+
+def _generate(model, prompts, settings, speculation, **engine):
+    options = RuntimeOptions(speculation=speculation, **engine)
+    built = build_engine(model.weights, model.config, model.tokenizer, options, 256)
+    return built.generate(prompts, settings)
+
+
+def _repetitive(tokenizer, lee) -> list[list[int]]:
+    # A paragraph the model copies (drafts come from it), a verse it completes, and a prompt
+    # with nothing to copy.
+    paragraph = lee[3][:400]
+    verse = "Twinkle, twinkle, little star, how I wonder what you are. "
+    return [
+        tokenizer.encode(f"Text: {paragraph}\nCopy of the text: {' '.join(paragraph.split()[:4])}"),
+        tokenizer.encode(verse * 4 + "Twinkle, twinkle,"),
+        tokenizer.encode("The history of the river valley begins"),
+    ]
+
+
+def test_greedy_with_speculation_equals_greedy_without(smollm2, lee):
+    prompts = _repetitive(smollm2.tokenizer, lee)
+    settings = [RequestSettings(max_new_tokens=40, ignore_eos=True)] * len(prompts)
+    plain = _generate(smollm2, prompts, settings, SpeculationConfig())
+    spec = _generate(smollm2, prompts, settings, SPEC)
+    for a, b in zip(plain, spec, strict=True):
+        assert b.token_ids == a.token_ids
+        np.testing.assert_allclose(b.entropy, a.entropy, rtol=1e-3, atol=1e-4)
+    # The copied paragraph really was drafted and mostly accepted, in fewer passes than
+    # tokens (measured: 25 drafted, 96% accepted, 0.4 passes per token).
+    copy = spec[0].metrics
+    assert copy["drafted_tokens"] > 0 and copy["acceptance_rate"] > 0.5
+    assert copy["passes_per_token"] < 0.6
+    assert all(o.metrics["passes_per_token"] <= 1.0 for o in spec)
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        SamplerSettings(temperature=0.7, top_p=0.9, seed=11),
+        SamplerSettings(sampler="entropic", target_entropy=1.0, seed=12),
+        SamplerSettings(sampler="mirostat_v2", mirostat_tau=2.0, seed=13),
+        SamplerSettings(temperature=0.8, repetition_penalty=1.1, top_k=20, seed=14),
+    ],
+    ids=["top_p", "entropic", "mirostat", "penalty_top_k"],
+)
+def test_sampling_with_speculation_draws_the_same_tokens(smollm2, lee, sampler):
+    # Verification draws each position with the row's own key, sampler state and logits, so
+    # every seeded draw is the one the plain engine makes: its distribution is the plain one.
+    prompts = _repetitive(smollm2.tokenizer, lee)[:2]
+    settings = [RequestSettings(max_new_tokens=32, ignore_eos=True, sampler=sampler)] * 2
+    loose = SpeculationConfig(enabled=True, entropy_max=20.0, acceptance_prior=0.9)
+    plain = _generate(smollm2, prompts, settings, SpeculationConfig())
+    spec = _generate(smollm2, prompts, settings, loose)
+    for a, b in zip(plain, spec, strict=True):
+        assert b.token_ids == a.token_ids
+        np.testing.assert_allclose(b.temperature, a.temperature, rtol=1e-3, atol=1e-4)
+    assert sum(o.metrics["drafted_tokens"] for o in spec) > 0
+    assert any(o.metrics["passes_per_token"] < 1.0 for o in spec)  # some drafts accepted
+
+
+def test_verification_accepts_right_drafts_and_rejects_wrong_ones_beside_prefill(
+    tiny_hf_dir, monkeypatch
+):
+    # A tiny random model copies nothing, so drafts come from an oracle instead of the
+    # lookup: the plain run's own next tokens, with every third drafted token made wrong.
+    # Right drafts must be accepted up to the first wrong one, wrong ones rejected, while a
+    # long prompt prefills in 16-token chunks in the same steps; outputs stay the plain
+    # engine's, and the rejected drafts' compute is charged.
+    import etjax
+    import etjax.engine.engine as engine_module
+
+    tiny = etjax.load_model(tiny_hf_dir("llama"))
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (12, 90)]
+    settings = [RequestSettings(max_new_tokens=24, ignore_eos=True)] * 2
+    engine = dict(page_size=4, prefill_chunk=16)
+    plain = _generate(tiny, prompts, settings, SpeculationConfig(), **engine)
+    drafted = [0]
+
+    def oracle(context, length, ngram_max, ngram_min):
+        for prompt, out in zip(prompts, plain, strict=True):
+            if context[: len(prompt)].tolist() == prompt:
+                done = len(context) - len(prompt)
+                draft = list(out.token_ids[done : done + length])
+                for i in range(2, len(draft), 3):
+                    draft[i] = (draft[i] + 1) % tiny.config.vocab_size
+                drafted[0] += max(len(draft) - 1, 0)
+                return draft
+        raise AssertionError("a context of no prompt")
+
+    monkeypatch.setattr(engine_module, "lookup_draft", oracle)
+    forced = SpeculationConfig(enabled=True, entropy_max=100.0, acceptance_prior=0.9)
+    spec = _generate(tiny, prompts, settings, forced, **engine)
+    for a, b in zip(plain, spec, strict=True):
+        assert b.token_ids == a.token_ids
+        np.testing.assert_allclose(b.entropy, a.entropy, rtol=1e-4, atol=1e-5)
+    assert drafted[0] > 0
+    assert all(0 < o.metrics["acceptance_rate"] < 1 for o in spec)
+    assert all(o.metrics["passes_per_token"] < 1 for o in spec)
+    assert all(b.cost_flops[-1] > a.cost_flops[-1] for a, b in zip(plain, spec, strict=True))
+
+
+def test_prompt_lookup_by_hand():
+    ctx = np.array([5, 6, 7, 8, 9, 5, 6, 7], np.int32)
+    assert lookup_draft(ctx, 3, 3, 1) == [8, 9, 5]  # "5 6 7" seen before: what followed
+    assert lookup_draft(ctx, 10, 3, 1) == [8, 9, 5, 6, 7]  # cut where the context ends
+    later = np.array([1, 2, 9, 1, 2, 3, 4, 1, 2], np.int32)
+    assert lookup_draft(later, 2, 2, 1) == [3, 4]  # the latest earlier match wins
+    # ... among those followed by a whole draft: the latest "4 1" has 3 tokens after it, not 4.
+    near = np.array([4, 1, 7, 8, 9, 4, 1, 2, 4, 1], np.int32)
+    assert lookup_draft(near, 3, 2, 1) == [2, 4, 1]
+    assert lookup_draft(near, 4, 2, 1) == [7, 8, 9, 4]
+    assert lookup_draft(near, 9, 2, 1) == [2, 4, 1]  # none has 9 after it: the latest
+    assert lookup_draft(np.array([1, 2, 3], np.int32), 4, 3, 1) == []  # no repeat
+    assert lookup_draft(np.array([4, 1, 4], np.int32), 2, 3, 2) == []  # tails shorter than 2
+    assert lookup_draft(ctx, 0, 3, 1) == []
+
+
+def test_token_history_grows_with_the_output():
+    history = TokenHistory()
+    prompt = list(range(300))
+    assert history.view(prompt, []).tolist() == prompt
+    out = [7, 8]
+    assert history.view(prompt, out).tolist() == prompt + out
+    out += list(range(500))
+    assert history.view(prompt, out).tolist() == prompt + out
+
+
+def test_draft_lengths_follow_entropy_acceptance_and_budget():
+    cfg = SpeculationConfig(
+        enabled=True, max_draft=4, entropy_max=1.5, min_survival=0.25, draft_budget=5
+    )
+    # a = 0.5: 0.5**2 = 0.25 >= 0.25, 0.5**3 < 0.25 -> 2; a = 0.8: 0.8**6 = 0.26 -> capped at 4.
+    assert wanted_length(0.3, DraftHistory(0.5), cfg) == 2
+    assert wanted_length(0.3, DraftHistory(0.8), cfg) == 4
+    assert wanted_length(2.0, DraftHistory(0.8), cfg) == 0  # unsure: no draft
+    assert wanted_length(None, DraftHistory(0.8), cfg) == 0  # nothing sampled yet
+    shy = DraftHistory(0.2)  # 0.2 < 0.25: no draft, and the estimate relaxes to the prior
+    assert wanted_length(0.1, shy, cfg) == 0
+    assert shy.acceptance == pytest.approx(0.7 * 0.2 + 0.3 * 0.5)
+    # Lowest entropy first within the budget of 5: 4 to the surest, 1 left for the next.
+    histories = [DraftHistory(0.8) for _ in range(3)]
+    assert draft_lengths([0.9, 0.1, 3.0], histories, cfg, budget=100) == [1, 4, 0]
+    assert draft_lengths([0.9, 0.1, 3.0], histories, cfg, budget=2) == [0, 2, 0]
+    record = DraftHistory(0.5)
+    record.record(4, 1, cfg)
+    assert record.acceptance == pytest.approx(0.7 * 0.5 + 0.3 * 0.25)
+    assert (record.drafted, record.accepted, record.verify_steps) == (4, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_draft=0), "max_draft=0"),
+        (dict(max_draft=16), "max_draft=16"),
+        (dict(ngram_min=3, ngram_max=2), "ngram_min=3"),
+        (dict(entropy_max=0.0), "entropy_max"),
+        (dict(acceptance_prior=1.0), "acceptance_prior"),
+        (dict(min_survival=0.0), "min_survival"),
+        (dict(enabled="yes"), "enabled"),
+    ],
+)
+def test_bad_speculation_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculationConfig(**kwargs)
+
+
+def test_speculation_conflicts_are_named(tmp_path):
+    from etjax.pruning.config import PruningConfig
+
+    with pytest.raises(ValueError, match="speculation needs dense attention"):
+        RuntimeOptions(speculation=SPEC, pruning=PruningConfig(enabled=True))
+    with pytest.raises(ValueError, match="steps_per_sync >= 5"):
+        RuntimeOptions(speculation=SPEC, steps_per_sync=4)
+    path = tmp_path / "both.toml"
+    path.write_text("[pruning]\nenabled = true\n[speculation]\nenabled = true\n")
+    with pytest.raises(ConfigError, match=r"both\.toml.*speculation needs dense attention"):
+        load_run_config(path)
+    path.write_text("[speculation]\nmax_drafts = 3\n")
+    with pytest.raises(ConfigError, match=r"\[speculation\] unknown key 'max_drafts'"):
+        load_run_config(path)
