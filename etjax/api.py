@@ -8,8 +8,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from etjax.drafting import SpeculationConfig
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
-from etjax.errors import RequestError
+from etjax.errors import EtjaxError, RequestError
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
 from etjax.model.config import DTYPE_CHOICES, resolve_dtype
@@ -84,6 +85,7 @@ def decode(
     max_batch_size: int = 32,
     page_size: int = 16,
     pruning: PruningConfig | bool = False,
+    speculation: SpeculationConfig | bool = False,
     mesh: str = "1x1",
     on_text: Callable[[int, str], None] | None = None,
     progress: bool = False,
@@ -122,6 +124,9 @@ def decode(
         `Result` with `error` set (the other prompts are generated either way otherwise).
       pruning: True (default settings) or a `PruningConfig`: entropic attention pruning — each
         decode step reads only the KV blocks its entropy budget and query keep.
+      speculation: True (default settings) or a `SpeculationConfig`: after confident tokens,
+        sequences draft tokens from their prompt and output and verify them in one pass; the
+        outputs are the same as without it (not together with `pruning`).
       mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(result_index, text_piece)` while text is produced (the
@@ -150,15 +155,27 @@ def decode(
         pruning = PruningConfig(enabled=pruning)
     elif not isinstance(pruning, PruningConfig):
         raise RequestError(f"pruning={pruning!r}; must be True, False or a PruningConfig")
+    if isinstance(speculation, bool):
+        speculation = SpeculationConfig(enabled=speculation)
+    elif not isinstance(speculation, SpeculationConfig):
+        raise RequestError(
+            f"speculation={speculation!r}; must be True, False or a SpeculationConfig"
+        )
     max_batch_size = positive_int("max_batch_size", max_batch_size)
-    options = RuntimeOptions(
-        page_size=positive_int("page_size", page_size),
-        max_batch_size=max_batch_size,
-        # A step holds a token per decoding row before any prefill: grow the budget with them.
-        token_budget=max(RuntimeOptions.token_budget, 2 * max_batch_size),
-        pruning=pruning,
-        mesh=mesh,
-    )
+    try:
+        options = RuntimeOptions(
+            page_size=positive_int("page_size", page_size),
+            max_batch_size=max_batch_size,
+            # A step holds a token per decoding row before any prefill: grow the budget.
+            token_budget=max(RuntimeOptions.token_budget, 2 * max_batch_size),
+            pruning=pruning,
+            mesh=mesh,
+            speculation=speculation,
+        )
+    except EtjaxError:
+        raise
+    except ValueError as e:  # how the settings combine (speculation with pruning)
+        raise RequestError(str(e)) from None
     model = _resolve_model(model, dtype)
     # Result k is sample k % n of prompt k // n, with its own seed.
     results = [Result(seed=s) for s in seeds]

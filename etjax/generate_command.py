@@ -1,9 +1,9 @@
 """`etjax generate`: one prompt from the command line, streamed, with every decode option.
 
 Each `SamplerSettings` field is a flag of its own (`--top-p`, `--mirostat-tau`, ...). `--config`
-takes a run config's [model], [sampler], [request] and pruning settings as the defaults; flags
-given on the command line win. Everything is checked before the model loads, so a bad value
-fails in a second.
+takes a run config's [model], [sampler], [request], pruning and speculation settings as the
+defaults; flags given on the command line win. Everything is checked before the model loads,
+so a bad value fails in a second.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ def add_generate(commands) -> None:
     gen.add_argument("--chat", action="store_true", default=None, help="use the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--pruning", action="store_true", default=None, help="entropic pruning")
+    gen.add_argument(
+        "--speculation", action="store_true", default=None, help="draft and verify tokens"
+    )
     gen.add_argument("-n", type=int, default=1, help="samples of the prompt")
     gen.add_argument("--seed", type=int, default=None, help="(default: a fresh seed)")
     sampler = gen.add_argument_group("sampler (etjax.sampling.SamplerSettings)")
@@ -73,6 +76,7 @@ def run_generate(args: argparse.Namespace) -> int:
     max_new = given(args.max_new_tokens, request.max_new_tokens)
     stop = given(args.stop, list(request.stop) or None)
     pruning = True if args.pruning else config.options.pruning
+    speculation = True if args.speculation else config.options.speculation
     # The settings first: a bad value fails in a second, not after the model has loaded.
     positive_int("max_new_tokens", max_new)
     sample_count(args.n)
@@ -97,6 +101,7 @@ def run_generate(args: argparse.Namespace) -> int:
         chat=given(args.chat, request.chat),
         system_prompt=given(args.system, request.system_prompt),
         pruning=pruning,
+        speculation=speculation,
         seed=seed,
         n=args.n,
         sampler=sampler["sampler"],

@@ -151,7 +151,7 @@ def test_token_history_grows_with_the_output():
 
 def test_draft_lengths_follow_entropy_acceptance_and_budget():
     cfg = SpeculationConfig(
-        enabled=True, max_draft=4, entropy_max=1.5, min_survival=0.25, draft_budget=5
+        enabled=True, max_draft=4, entropy_max=1.5, min_survival=0.25, draft_budget=8
     )
     # a = 0.5: 0.5**2 = 0.25 >= 0.25, 0.5**3 < 0.25 -> 2; a = 0.8: 0.8**6 = 0.26 -> capped at 4.
     assert wanted_length(0.3, DraftHistory(0.5), cfg) == 2
@@ -161,10 +161,11 @@ def test_draft_lengths_follow_entropy_acceptance_and_budget():
     shy = DraftHistory(0.2)  # 0.2 < 0.25: no draft, and the estimate relaxes to the prior
     assert wanted_length(0.1, shy, cfg) == 0
     assert shy.acceptance == pytest.approx(0.7 * 0.2 + 0.3 * 0.5)
-    # Lowest entropy first within the budget of 5: 4 to the surest, 1 left for the next.
+    # Lowest entropy first, 8 tokens a step: 3 rows leave 5 drafts, 4 to the surest, then 1.
     histories = [DraftHistory(0.8) for _ in range(3)]
     assert draft_lengths([0.9, 0.1, 3.0], histories, cfg, budget=100) == [1, 4, 0]
     assert draft_lengths([0.9, 0.1, 3.0], histories, cfg, budget=2) == [0, 2, 0]
+    assert draft_lengths([0.1] * 8, [DraftHistory(0.8)] * 8, cfg, budget=100) == [0] * 8
     record = DraftHistory(0.5)
     record.record(4, 1, cfg)
     assert record.acceptance == pytest.approx(0.7 * 0.5 + 0.3 * 0.25)
@@ -193,8 +194,8 @@ def test_speculation_conflicts_are_named(tmp_path):
 
     with pytest.raises(ValueError, match="speculation needs dense attention"):
         RuntimeOptions(speculation=SPEC, pruning=PruningConfig(enabled=True))
-    with pytest.raises(ValueError, match="steps_per_sync >= 5"):
-        RuntimeOptions(speculation=SPEC, steps_per_sync=4)
+    with pytest.raises(ValueError, match="steps_per_sync >= 8"):
+        RuntimeOptions(speculation=SPEC, steps_per_sync=7)
     path = tmp_path / "both.toml"
     path.write_text("[pruning]\nenabled = true\n[speculation]\nenabled = true\n")
     with pytest.raises(ConfigError, match=r"both\.toml.*speculation needs dense attention"):
@@ -202,3 +203,20 @@ def test_speculation_conflicts_are_named(tmp_path):
     path.write_text("[speculation]\nmax_drafts = 3\n")
     with pytest.raises(ConfigError, match=r"\[speculation\] unknown key 'max_drafts'"):
         load_run_config(path)
+
+
+def test_decode_takes_speculation_and_names_bad_values(smollm2, lee):
+    import etjax
+    from etjax.errors import RequestError
+
+    paragraph = lee[3][:300]
+    prompt = f"Text: {paragraph}\nCopy of the text: {' '.join(paragraph.split()[:4])}"
+    plain, spec = (
+        etjax.decode(prompt, model=smollm2, max_new_tokens=24, temperature=0, speculation=s)
+        for s in (False, True)
+    )
+    assert spec[0].token_ids == plain[0].token_ids
+    with pytest.raises(RequestError, match="speculation='yes'"):
+        etjax.decode("x", model=smollm2, speculation="yes")
+    with pytest.raises(RequestError, match="speculation needs dense attention"):
+        etjax.decode("x", model=smollm2, speculation=True, pruning=True)

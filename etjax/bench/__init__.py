@@ -1,6 +1,7 @@
 """`etjax bench`: the paper's ablation, rerunnable on a real model with one command.
 
-    etjax bench --workload mixed --configs baseline,sampling_only,scheduling_only,pruning_only,speculative_only,full
+    etjax bench --workload mixed \
+        --configs baseline,sampling_only,scheduling_only,pruning_only,speculative_only,full
 
 Modules, in the order a run touches them: `corpus` (the Lee articles), `workloads` (`mixed`,
 `online`), `ablation` (the plan and its order of work), `measure` (one config on one workload,

@@ -25,20 +25,22 @@ class SpeculationConfig:
       acceptance_memory: weight of the past in the running acceptance estimate.
     min_survival: draft k tokens only while the chance all k are accepted (estimated
       acceptance ** k) stays at least this.
-    draft_budget: the most drafted tokens in one step over the whole batch, lowest-entropy
-      sequences first: past a few dozen tokens a pass stops being bound by reading the
-      weights, and drafts that may be rejected cost real compute.
+    draft_budget: the most tokens a verifying step runs for its rows, their own tokens and
+      drafts together; drafts go to the lowest-entropy sequences first. A decode step is
+      bound by reading the weights only while it holds few tokens: past that, drafts that may
+      be rejected cost real compute, so a full batch (32 rows, more than the budget) drafts
+      nothing and runs as it would without speculation.
     """
 
     enabled: bool = False
-    max_draft: int = 4
+    max_draft: int = 7
     ngram_max: int = 3
     ngram_min: int = 1
     entropy_max: float = 1.5
     acceptance_prior: float = 0.5
     acceptance_memory: float = 0.7
     min_survival: float = 0.25
-    draft_budget: int = 32
+    draft_budget: int = 16
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):

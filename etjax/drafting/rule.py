@@ -16,8 +16,9 @@ a ** 1 < min_survival; a successful one climbs back to the maximum. While a conf
 sequence drafts nothing for want of acceptance, its estimate relaxes towards the prior each
 round (`rest`), so it tries again after a few rounds rather than never.
 
-Over the batch, drafting sequences are served lowest entropy first until `draft_budget`
-drafted tokens (and the step's token budget) are spent.
+Over the batch, drafting sequences are served lowest entropy first until the step holds
+`draft_budget` tokens, the rows' own included (and within the step's token budget): a batch
+of more rows than that drafts nothing.
 """
 
 from __future__ import annotations
@@ -73,9 +74,10 @@ def draft_lengths(
     budget: int,
 ) -> list[int]:
     """Each sequence's draft length this step: `wanted_length`, granted lowest entropy first
-    while `min(draft_budget, budget)` tokens last."""
+    while the step stays within `draft_budget` tokens (one per row plus drafts) and `budget`
+    drafted tokens."""
     wanted = [wanted_length(h, d, cfg) for h, d in zip(entropies, histories, strict=True)]
-    left = min(cfg.draft_budget, budget)
+    left = min(cfg.draft_budget - len(wanted), budget)
     granted = [0] * len(wanted)
     for i in sorted(range(len(wanted)), key=lambda i: entropies[i] or 0.0):
         granted[i] = max(min(wanted[i], left), 0)

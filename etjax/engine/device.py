@@ -196,8 +196,9 @@ class DeviceBackend:
         return out, budget, [self._prefill_cost(job, len(jobs)) for job in jobs]
 
     def token_bucket(self, num_tokens: int) -> int:
-        """Padded token count of a ragged step (a power of two from 16 up)."""
-        return next_power_of_two(num_tokens, minimum=16)
+        """Padded token count of a ragged step (a power of two from 8 up: a lone row's token
+        and its drafts fit 8)."""
+        return next_power_of_two(num_tokens, minimum=8)
 
     def _mixed_sizes(self, num_tokens: int) -> tuple[PlanSizes, PlanSizes]:
         # The decoding rows' pass and the chunks' passes of a step of `num_tokens` tokens.

@@ -9,12 +9,14 @@ A round (`step`):
      pages for a burst, preempting the policy's least valuable resident sequence if the pool
      is short (recompute: its pages are freed, its sampler and entropy state are kept on the
      host, and its prompt plus generated tokens are prefilled again when it is readmitted);
-  4. admitted sequences get their next prompt chunk (at most `prefill_chunk` tokens each, at
-     most `max_prefill_rows` of them) within what the token budget leaves after one token per
-     picked sequence;
-  5. the device runs one ragged step: the batch's sequences decode a token each and the chunks
-     are appended, in one flat batch; a finished context makes its sequence resident. With
-     nothing to prefill, the batch runs `steps_per_sync` decode steps in one `lax.scan`
+  4. with speculation on, confident sequences of the batch draft tokens (etjax/drafting);
+     admitted sequences get their next prompt chunk (at most `prefill_chunk` tokens each, at
+     most `max_prefill_rows` of them) within what the token budget leaves after one token
+     (and its drafts) per picked sequence;
+  5. the device runs one ragged step: the batch's sequences decode a token each (and verify
+     their drafts: etjax/runtime/verify.py) and the chunks are appended, in one flat batch;
+     a finished context makes its sequence resident. With nothing to prefill or verify, the
+     batch runs `steps_per_sync` decode steps in one `lax.scan`
      instead (as a few bursts of rows of similar attention width when that reads fewer bytes:
      grouping.py; with ragged attention that only pays under pruning). The host streams the
      new tokens, applies stop strings and frees finished sequences.
