@@ -14,4 +14,7 @@ $PY -m pytest -q -p no:cacheprovider tests/test_block_sparse_kernels.py tests/te
 # The product path: dense (GPU) and pruned decode through this platform's Pallas kernels equal XLA.
 BACKEND=$($PY -c "from etjax.attention import resolve_backend; print(resolve_backend('auto'))")
 $PY -m pytest -q -p no:cacheprovider tests/test_pruning_decode.py -k "$BACKEND or auto_backend"
+# Speculation's verification pass (a row's token and drafts in one query tile) on the platform's
+# dense kernel ("auto"): outputs equal to the engine without speculation.
+$PY -m pytest -q -p no:cacheprovider tests/test_speculation.py -k "verification or greedy_with"
 $PY benchmarks/kernel_timing.py "$@"
