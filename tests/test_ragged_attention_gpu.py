@@ -123,13 +123,14 @@ def test_gpu_kernel_mixed_batch_with_default_splits(page_size, dtype):
 
 
 @pytest.mark.parametrize(
-    "q_tile, dtype", [(1, jnp.bfloat16), (64, jnp.bfloat16), (64, jnp.float32)]
+    "q_tile, dtype", [(1, jnp.bfloat16), (8, jnp.float32), (64, jnp.bfloat16), (64, jnp.float32)]
 )
 def test_gpu_kernel_lowers_to_triton_at_smollm2_shapes(q_tile, dtype):
     # Compiled mode cannot run without a GPU, but lowering to Triton IR can: it rejects loads
     # and stores whose sizes are not powers of two and primitives Triton lacks. SmolLM2's
     # attention (9 heads, 3 KV heads, head_dim 64, pages of 16): decode tiles of one token (3
-    # rows, the broadcast path) and prefill tiles of 64 (three 64-row blocks, the dot path).
+    # rows, the broadcast path), speculation's verification tiles of 8 (a token and 7 drafts:
+    # 24 rows in a 32-row block) and prefill tiles of 64 (three 64-row blocks, the dot path).
     pages = list(range(1, 41))
     tile_pass = build_pass(
         [Segment(0, q_tile, 500, 500 + q_tile - 1, pages)],
