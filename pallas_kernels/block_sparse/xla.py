@@ -3,7 +3,7 @@
 Gathers only the kept pages, a chunk of `LOOP_BLOCKS` kept blocks per trip of a
 `lax.fori_loop` whose trip count follows the largest kept count in the batch (a traced value),
 merging the chunks' partial softmaxes online. So a step's cost follows the blocks it keeps,
-not the width of the kept table, which is padded to few shapes (etjax/runtime/buckets.py)
+not the width of the kept table, which the engine pads to one shape (etjax/attention/pruned.py)
 so that a run compiles few programs. Within a trip, multiply-and-reduce instead of matrix
 products: with one query per sequence the products are tiny and XLA fuses the page gather into
 the reductions. Accumulates in float32. A selection shared by the KV heads gathers whole pages
