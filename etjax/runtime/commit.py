@@ -13,7 +13,20 @@ import jax.numpy as jnp
 
 from etjax.entropy.state import advance_tau
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.sampling.sampler import SampleInfo, SamplerState
+from etjax.sampling.sampler import SampleInfo, SamplerState, sample_next
+
+
+def sample_rows(state: DecodeState) -> tuple[jax.Array, SampleInfo, SamplerState]:
+    """Each row's next token drawn from its logits with its sampler, keyed by the token's
+    index in the row's output (what makes a draw the same in any step that makes it)."""
+    return sample_next(
+        state.logits,
+        state.sampler,
+        state.sampler_state,
+        state.token_counts,
+        state.in_prompt,
+        state.num_generated,
+    )
 
 
 def finishes(state: DecodeState, tokens: jax.Array, take: jax.Array) -> jax.Array:

@@ -36,10 +36,9 @@ from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.model.weights import Weights
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
-from etjax.runtime.commit import commit_tokens, finishes
+from etjax.runtime.commit import commit_tokens, finishes, sample_rows
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.verify import accept_drafts
-from etjax.sampling.sampler import sample_next
 
 DENSE = PruningConfig()  # pruning disabled: every block of the context is read
 
@@ -275,7 +274,7 @@ def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backen
     # One step of every row of `state`: sample from its logits, run the model on the token
     # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache)`), account.
     active = state.active
-    tokens, info, sampler_state = _sample(state)
+    tokens, info, sampler_state = sample_rows(state)
     runs = active & ~finishes(state, tokens, active)
 
     num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
@@ -307,18 +306,6 @@ def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backen
         nbytes,
     )
     return state, cache, outputs
-
-
-def _sample(state: DecodeState):
-    # Each row's next token from its logits, keyed by its index in the row's output.
-    return sample_next(
-        state.logits,
-        state.sampler,
-        state.sampler_state,
-        state.token_counts,
-        state.in_prompt,
-        state.num_generated,
-    )
 
 
 def take_rows(store: DecodeState, rows: jax.Array) -> DecodeState:

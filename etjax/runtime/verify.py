@@ -1,7 +1,7 @@
 """`accept_drafts`: verification of drafted tokens, lossless for every sampler.
 
 A speculating row runs, in one pass, the token it sampled and the tokens drafted after it
-(etjax/engine/drafting.py); the pass gives the distribution after each of them. Draft i is
+(etjax/drafting/); the pass gives the distribution after each of them. Draft i is
 then checked by sampling position i exactly as the non-speculative step would: from the
 distribution after the accepted prefix, with the row's sampler (penalties, temperature or the
 entropic controller, truncation, Mirostat) in the state the committed prefix left it, keyed
@@ -26,9 +26,8 @@ import jax.numpy as jnp
 from etjax.entropy.cost import CostModel
 from etjax.model.transformer import logits_from_hidden
 from etjax.model.weights import Weights
-from etjax.runtime.commit import commit_tokens
+from etjax.runtime.commit import commit_tokens, sample_rows
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.sampling.sampler import sample_next
 
 
 def accept_drafts(
@@ -59,14 +58,7 @@ def accept_drafts(
 
         def check(carry, i=i):
             state, accepting, accepted = carry
-            tokens, info, sampler_state = sample_next(
-                state.logits,
-                state.sampler,
-                state.sampler_state,
-                state.token_counts,
-                state.in_prompt,
-                state.num_generated,
-            )
+            tokens, info, sampler_state = sample_rows(state)
             take = accepting & (i < draft_len) & (tokens == drafts[:, i])
             num_blocks = (state.lengths + cost.page_size) // cost.page_size
             keys = (num_blocks * cost.page_size).astype(jnp.float32)
