@@ -126,7 +126,8 @@ def decode(
         decode step reads only the KV blocks its entropy budget and query keep.
       speculation: True (default settings) or a `SpeculationConfig`: after confident tokens,
         sequences draft tokens from their prompt and output and verify them in one pass; the
-        outputs are the same as without it (not together with `pruning`).
+        outputs are the same as without it. With `pruning` too, a row verifying drafts reads
+        its whole context that step.
       mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(result_index, text_piece)` while text is produced (the
@@ -174,7 +175,7 @@ def decode(
         )
     except EtjaxError:
         raise
-    except ValueError as e:  # how the settings combine (speculation with pruning)
+    except ValueError as e:  # how the settings combine (max_draft and steps_per_sync)
         raise RequestError(str(e)) from None
     model = _resolve_model(model, dtype)
     # Result k is sample k % n of prompt k // n, with its own seed.

@@ -121,7 +121,7 @@ def load_run_config(name_or_path: str | Path, model: str | Path | None = None) -
         built["model"] = _build(preset_path, "model", ModelChoice, preset.get("model", {}))
         engine = {**data.get("engine", {}), **preset.get("engine", {})}
         built["engine"] = _build(preset_path, "engine", RuntimeOptions, engine)
-    try:  # the engine checks how the tables combine (speculation needs dense attention)
+    try:  # the engine checks how the tables combine (max_draft and steps_per_sync)
         options = dataclasses.replace(
             built["engine"], pruning=built["pruning"], speculation=built["speculation"]
         )

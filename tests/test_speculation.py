@@ -8,6 +8,9 @@ the draft-length rule, and the settings' errors.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -81,11 +84,30 @@ def test_sampling_with_speculation_draws_the_same_tokens(smollm2, lee, sampler):
     assert any(o.metrics["passes_per_token"] < 1.0 for o in spec)  # some drafts accepted
 
 
+def _oracle(prompts, plain, vocab_size, counter=None):
+    # Drafts for a tiny random model, which copies nothing: the plain run's own next tokens,
+    # with every third drafted token made wrong (prompts with no plain run draft nothing).
+    def lookup(context, length, ngram_max, ngram_min):
+        for prompt, out in zip(prompts, plain, strict=False):
+            if context[: len(prompt)].tolist() == prompt:
+                done = len(context) - len(prompt)
+                draft = list(out.token_ids[done : done + length])
+                for i in range(2, len(draft), 3):
+                    draft[i] = (draft[i] + 1) % vocab_size
+                if counter is not None:
+                    counter[0] += max(len(draft) - 1, 0)
+                return draft
+        return []
+
+    return lookup
+
+
+FORCED = SpeculationConfig(enabled=True, entropy_max=100.0, acceptance_prior=0.9)
+
+
 def test_verification_accepts_right_drafts_and_rejects_wrong_ones_beside_prefill(
     tiny_hf_dir, monkeypatch
 ):
-    # A tiny random model copies nothing, so drafts come from an oracle instead of the
-    # lookup: the plain run's own next tokens, with every third drafted token made wrong.
     # Right drafts must be accepted up to the first wrong one, wrong ones rejected, while a
     # long prompt prefills in 16-token chunks in the same steps; outputs stay the plain
     # engine's, and the rejected drafts' compute is charged.
@@ -99,21 +121,9 @@ def test_verification_accepts_right_drafts_and_rejects_wrong_ones_beside_prefill
     engine = dict(page_size=4, prefill_chunk=16)
     plain = _generate(tiny, prompts, settings, SpeculationConfig(), **engine)
     drafted = [0]
-
-    def oracle(context, length, ngram_max, ngram_min):
-        for prompt, out in zip(prompts, plain, strict=True):
-            if context[: len(prompt)].tolist() == prompt:
-                done = len(context) - len(prompt)
-                draft = list(out.token_ids[done : done + length])
-                for i in range(2, len(draft), 3):
-                    draft[i] = (draft[i] + 1) % tiny.config.vocab_size
-                drafted[0] += max(len(draft) - 1, 0)
-                return draft
-        raise AssertionError("a context of no prompt")
-
+    oracle = _oracle(prompts, plain, tiny.config.vocab_size, drafted)
     monkeypatch.setattr(engine_module, "lookup_draft", oracle)
-    forced = SpeculationConfig(enabled=True, entropy_max=100.0, acceptance_prior=0.9)
-    spec = _generate(tiny, prompts, settings, forced, **engine)
+    spec = _generate(tiny, prompts, settings, FORCED, **engine)
     for a, b in zip(plain, spec, strict=True):
         assert b.token_ids == a.token_ids
         np.testing.assert_allclose(b.entropy, a.entropy, rtol=1e-4, atol=1e-5)
@@ -121,6 +131,110 @@ def test_verification_accepts_right_drafts_and_rejects_wrong_ones_beside_prefill
     assert all(0 < o.metrics["acceptance_rate"] < 1 for o in spec)
     assert all(o.metrics["passes_per_token"] < 1 for o in spec)
     assert all(b.cost_flops[-1] > a.cost_flops[-1] for a, b in zip(plain, spec, strict=True))
+
+
+def test_rollback_leaves_the_cache_and_allocator_as_a_plain_run(tiny_hf_dir, monkeypatch):
+    # Compare states: after a run whose drafts were often rejected (also past the end of the
+    # output), the sequence's cached keys and values, the key bounds of every page it held
+    # and the remembered mass are those of the run without speculation, and at every length
+    # both runs reached when picking the row, it held as many pages.
+    import etjax
+    import etjax.engine.engine as engine_module
+    from etjax.cache.page_allocator import pages_needed
+
+    tiny = etjax.load_model(tiny_hf_dir("llama"))
+    prompt = np.random.default_rng(8).integers(3, tiny.config.vocab_size, size=13).tolist()
+    settings = [RequestSettings(max_new_tokens=27, ignore_eos=True)]
+    engine_options = RuntimeOptions(page_size=4)
+
+    def run(speculation):
+        options = dataclasses.replace(engine_options, speculation=speculation)
+        engine = build_engine(tiny.weights, tiny.config, tiny.tokenizer, options, 64)
+        held, held_at = [], {}
+        release, pick = engine._release, engine._pick_batch
+
+        def recording_release(seq):
+            held.extend(seq.pages)
+            release(seq)
+
+        def recording_pick(running):
+            batch = pick(running)
+            held_at.update({s.length: len(s.pages) for s in batch})
+            return batch
+
+        monkeypatch.setattr(engine, "_release", recording_release)
+        monkeypatch.setattr(engine, "_pick_batch", recording_pick)
+        (out,) = engine.generate([prompt], settings)
+        assert engine.allocator.num_free == 63  # everything back but the null page
+        return out, jax.device_get(engine.backend.cache), held, held_at
+
+    plain, plain_cache, plain_pages, plain_held = run(SpeculationConfig())
+    monkeypatch.setattr(
+        engine_module, "lookup_draft", _oracle([prompt], [plain], tiny.config.vocab_size)
+    )
+    spec, spec_cache, spec_pages, spec_held = run(FORCED)
+    assert spec.token_ids == plain.token_ids
+    assert spec.metrics["acceptance_rate"] < 1 and spec.metrics["passes_per_token"] < 1
+
+    length = len(prompt) + len(plain.token_ids) - 1  # the last token is not run
+    pages = min(len(plain_pages), len(spec_pages))
+    assert pages >= pages_needed(length, 4)
+    a, b = np.asarray(plain_pages[:pages]), np.asarray(spec_pages[:pages])
+    positions = np.arange(length)
+    for field in ("k", "v"):  # [layers, pages, kv heads, page_size, hd], below the length
+        cached = [
+            getattr(c, field)[:, p[positions // 4], :, positions % 4]
+            for c, p in ((plain_cache, a), (spec_cache, b))
+        ]
+        np.testing.assert_allclose(cached[1], cached[0], rtol=1e-4, atol=1e-5)
+    for field in ("k_min", "k_max", "block_mass"):
+        np.testing.assert_allclose(
+            getattr(spec_cache, field)[:, b],
+            getattr(plain_cache, field)[:, a],
+            rtol=1e-4,
+            atol=1e-5,
+        )
+    common = plain_held.keys() & spec_held.keys()
+    assert len(common) >= 3
+    assert {n: spec_held[n] for n in common} == {n: plain_held[n] for n in common}
+
+
+def test_pruned_engine_verifies_drafts_densely_and_prunes_the_other_rows(tiny_hf_dir, monkeypatch):
+    # Under pruning, a row verifying drafts reads its whole context: with a budget that
+    # keeps every block the outputs are the dense engine's. A row that never drafts stays
+    # pruned beside it: its tokens and kept blocks are those of the pruning-only engine.
+    import etjax
+    import etjax.engine.engine as engine_module
+    from etjax.pruning.config import PruningConfig
+
+    tiny = etjax.load_model(tiny_hf_dir("llama"))
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (40, 70)]
+    settings = [RequestSettings(max_new_tokens=20, ignore_eos=True)] * 2
+    engine = dict(page_size=4, prefill_chunk=16)
+    dense = _generate(tiny, prompts, settings, SpeculationConfig(), **engine)
+    # The random model's entropy is near log V (10.8 nats): ramp above it to prune.
+    pruned = PruningConfig(
+        enabled=True, entropy_low=20.0, entropy_high=30.0, min_blocks=2, recent_blocks=1
+    )
+    pruned_only = _generate(tiny, prompts, settings, SpeculationConfig(), pruning=pruned, **engine)
+    assert sum(pruned_only[1].kept_blocks) < 0.5 * sum(dense[1].kept_blocks)
+
+    # Drafts for the first prompt only.
+    monkeypatch.setattr(
+        engine_module, "lookup_draft", _oracle(prompts[:1], dense[:1], tiny.config.vocab_size)
+    )
+    keep_all = dataclasses.replace(pruned, min_fraction=1.0)
+    both = _generate(tiny, prompts, settings, FORCED, pruning=keep_all, **engine)
+    for a, b in zip(dense, both, strict=True):
+        assert b.token_ids == a.token_ids
+        np.testing.assert_allclose(b.entropy, a.entropy, rtol=1e-4, atol=1e-5)
+    assert both[0].metrics["passes_per_token"] < 1
+
+    both = _generate(tiny, prompts, settings, FORCED, pruning=pruned, **engine)
+    assert both[1].token_ids == pruned_only[1].token_ids
+    np.testing.assert_array_equal(both[1].kept_blocks, pruned_only[1].kept_blocks)
+    assert both[0].metrics["drafted_tokens"] > 0 and both[1].metrics["drafted_tokens"] == 0
 
 
 def test_prompt_lookup_by_hand():
@@ -190,15 +304,11 @@ def test_bad_speculation_settings_are_named(kwargs, message):
 
 
 def test_speculation_conflicts_are_named(tmp_path):
-    from etjax.pruning.config import PruningConfig
-
-    with pytest.raises(ValueError, match="speculation needs dense attention"):
-        RuntimeOptions(speculation=SPEC, pruning=PruningConfig(enabled=True))
     with pytest.raises(ValueError, match="steps_per_sync >= 8"):
         RuntimeOptions(speculation=SPEC, steps_per_sync=7)
-    path = tmp_path / "both.toml"
-    path.write_text("[pruning]\nenabled = true\n[speculation]\nenabled = true\n")
-    with pytest.raises(ConfigError, match=r"both\.toml.*speculation needs dense attention"):
+    path = tmp_path / "short.toml"
+    path.write_text("[engine]\nsteps_per_sync = 4\n[speculation]\nenabled = true\n")
+    with pytest.raises(ConfigError, match=r"short\.toml.*steps_per_sync >= 8"):
         load_run_config(path)
     path.write_text("[speculation]\nmax_drafts = 3\n")
     with pytest.raises(ConfigError, match=r"\[speculation\] unknown key 'max_drafts'"):
@@ -218,5 +328,5 @@ def test_decode_takes_speculation_and_names_bad_values(smollm2, lee):
     assert spec[0].token_ids == plain[0].token_ids
     with pytest.raises(RequestError, match="speculation='yes'"):
         etjax.decode("x", model=smollm2, speculation="yes")
-    with pytest.raises(RequestError, match="speculation needs dense attention"):
-        etjax.decode("x", model=smollm2, speculation=True, pruning=True)
+    with pytest.raises(RequestError, match="max_draft=9 needs steps_per_sync >= 10"):
+        etjax.decode("x", model=smollm2, speculation=SpeculationConfig(enabled=True, max_draft=9))

@@ -141,7 +141,7 @@ class DeviceBackend:
             tokens[start + 1 : start + m] = draft
             positions[span] = n + np.arange(m)
             write_pages[span] = np.asarray(row_pages, np.int32)[positions[span] // opts.page_size]
-            if not opts.pruning.enabled:  # pruned rows attend outside the plan
+            if draft or not opts.pruning.enabled:  # pruned rows attend outside the plan
                 reach = n + m - 1
                 segment = Segment(start, m, n, reach, row_pages[: reach // opts.page_size + 1])
                 (verifying if draft else decoding).append(segment)

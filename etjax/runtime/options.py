@@ -53,7 +53,8 @@ class RuntimeOptions:
     compilation_cache: keep compiled programs on disk for later processes
       (etjax/compilation_cache.py; ETJAX_COMPILATION_CACHE=off also turns it off).
     speculation: drafting and verification of tokens (etjax/drafting, off by default); needs
-      dense attention and 1 + max_draft <= steps_per_sync (the pages a round reserves).
+      1 + max_draft <= steps_per_sync (the pages a round reserves). Under pruning, a row
+      that verifies drafts reads its whole context that step; the others stay pruned.
     """
 
     page_size: int = 16
@@ -107,11 +108,6 @@ class RuntimeOptions:
             raise ValueError(
                 f"token_budget={self.token_budget} must exceed max_batch_size="
                 f"{self.max_batch_size}: a step holds a token per decoding row and prefill"
-            )
-        if self.speculation.enabled and self.pruning.enabled:
-            raise ValueError(
-                "speculation.enabled and pruning.enabled: speculation needs dense attention "
-                "(a pruned step reads one token per row); turn one of them off"
             )
         if self.speculation.enabled and self.speculation.max_draft + 1 > self.steps_per_sync:
             raise ValueError(

@@ -37,6 +37,7 @@ from etjax.model.weights import Weights
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.commit import commit_tokens, finishes, sample_rows
+from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.verify import accept_drafts
 
@@ -90,22 +91,22 @@ def mixed_step(
     """One ragged step: every row in `rows` [Bm] (the store's pad row for padding) samples its
     next token, which runs through the model together with the prefill tokens of `batch`.
 
-    With `max_draft` > 0 (dense only), row j's token is followed in the flat batch by
+    With `max_draft` > 0, row j's token is followed in the flat batch by
     `batch.draft_len[j]` <= max_draft drafted tokens, run in the same pass and then verified
     (etjax/runtime/verify.py): the accepted ones are committed, with outputs [1 + max_draft,
-    Bm] (emitted where committed); the keys of rejected drafts stay in the cache past the
-    row's length, where nothing reads them and the next tokens overwrite them.
+    Bm] (emitted where committed); the page bounds forget the rejected keys
+    (etjax/runtime/rollback.py).
 
     Dense, `plan` holds every token's attention work. With `pruning.enabled`, the rows'
     tokens attend to the blocks their budgets keep (as in `decode_steps`), scored over their
-    whole page tables `page_table` [Bm, W], and `plan` holds only the chunks' work.
+    whole page tables `page_table` [Bm, W], and `plan` holds the chunks' work and that of
+    the rows that verify drafts: those read their whole context, so their drafts are checked
+    against the model itself, not against a pruned approximation of it.
     Returns the store, the cache, the rows' outputs [1, Bm] and float32 logits [Sp, V] after
     each prefill sequence's last token.
     """
     with _on_mesh(placement):
         state = take_rows(store, rows).replace(page_table=page_table)
-        prefill_hidden = []
-
         num_tokens = batch.tokens.shape[0]
         # Flat index of each row's token and its drafts [Bm, 1 + max_draft]; out of range
         # (dropped on writes, zeros on reads) past a row's drafts.
@@ -113,19 +114,20 @@ def mixed_step(
         row_slots = jnp.where(
             offsets <= batch.draft_len[:, None], batch.decode_slot[:, None] + offsets, num_tokens
         )
-        prefill_hidden, draft_hidden = [], []
+        prefill_hidden, draft_hidden, row_pages = [], [], []
+        verifying = batch.draft_len > 0  # attend through the plan, also under pruning
 
         def run_model(tokens, runs, sparse):
             slot = batch.decode_slot
             if sparse is not None:
-                sparse = sparse.replace(slots=slot)
+                sparse = sparse.replace(slots=jnp.where(verifying, num_tokens, slot))
             flat = batch.tokens.at[slot].set(tokens, mode="drop")
             # A row that finished on this token writes nothing (its token and drafts are not
             # run).
             own = batch.write_pages.at[row_slots].get(mode="fill", fill_value=0)
-            write_pages = batch.write_pages.at[row_slots].set(
-                jnp.where(runs[:, None], own, 0), mode="drop"
-            )
+            own = jnp.where(runs[:, None], own, 0)
+            row_pages.append(own)
+            write_pages = batch.write_pages.at[row_slots].set(own, mode="drop")
             hidden, new_cache = forward(
                 weights, cache, flat, batch.positions, write_pages, cfg, plan=plan, sparse=sparse
             )
@@ -134,8 +136,17 @@ def mixed_step(
             draft_hidden.append(rows_hidden[:, 1:])
             return rows_hidden[:, 0], new_cache
 
+        start = state.lengths
         state, cache, outputs = _decode_step(
-            weights, state, cfg, cost, pruning, max_kept, run_model, attention_backend
+            weights,
+            state,
+            cfg,
+            cost,
+            pruning,
+            max_kept,
+            run_model,
+            attention_backend,
+            dense_rows=verifying,
         )
         outputs = jax.tree.map(lambda x: x[None], outputs)
         if max_draft:
@@ -144,6 +155,8 @@ def mixed_step(
                 weights, state, drafts, batch.draft_len, draft_hidden[0], cost
             )
             outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outputs, verified)
+            written = jnp.sum(row_pages[0] != 0, axis=1)
+            cache = retract_rejected(cache, row_pages[0], start, written, state.lengths)
         logits = logits_from_hidden(weights, prefill_hidden[0])
         store = put_rows(store, rows, state)
         if placement is not None:
@@ -270,9 +283,13 @@ def decode_steps(
         return store, cache, outputs
 
 
-def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backend="xla"):
+def _decode_step(
+    weights, state, cfg, cost, pruning, max_kept, run_model, backend="xla", dense_rows=None
+):
     # One step of every row of `state`: sample from its logits, run the model on the token
     # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache)`), account.
+    # `dense_rows` [B] bool: rows that read every block even under pruning (a verifying row's
+    # drafts attend through the plan, and so does its token).
     active = state.active
     tokens, info, sampler_state = sample_rows(state)
     runs = active & ~finishes(state, tokens, active)
@@ -289,6 +306,9 @@ def _decode_step(weights, state, cfg, cost, pruning, max_kept, run_model, backen
             max_kept=max_kept,
             backend=backend,
         )
+        if dense_rows is not None:  # what they read, for the trace and the cost
+            fraction = jnp.where(dense_rows, 1.0, fraction)
+            kept = jnp.where(dense_rows, num_blocks, kept)
     else:
         fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
     hidden, cache = run_model(tokens, runs, sparse)
