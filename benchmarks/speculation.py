@@ -15,6 +15,10 @@ tokens, acceptance rate and passes per token. Writes the "speculation" section o
 docs/PERF.md.
 
     .venv/bin/python benchmarks/speculation.py [--requests 12] [--batch-requests 32]
+
+With `--sweep`, instead: batch 1, greedy only, speculation off and then on with each setting
+of the draft-length rule in `SWEEP` (one constant changed from the defaults at a time), side
+by side in one run; writes the "speculation_sweep" section.
 """
 
 from __future__ import annotations
@@ -39,18 +43,34 @@ from etjax.runtime.options import RuntimeOptions
 from etjax.sampling.settings import SamplerSettings
 
 KINDS = ("summarise", "question", "continue", "long")
+# The rule's constants (etjax/drafting/config.py), each moved off its default alone.
+SWEEP = {
+    "defaults": {},
+    "entropy_max 0.75": {"entropy_max": 0.75},
+    "entropy_max 3.0": {"entropy_max": 3.0},
+    "min_survival 0.1": {"min_survival": 0.1},
+    "min_survival 0.5": {"min_survival": 0.5},
+    "max_draft 3": {"max_draft": 3},
+    "acceptance_prior 0.8": {"acceptance_prior": 0.8},
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=12, help="batch-1 requests")
     parser.add_argument("--batch-requests", type=int, default=32, help="batch-32 requests")
+    parser.add_argument(
+        "--sweep", action="store_true", help="batch 1, greedy: the rule's constants varied"
+    )
     args = parser.parse_args()
     import etjax
     from etjax.bench.corpus import lee_articles
 
     model = etjax.load_model()
     articles = lee_articles()
+    if args.sweep:
+        _sweep(model, mixed(model.tokenizer, articles, args.requests, seed=0))
+        return
     settings = {
         "batch 1, greedy": (1, True, mixed(model.tokenizer, articles, args.requests, seed=0)),
         "batch 32, T = 0.7": (
@@ -76,6 +96,50 @@ def main() -> None:
         tokens = [[r["token_ids"] for r in results[(setting, n)]["requests"]] for n in runs]
         identical[setting] = tokens[0] == tokens[1]
     _report(results, identical, settings, args)
+
+
+def _sweep(model, workload) -> None:
+    # Batch 1, greedy: off, then each rule setting. Before any run is timed, one run per
+    # distinct program shape (max_draft is static; the other constants are host-side).
+    at_once = np.zeros(len(workload))
+    variants = {"off": SpeculationConfig()} | {
+        name: SpeculationConfig(enabled=True, **change) for name, change in SWEEP.items()
+    }
+    configs, warmed = {}, set()
+    for name, speculation in variants.items():
+        options = RuntimeOptions(max_batch_size=1, speculation=speculation)
+        configs[name] = RunConfig(name, options=options, sampler=SamplerSettings())
+        shape = (speculation.enabled, speculation.max_draft)
+        if shape not in warmed:
+            measure(model, configs[name], workload, at_once, greedy=True)
+            warmed.add(shape)
+    results = {}
+    for name, config in configs.items():
+        results[name] = summarise(measure(model, config, workload, at_once, greedy=True))
+        print(name, results[name], flush=True)
+    ref = results["off"]
+    lines = [
+        "## Speculation: the draft-length rule's constants (SmolLM2, batch 1, greedy)",
+        "",
+        f"Measured {datetime.date.today()} on {machine_line()}. Command: `.venv/bin/python "
+        f"benchmarks/speculation.py {shlex.join(sys.argv[1:])}`. The `mixed` workload "
+        f"({len(workload)} requests, all submitted at once, one row); each row of the table "
+        "changes one constant of the default `[speculation]` settings; one warm-up run per "
+        "program shape first, then each setting once, in this order.",
+        "",
+        "| setting | latency mean s | throughput tok/s | passes / token | acceptance |",
+        "|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['latency_mean_s']:.1f} "
+            f"({r['latency_mean_s'] / ref['latency_mean_s']:.2f}x) | "
+            f"{r['throughput_tok_s']:.1f} ({r['throughput_tok_s'] / ref['throughput_tok_s']:.2f}x)"
+            f" | {r['passes_per_token']:.2f} | {r['acceptance_rate']:.0%} |"
+        )
+    raw = {"machine": machine_line(), "date": str(datetime.date.today()), "results": results}
+    write_section("speculation_sweep", "\n".join(lines), raw)
+    print("\n".join(lines))
 
 
 def _by_kind(run: dict, workload) -> dict[str, dict[str, float]]:
