@@ -127,15 +127,17 @@ def _sweep(model, workload) -> None:
         "changes one constant of the default `[speculation]` settings; one warm-up run per "
         "program shape first, then each setting once, in this order.",
         "",
-        "| setting | latency mean s | throughput tok/s | passes / token | acceptance |",
-        "|---|---|---|---|---|",
+        "| setting | latency mean s | throughput tok/s | passes / token | acceptance | "
+        "accepted / verifying pass |",
+        "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
         lines.append(
             f"| {name} | {r['latency_mean_s']:.1f} "
             f"({r['latency_mean_s'] / ref['latency_mean_s']:.2f}x) | "
             f"{r['throughput_tok_s']:.1f} ({r['throughput_tok_s'] / ref['throughput_tok_s']:.2f}x)"
-            f" | {r['passes_per_token']:.2f} | {r['acceptance_rate']:.0%} |"
+            f" | {r['passes_per_token']:.2f} | {r['acceptance_rate']:.0%} | "
+            f"{r['mean_accepted_length']:.2f} |"
         )
     raw = {"machine": machine_line(), "date": str(datetime.date.today()), "results": results}
     write_section("speculation_sweep", "\n".join(lines), raw)
@@ -182,8 +184,8 @@ def _report(results, identical, settings, args) -> None:
         + ".",
         "",
         "| setting | speculation | latency mean s | p99 s | TTFT mean s | throughput tok/s | "
-        "passes / token | acceptance | compile s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "passes / token | acceptance | accepted / verifying pass | compile s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (setting, name), run in results.items():
         r, ref = summarise(run), summarise(results[(setting, "off")])
@@ -192,7 +194,8 @@ def _report(results, identical, settings, args) -> None:
             f"({r['latency_mean_s'] / ref['latency_mean_s']:.2f}x) | {r['latency_p99_s']:.1f} | "
             f"{r['ttft_mean_s']:.1f} | {r['throughput_tok_s']:.1f} "
             f"({r['throughput_tok_s'] / ref['throughput_tok_s']:.2f}x) | "
-            f"{r['passes_per_token']:.2f} | {r['acceptance_rate']:.0%} | {r['compile_s']:.1f} |"
+            f"{r['passes_per_token']:.2f} | {r['acceptance_rate']:.0%} | "
+            f"{r['mean_accepted_length']:.2f} | {r['compile_s']:.1f} |"
         )
     lines += [
         "",

@@ -131,6 +131,12 @@ def test_verification_accepts_right_drafts_and_rejects_wrong_ones_beside_prefill
     assert all(0 < o.metrics["acceptance_rate"] < 1 for o in spec)
     assert all(o.metrics["passes_per_token"] < 1 for o in spec)
     assert all(b.cost_flops[-1] > a.cost_flops[-1] for a, b in zip(plain, spec, strict=True))
+    # The second drafted token is always wrong: a verifying pass accepts at most one draft.
+    for o in spec:
+        m = o.metrics
+        assert 0 < m["mean_accepted_length"] <= 1
+        accepted = m["acceptance_rate"] * m["drafted_tokens"]
+        assert m["mean_accepted_length"] * m["verify_steps"] == pytest.approx(accepted)
 
 
 def test_rollback_leaves_the_cache_and_allocator_as_a_plain_run(tiny_hf_dir, monkeypatch):

@@ -171,4 +171,6 @@ def summarise(run: dict) -> dict:
         # fraction of drafted tokens accepted (0 when nothing was drafted).
         "passes_per_token": passes / max(tokens, 1),
         "acceptance_rate": accepted / max(sum(drafted), 1.0),
+        # Drafted tokens accepted per pass that verified drafts.
+        "mean_accepted_length": accepted / max(sum(r.get("verify_steps", 0.0) for r in reqs), 1.0),
     }

@@ -488,12 +488,17 @@ class Engine:
             "generated_tokens": float(n),
             "prompt_tokens": float(len(seq.prompt)),
             "preemptions": float(seq.preemptions),
-            # Speculation: model passes per generated token (1 without it), drafted tokens
-            # and the fraction of them accepted.
+            # Speculation: model passes per generated token (1 without it), drafted tokens,
+            # the fraction of them accepted, the passes that verified drafts and the drafted
+            # tokens each of those accepted on average.
             "passes_per_token": seq.decode_passes / n if n else 0.0,
             "drafted_tokens": float(seq.drafts.drafted) if seq.drafts else 0.0,
             "acceptance_rate": seq.drafts.accepted / seq.drafts.drafted
             if seq.drafts and seq.drafts.drafted
+            else 0.0,
+            "verify_steps": float(seq.drafts.verify_steps) if seq.drafts else 0.0,
+            "mean_accepted_length": seq.drafts.accepted / seq.drafts.verify_steps
+            if seq.drafts and seq.drafts.verify_steps
             else 0.0,
             "tau": out.tau[-1] if out.tau else 0.0,
             "cost_bytes": out.cost_bytes[-1] if out.cost_bytes else 0.0,
