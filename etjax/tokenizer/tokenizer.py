@@ -1,11 +1,14 @@
 """Text <-> token ids for etjax, built on the Hugging Face ``tokenizers`` library.
 
-Two sources are supported:
+Three sources are supported:
 
 * a GGUF file (``Tokenizer.from_gguf``) whose ``tokenizer.ggml.model`` is ``"gpt2"`` (byte-level
-  BPE: GPT-2, Llama 3, Qwen 2, SmolLM, ...). The tokenizer is rebuilt from the GGUF metadata so
-  that it produces exactly the ids transformers 5 produces for
-  ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``.
+  BPE: GPT-2, Llama 3, Qwen 2, SmolLM, DeepSeek, ...). The tokenizer is rebuilt from the GGUF
+  metadata so that it produces exactly the ids of the model's own ``tokenizer.json``: the family
+  named by ``tokenizer.ggml.pre`` brings its normalizer, pre-tokenizer and BPE options
+  (``gguf_bpe.py``), and a family it does not know is refused.
+* a GGUF file whose ``tokenizer.ggml.model`` is ``"llama"`` (SentencePiece) of the Gemma
+  family, rebuilt by etjax/tokenizer/sentencepiece_gguf.py to the same standard.
 * a Hugging Face model folder (``Tokenizer.from_hf_dir``) holding ``tokenizer.json``, loaded the
   way transformers' generic ``TokenizersBackend`` loads it.
 
@@ -40,11 +43,12 @@ from typing import Any
 
 import tokenizers
 from gguf import GGUFReader
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, processors
 from tokenizers.models import BPE
 
 from etjax.errors import TokenizerError
 from etjax.tokenizer.chat_template import ChatTemplate
+from etjax.tokenizer.gguf_bpe import gguf_bpe_family
 
 # Tokens that end a turn or a document in common chat/base models; see the module docstring.
 END_OF_TURN_TOKENS: tuple[str, ...] = (
@@ -71,57 +75,6 @@ _SPECIAL_TOKEN_NAMES = (
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
-# Pre-tokenizer split patterns by GGUF ``tokenizer.ggml.pre`` name (these are llama.cpp's names
-# and the public regexes of each model family). transformers 5 knows exactly these; any other
-# name (``gpt2``, ``smollm``, ``starcoder``, ...) gets plain GPT-2 byte-level splitting, and we
-# must do the same to produce the same ids.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GGUF_PRE_SPLITS: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "llama3",
-            "llama-v3",
-            "llama-bpe",
-            "falcon3",
-            "falcon-h1",
-            "pixtral",
-            "midm-2.0",
-            "lfm2",
-            "jina-v5-nano",
-            "dbrx",
-            "smaug-bpe",
-        ),
-        _LLAMA3_SPLIT,
-    ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-}
-
 
 def _byte_to_char() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies.
@@ -146,13 +99,41 @@ _BYTE_ALPHABET = frozenset(_BYTE_TO_CHAR.values())
 def _byte_level_spelling(token: str) -> str:
     """How a byte-level vocabulary spells ``token``.
 
-    GGUF files store byte-level tokens already spelled in the byte alphabet, except some added
-    tokens that llama.cpp stored as raw text; those are re-spelled from their UTF-8 bytes (the
-    same rule transformers applies).
+    GGUF files store byte-level tokens already spelled in the byte alphabet; one stored as raw
+    text is re-spelled from its UTF-8 bytes (added tokens keep their text: see
+    ``_added_token_texts``).
     """
     if set(token) <= _BYTE_ALPHABET:
         return token
     return "".join(_BYTE_TO_CHAR[b] for b in token.encode("utf-8"))
+
+
+def _added_token_texts(
+    tokens: Sequence[str], types: Sequence[int], merges: Sequence[tuple[str, str]]
+) -> dict[int, str]:
+    """The text each control or user-defined GGUF token matches, by token index.
+
+    Most added tokens are stored as the text they match ("<|im_end|>", DeepSeek's
+    "<｜end▁of▁sentence｜>", GPT-NeoX's "  "). One exception: llama.cpp's converter decodes an
+    added token whose tokenizer.json text was byte-level spelled ("ĊĊ") into raw text ("\\n\\n").
+    Such a token is an ordinary vocabulary entry that BPE produces, so it is spelled back: when
+    the byte-level spelling is a merge result and no other token has it (a raw-text added token
+    always has an id of its own, apart from the entry of the same bytes).
+    """
+    kinds = (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+    merged = {left + right for left, right in merges}
+    ordinary = {
+        _byte_level_spelling(token)
+        for token, kind in zip(tokens, types, strict=False)
+        if kind not in kinds
+    }
+    texts = {}
+    for index, (token, kind) in enumerate(zip(tokens, types, strict=False)):
+        if kind not in kinds:
+            continue
+        spelled = _byte_level_spelling(token)
+        texts[index] = spelled if spelled in merged and spelled not in ordinary else token
+    return texts
 
 
 def _template_processor(
@@ -231,10 +212,10 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike[str] | GGUFReader) -> Tokenizer:
         """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
 
-        Accepts a path or an open ``gguf.GGUFReader``. Only byte-level BPE vocabularies
-        (``tokenizer.ggml.model == "gpt2"``) are supported. Returns a Tokenizer whose ids match
-        transformers' for the same file; raises TokenizerError naming the file and the field at
-        fault.
+        Accepts a path or an open ``gguf.GGUFReader``. Byte-level BPE vocabularies
+        (``tokenizer.ggml.model == "gpt2"``) and Gemma's SentencePiece ones (``"llama"``) are
+        supported. Returns a Tokenizer whose ids match transformers' for the same file; raises
+        TokenizerError naming the file and the field at fault.
         """
         if isinstance(path, GGUFReader):
             reader = path
@@ -249,7 +230,8 @@ class Tokenizer:
                 raise TokenizerError(f"{where} is not a readable GGUF file: {exc}") from exc
         metadata = {}
         for key, field in reader.fields.items():
-            if key.startswith("tokenizer."):
+            # SentencePiece vocabularies are built by architecture, as transformers builds them.
+            if key.startswith("tokenizer.") or key == "general.architecture":
                 try:
                     metadata[key] = field.contents()
                 except Exception as exc:  # undecodable strings or malformed arrays
@@ -265,10 +247,15 @@ class Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
         if model is None:
             raise TokenizerError(f"{source}: GGUF metadata has no tokenizer.ggml.model field")
+        if model == "llama":
+            # SentencePiece vocabularies (Gemma) have a module of their own, built on this one.
+            from etjax.tokenizer.sentencepiece_gguf import sentencepiece_tokenizer
+
+            return sentencepiece_tokenizer(metadata, source)
         if model != "gpt2":
             raise TokenizerError(
                 f"{source}: tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) "
-                "vocabularies are supported"
+                "and, for Gemma, 'llama' (SentencePiece) vocabularies are supported"
             )
         tokens = _string_list(metadata, "tokenizer.ggml.tokens", source)
         merge_lines = _string_list(metadata, "tokenizer.ggml.merges", source)
@@ -284,8 +271,6 @@ class Tokenizer:
             )
         types = list(types or ())
 
-        # Later duplicates win, as in a dict built from the list (what transformers does).
-        vocab = {_byte_level_spelling(token): index for index, token in enumerate(tokens)}
         merges = []
         for index, line in enumerate(merge_lines):
             pair = line.split(" ")
@@ -295,6 +280,16 @@ class Tokenizer:
                     "two tokens separated by one space"
                 )
             merges.append((pair[0], pair[1]))
+        family = gguf_bpe_family(metadata.get("tokenizer.ggml.pre"), source)
+
+        # Added tokens (control and user-defined) keep the text llama.cpp stored, which is the
+        # text they match; every other token is a byte-level vocabulary entry. Later duplicates
+        # win, as in a dict built from the list.
+        added = _added_token_texts(tokens, types, merges)
+        vocab = {
+            added.get(index, _byte_level_spelling(token)): index
+            for index, token in enumerate(tokens)
+        }
         try:
             model_obj = BPE(
                 vocab=vocab,
@@ -303,43 +298,33 @@ class Tokenizer:
                 continuing_subword_prefix="",
                 end_of_word_suffix="",
                 fuse_unk=False,
+                ignore_merges=family.ignore_merges,
             )
         except Exception as exc:  # tokenizers raises a bare Exception for unknown merge parts
             raise TokenizerError(
                 f"{source}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens: {exc}"
             ) from exc
         backend = tokenizers.Tokenizer(model_obj)
-        pre = metadata.get("tokenizer.ggml.pre")
-        split = _GGUF_PRE_SPLITS.get(pre) if isinstance(pre, str) else None
-        if split is None:
-            backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        else:
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                ]
-            )
+        if family.normalizer is not None:
+            backend.normalizer = family.normalizer()
+        backend.pre_tokenizer = family.pre_tokenizer()
         backend.decoder = decoders.ByteLevel()
 
         # Control tokens become special added tokens so they match whole and can be skipped on
-        # decode. One spelled outside the byte alphabet is a llama.cpp mislabel whose vocabulary
-        # entry is its byte spelling; adding the raw text would mint an id past the vocabulary,
-        # so (like transformers) it is left alone.
+        # decode; user-defined ones (<think>, GPT-NeoX's runs of spaces) match whole but are
+        # not special. Each keeps its id: its text is its vocabulary entry.
         backend.add_special_tokens(
             [
-                AddedToken(token, special=True, normalized=False)
-                for token, kind in zip(tokens, types, strict=False)
-                if kind == _TOKEN_TYPE_CONTROL and set(token) <= _BYTE_ALPHABET
+                AddedToken(added[index], special=True, normalized=False)
+                for index, kind in enumerate(types)
+                if kind == _TOKEN_TYPE_CONTROL
             ]
         )
-        # User-defined tokens (e.g. <think>) are matched whole by llama.cpp but are not special.
-        known = backend.get_vocab(with_added_tokens=True)
         backend.add_tokens(
             [
-                AddedToken(token, special=False, normalized=False)
-                for token, kind in zip(tokens, types, strict=False)
-                if kind == _TOKEN_TYPE_USER_DEFINED and token in known
+                AddedToken(added[index], special=False, normalized=False)
+                for index, kind in enumerate(types)
+                if kind == _TOKEN_TYPE_USER_DEFINED
             ]
         )
 
