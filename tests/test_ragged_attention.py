@@ -1,7 +1,7 @@
 """Ragged paged attention (pallas_kernels/ragged_attention) against its float32 reference, over
 ragged batches drawn by hypothesis: one-token and long sequences, chunks that continue a cached
 prefix and cross page boundaries, decode bursts whose items reach past the current position,
-GQA, float32 and bfloat16 caches."""
+GQA, float32 and bfloat16 caches, with and without a sliding window."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ CHUNK = 8
 MAX_SEQS, MAX_CACHED, MAX_NEW, MAX_EXTRA = 5, 70, 40, 5
 
 
-def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extra, seed):
+def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extra, seed, window=0):
     # draw_lengths: (cached, new) per sequence; returns the inputs of both backends.
     rng = np.random.default_rng(seed)
     h = kvh * groups
@@ -68,6 +68,7 @@ def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extr
         num_tokens=num_tokens,
         max_tiles=max_tiles,
         max_items=max_items,
+        window=window,
     )
     return q, k_pages, v_pages, positions, token_seq, table, tile_pass
 
@@ -85,19 +86,27 @@ def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extr
     tiles=st.sampled_from([(1, 2), (16, 4)]),
     extra=st.integers(0, MAX_EXTRA),
     seed=st.integers(0, 2**16),
+    window=st.sampled_from([0, 5, 19]),
 )
 def test_xla_matches_the_reference_on_any_ragged_batch(
-    lengths, page_size, heads, dtype, tiles, extra, seed
+    lengths, page_size, heads, dtype, tiles, extra, seed, window
 ):
     kvh, groups = heads
     q, k_pages, v_pages, positions, token_seq, table, tile_pass = _case(
-        lengths, page_size, kvh, groups, 16, dtype, *tiles, extra, seed
+        lengths, page_size, kvh, groups, 16, dtype, *tiles, extra, seed, window
     )
+    # The window is traced: one program serves local and global layers.
     ours = ragged_attention_xla(
-        q, k_pages, v_pages, jnp.asarray(positions), (tile_pass,), chunk=CHUNK
+        q, k_pages, v_pages, jnp.asarray(positions), (tile_pass,), CHUNK, jnp.int32(window)
     )
     truth = ragged_attention_reference(
-        q, k_pages, v_pages, jnp.asarray(positions), jnp.asarray(token_seq), jnp.asarray(table)
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(positions),
+        jnp.asarray(token_seq),
+        jnp.asarray(table),
+        window,
     )
     ours, truth = np.asarray(ours, np.float32), np.asarray(truth)
     scale = np.max(np.abs(truth))
@@ -122,6 +131,42 @@ def test_a_prefill_chunk_reads_only_its_causal_part():
     )
     assert int(tile_pass.num_items) == 52
     assert list(np.bincount(tile_pass.item_tile[:52])) == [10, 12, 14, 16]
+
+
+def test_a_sliding_window_lists_only_the_key_tiles_it_can_see():
+    # The same chunk with a window of 20 positions: tile j's first query (64 + 16j) sees from
+    # 45 + 16j on, so its key tiles start at page 5 + 2j: 5 + 5 + 5 + 5 = 20 items.
+    pages = list(range(1, 17))
+    tile_pass = build_pass(
+        [Segment(0, 64, 64, 127, pages)],
+        page_size=8,
+        q_tile=16,
+        kv_tile=1,
+        num_tokens=64,
+        max_tiles=4,
+        max_items=64,
+        window=20,
+    )
+    assert int(tile_pass.num_items) == 20
+    for j in range(4):
+        mine = tile_pass.item_tile[:20] == j
+        assert tile_pass.item_key_start[:20][mine].tolist() == [
+            8 * (5 + 2 * j + i) for i in range(5)
+        ]
+        assert tile_pass.item_pages[:20][mine, 0].tolist() == pages[5 + 2 * j : 10 + 2 * j]
+    # A decode row at position 99 with a window of 20 reads positions 80..99: pages 10-12.
+    decode = build_pass(
+        [Segment(0, 1, 99, 99, pages)],
+        page_size=8,
+        q_tile=1,
+        kv_tile=2,
+        num_tokens=1,
+        max_tiles=1,
+        max_items=8,
+        window=20,
+    )
+    assert int(decode.num_items) == 2
+    assert decode.item_pages[:2].tolist() == [[pages[10], pages[11]], [pages[12], pages[13]]]
 
 
 def test_a_segment_whose_pages_do_not_cover_its_reach_is_refused():

@@ -38,7 +38,7 @@ PREFILL_TILES = (16, 4)  # the engine uses (64, 4)
 MAX_SEQS, MAX_CACHED, MAX_NEW, MAX_EXTRA = 4, 40, 24, 3
 
 
-def _case(lengths, page_size, kvh, groups, dtype, extra, seed):
+def _case(lengths, page_size, kvh, groups, dtype, extra, seed, window=0):
     # lengths: (cached, new) per sequence. Returns the kernel's and the reference's inputs.
     rng = np.random.default_rng(seed)
     width = -(-(MAX_CACHED + MAX_NEW + MAX_EXTRA) // page_size)
@@ -72,10 +72,17 @@ def _case(lengths, page_size, kvh, groups, dtype, extra, seed):
             num_tokens=num_tokens,
             max_tiles=max_tiles,
             max_items=items_capacity(max_tiles * (width // kv_tile + 1), 16),
+            window=window,
         )
         passes.append(tile_pass)
     truth = ragged_attention_reference(
-        q, k_pages, v_pages, jnp.asarray(positions), jnp.asarray(token_seq), jnp.asarray(table)
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(positions),
+        jnp.asarray(token_seq),
+        jnp.asarray(table),
+        window,
     )
     return (q, k_pages, v_pages, jnp.asarray(positions), tuple(passes)), np.asarray(truth)
 
@@ -120,6 +127,17 @@ def test_gpu_kernel_mixed_batch_with_default_splits(page_size, dtype):
     lengths = [(MAX_CACHED, 1), (13, MAX_NEW), (5, 1), (0, 7)]
     args, truth = _case(lengths, page_size, 2, 3, dtype, 2, seed=7)
     _check(ragged_attention_gpu(*args, interpret=INTERPRET), truth, dtype, lengths)
+
+
+@pytest.mark.parametrize("window", [3, 9, 26])
+def test_gpu_kernel_sliding_window(window):
+    # The mixed batch under a sliding window (a traced scalar, as the engine passes it): long
+    # decode rows and chunks see only their last `window` positions, from pages the plan
+    # starts at the window.
+    lengths = [(MAX_CACHED, 1), (13, MAX_NEW), (5, 1), (0, 7)]
+    args, truth = _case(lengths, 4, 2, 3, jnp.float32, 2, seed=8, window=window)
+    ours = ragged_attention_gpu(*args, interpret=INTERPRET, window=jnp.int32(window))
+    _check(ours, truth, jnp.float32, lengths)
 
 
 @pytest.mark.parametrize(

@@ -60,6 +60,7 @@ def _next_power_of_two(n: int) -> int:
 
 
 def _kernel(
+    window_ref,  # [1] sliding window in positions (0: none)
     first_ref,  # [Nq] first item of each tile
     count_ref,  # [Nq] items of each tile
     item_pages_ref,  # [W, Kt] physical pages of each item
@@ -88,6 +89,9 @@ def _kernel(
     hi = first + jnp.minimum((split + 1) * share, count)
     q = q_ref[...]
     positions = pos_ref[...]
+    window = window_ref[0]
+    # Keys at or before this position are hidden by the window (never, without one).
+    hidden_to = jnp.where(window > 0, positions - window, -1)
     rows, hd = q.shape
     offsets = jnp.arange(page_size, dtype=jnp.int32)
 
@@ -122,7 +126,9 @@ def _kernel(
         for j in range(kv_tile):  # static: all of an item's pages scored before one rescale
             page = item_pages_ref[i, j]
             key_pos = key_start + j * page_size + offsets
-            seen = key_pos[None, :] <= positions[:, None]  # [R, ps]
+            seen = (key_pos[None, :] <= positions[:, None]) & (
+                key_pos[None, :] > hidden_to[:, None]
+            )  # [R, ps]
             s = scores_of(k_pages_ref[page, head]) * scale
             pages.append(page)
             scores.append(jnp.where(seen, s, _MASKED))
@@ -161,12 +167,14 @@ def ragged_attention_gpu(
     *,
     interpret: bool = False,
     num_splits: int | None = None,
+    window: jax.Array | int = 0,
 ) -> jax.Array:
     """q: [T, H, hd]; k_pages, v_pages: [N, KVH, ps, hd]; q_positions: [T] int32; `passes`
     together cover every real token once (work_items.py). Returns [T, H, hd] in q's dtype;
     tokens in no tile get zeros. `chunk` is ignored (module docstring); `num_splits` programs
     share each tile's items (None: enough for about 256 programs per pass); `interpret=True`
-    runs the kernel on any backend."""
+    runs the kernel on any backend; window: a sliding window in positions (0: none), as in
+    the XLA backend."""
     t, h, hd = q.shape
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must match")
@@ -179,13 +187,15 @@ def ragged_attention_gpu(
     del chunk
     out = jnp.zeros((t, h, hd), jnp.float32)
     for tile_pass in passes:
-        part = _run_pass(q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits)
+        part = _run_pass(q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits, window)
         tokens = jnp.asarray(tile_pass.tile_tokens).reshape(-1)
         out = out.at[tokens].add(part.reshape(-1, h, hd), mode="drop")
     return out.astype(q.dtype)
 
 
-def _run_pass(q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits) -> jax.Array:
+def _run_pass(
+    q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits, window
+) -> jax.Array:
     # -> [Nq, Qt, H, hd] float32
     from jax.experimental.pallas import triton as plgpu
 
@@ -237,6 +247,7 @@ def _run_pass(q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits
         kernel,
         grid=(nq, kvh * row_blocks, num_splits),
         in_specs=[
+            whole((1,)),
             whole((nq,)),
             whole((nq,)),
             whole((w, kt)),
@@ -257,6 +268,7 @@ def _run_pass(q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
     )(
+        jnp.asarray(window, jnp.int32).reshape(1),
         first,
         count,
         item_pages.astype(jnp.int32),

@@ -13,8 +13,10 @@ def ragged_attention_reference(
     q_positions: jax.Array,
     token_seq: jax.Array,
     page_table: jax.Array,
+    window: int = 0,
 ) -> jax.Array:
-    """Each token attends to its sequence's keys at positions <= its own.
+    """Each token attends to its sequence's keys at positions <= its own (and, with a sliding
+    `window` > 0, > its own minus the window: the last `window` positions).
 
     q: [T, H, hd]; k_pages, v_pages: [N, KVH, ps, hd]; q_positions: [T] int32; token_seq: [T]
     int32 row of `page_table` [S, P] holding the token's sequence, < 0 for padding tokens.
@@ -30,7 +32,10 @@ def ragged_attention_reference(
     values = values.transpose(0, 2, 1, 3, 4).reshape(t, kvh, p * ps, hd)
     qg = q.astype(jnp.float32).reshape(t, kvh, h // kvh, hd)
     scores = jnp.einsum("tkgd,tksd->tkgs", qg, keys) * hd**-0.5
-    visible = jnp.arange(p * ps)[None, :] <= q_positions[:, None]  # [T, P * ps]
+    key_pos = jnp.arange(p * ps)[None, :]
+    visible = key_pos <= q_positions[:, None]  # [T, P * ps]
+    if window:
+        visible &= key_pos > q_positions[:, None] - window
     visible &= (token_seq >= 0)[:, None]
     scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)

@@ -11,6 +11,10 @@ decode token reads its own pages only, not the widest row's.
 
 Two passes usually make a step: decode segments (a few tokens each) with small query tiles,
 and prefill chunks with large ones, so neither pads to the other's shape.
+
+With a sliding window of W positions (a model's local layers), a tile's key tiles start at
+the one holding its first token's position - W + 1: pages wholly behind every query's window
+are never listed, so a local layer reads about W positions per token whatever the context.
 """
 
 from __future__ import annotations
@@ -62,9 +66,11 @@ def build_pass(
     num_tokens: int,
     max_tiles: int,
     max_items: int,
+    window: int = 0,
 ) -> TilePass:
     """Describe the attention of `segments` (tokens of a flat batch of `num_tokens`) as at most
-    `max_tiles` query tiles and `max_items` items; raises ValueError when they do not fit."""
+    `max_tiles` query tiles and `max_items` items; raises ValueError when they do not fit.
+    `window` > 0: list only the key tiles a sliding window of that many positions can see."""
     tile_tokens = np.full((max_tiles, q_tile), num_tokens, np.int32)
     item_tile = np.zeros(max_items, np.int32)
     item_pages = np.full((max_items, kv_tile), NULL_PAGE, np.int32)
@@ -86,16 +92,20 @@ def build_pass(
                 raise ValueError(f"more than max_tiles={max_tiles} query tiles")
             tile_tokens[tiles, :count] = seg.token_start + first + np.arange(count)
             reach = seg.first_position + first + count - 1 + extra
-            key_tiles = (reach // page_size) // kv_tile + 1
+            end_tile = (reach // page_size) // kv_tile + 1
+            # The first key tile any of the tile's queries sees.
+            oldest = max(seg.first_position + first - window + 1, 0) if window > 0 else 0
+            start_tile = (oldest // page_size) // kv_tile
+            key_tiles = end_tile - start_tile
             if items + key_tiles > max_items:
                 raise ValueError(f"more than max_items={max_items} work items")
             span = slice(items, items + key_tiles)
             item_tile[span] = tiles
-            item_key_start[span] = np.arange(key_tiles) * kv_tile * page_size
-            padded = np.full(key_tiles * kv_tile, NULL_PAGE, np.int32)
-            visible = min(len(pages), key_tiles * kv_tile)
+            item_key_start[span] = np.arange(start_tile, end_tile) * kv_tile * page_size
+            padded = np.full(end_tile * kv_tile, NULL_PAGE, np.int32)
+            visible = min(len(pages), end_tile * kv_tile)
             padded[:visible] = pages[:visible]
-            item_pages[span] = padded.reshape(key_tiles, kv_tile)
+            item_pages[span] = padded[start_tile * kv_tile :].reshape(key_tiles, kv_tile)
             items += key_tiles
             tiles += 1
     return TilePass(tile_tokens, item_tile, item_pages, item_key_start, np.asarray(items, np.int32))

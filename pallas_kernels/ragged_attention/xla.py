@@ -18,6 +18,9 @@ tile (a static size):
 Items never cross sequences, so each token only reads its own sequence's pages, and only those
 at or before its position (the causal part of a prefill chunk, the real length of a decode
 row). Loop shapes are fixed by the capacities, so one program serves every mix of lengths.
+A sliding `window` (a traced scalar: one program serves local and global layers, 0 = none)
+also hides keys `window` or more positions behind the query; which pages are read at all is
+the plan's business (`build_pass(window=...)` lists only the window's key tiles).
 
 Accumulation is float32. Masked scores take a large finite negative, not -inf, so a tile with
 no visible key in an item contributes nothing and never produces NaN.
@@ -42,23 +45,33 @@ def ragged_attention_xla(
     q_positions: jax.Array,
     passes: tuple[TilePass, ...],
     chunk: int = 16,
+    window: jax.Array | int = 0,
 ) -> jax.Array:
     """q: [T, H, hd]; k_pages, v_pages: [N, KVH, ps, hd]; q_positions: [T] int32; `passes`
-    together cover every real token once (work_items.py). Returns [T, H, hd] in q's dtype;
-    tokens in no tile get zeros."""
+    together cover every real token once (work_items.py); window: a sliding window in
+    positions (0: none). Returns [T, H, hd] in q's dtype; tokens in no tile get zeros."""
     t, h, hd = q.shape
     out = jnp.zeros((t, h, hd), jnp.float32)
     for tile_pass in passes:
         wide = tile_pass.tile_tokens.shape[1] >= TILE_LOOP_MIN_QUERIES
         run = _tile_loop_pass if wide else _item_chunk_pass
-        part = run(q, k_pages, v_pages, q_positions, tile_pass, chunk)  # [Nq, Qt, H, hd]
+        part = run(q, k_pages, v_pages, q_positions, tile_pass, chunk, window)
         tokens = tile_pass.tile_tokens.reshape(-1)
         out = out.at[tokens].add(part.reshape(-1, h, hd), mode="drop")
     return out.astype(q.dtype)
 
 
+def visible_keys(key_pos: jax.Array, q_pos: jax.Array, window: jax.Array | int) -> jax.Array:
+    """Whether a query at `q_pos` sees a key at `key_pos` (broadcast): at or before it, and
+    within the last `window` positions when window > 0."""
+    seen = key_pos <= q_pos
+    if isinstance(window, int) and window == 0:
+        return seen
+    return seen & ((window <= 0) | (key_pos > q_pos - window))
+
+
 def _item_chunk_pass(
-    q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int
+    q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int, window
 ) -> jax.Array:
     _, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
@@ -85,7 +98,7 @@ def _item_chunk_pass(
         keys = k_pages[pages].transpose(0, 2, 1, 3, 4).reshape(chunk, kvh, kt * ps, hd)
         values = v_pages[pages].transpose(0, 2, 1, 3, 4).reshape(chunk, kvh, kt * ps, hd)
         key_pos = key_start[:, None] + key_offsets  # [C, Kt * ps]
-        visible = key_pos[:, None, :] <= positions[tiles][:, :, None]  # [C, Qt, Kt * ps]
+        visible = visible_keys(key_pos[:, None, :], positions[tiles][:, :, None], window)
         visible = (visible & real[:, None, None])[:, :, None, None, :]
         scores = jnp.einsum(
             "cqkgd,cksd->cqkgs", queries[tiles], keys, preferred_element_type=jnp.float32
@@ -115,7 +128,7 @@ def _item_chunk_pass(
     return out.reshape(nq, qt, h, hd)
 
 
-def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int):
+def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int, window):
     del chunk  # one item per inner trip: a wide tile's product is large enough on its own
     _, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
@@ -146,7 +159,7 @@ def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk
             keys = k_pages[pages].transpose(1, 0, 2, 3).reshape(kvh, kt * ps, hd)
             values = v_pages[pages].transpose(1, 0, 2, 3).reshape(kvh, kt * ps, hd)
             key_pos = item_key_start[i] + key_offsets
-            visible = (key_pos[None, :] <= row_positions[:, None])[None]  # [1, Qt * G, S]
+            visible = visible_keys(key_pos[None, :], row_positions[:, None], window)[None]
             scores = jnp.einsum("krd,ksd->krs", queries, keys, preferred_element_type=jnp.float32)
             scores = jnp.where(visible, scores, _MASKED)
             new_best = jnp.maximum(best, scores.max(axis=-1))
