@@ -180,3 +180,46 @@ def test_a_segment_whose_pages_do_not_cover_its_reach_is_refused():
             max_tiles=1,
             max_items=8,
         )
+
+
+def test_attend_runs_the_local_plan_on_sliding_window_layers():
+    # One plan for a model with local and global layers: `attend(local=...)`, traced as in the
+    # layer scan, runs the windowed passes and mask for local layers and the whole context
+    # for global ones; the local passes list fewer items.
+    import jax
+
+    from etjax.attention import attend
+    from etjax.attention.plan import PlanSizes, plan_segments
+
+    window, page_size = 11, 4
+    lengths = [(MAX_CACHED, 1), (17, 30), (3, 1)]
+    q, k_pages, v_pages, positions, token_seq, table, _ = _case(
+        lengths, page_size, 2, 3, 16, jnp.float32, 1, 4, 0, seed=5
+    )
+    segments, start = [], 0
+    for s, (cached, new) in enumerate(lengths):
+        pages = table[s, : (cached + new - 1) // page_size + 1].tolist()
+        segments.append(Segment(start, new, cached, cached + new - 1, pages))
+        start += new
+    rows, width = len(lengths), table.shape[1]
+    sizes = PlanSizes(
+        page_size,
+        PlanSizes.decode(rows, MAX_SEQS * width, page_size).passes
+        + PlanSizes.prefill(q.shape[0], rows, width, page_size).passes,
+    )
+    plan = plan_segments(segments, q.shape[0], sizes, window=window)
+    assert sum(int(p.num_items) for p in plan.local) < sum(int(p.num_items) for p in plan.passes)
+
+    run = jax.jit(lambda local: attend(q, k_pages, v_pages, jnp.asarray(positions), plan, 0, local))
+    for local, seen in ((True, window), (False, 0)):
+        truth = ragged_attention_reference(
+            q,
+            k_pages,
+            v_pages,
+            jnp.asarray(positions),
+            jnp.asarray(token_seq),
+            jnp.asarray(table),
+            seen,
+        )
+        ours = np.asarray(run(jnp.bool_(local)))
+        assert np.max(np.abs(ours - np.asarray(truth))) <= 2e-5 * np.max(np.abs(truth))

@@ -103,40 +103,64 @@ class PlanSizes:
 
 @flax.struct.dataclass
 class AttentionPlan:
-    """A step's attention work as arrays (see the module docstring)."""
+    """A step's attention work as arrays (see the module docstring). For a model with
+    sliding-window layers, `local` holds the same passes listing only the key tiles within
+    `window` positions of each query tile: its local layers run those (`attend(local=...)`),
+    its global layers `passes`; the shapes are the same, so one program serves both."""
 
     passes: tuple[TilePass, ...]
     chunk: int = flax.struct.field(pytree_node=False, default=CHUNK)
     # The kernels that run it (etjax/attention/seam.py): "xla", "pallas_tpu" or "pallas_gpu".
     backend: str = flax.struct.field(pytree_node=False, default="xla")
+    local: tuple[TilePass, ...] | None = None
+    window: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def plan_segments(
-    segments: Sequence[Segment], num_tokens: int, sizes: PlanSizes, backend: str = "xla"
+    segments: Sequence[Segment],
+    num_tokens: int,
+    sizes: PlanSizes,
+    backend: str = "xla",
+    window: int = 0,
 ) -> AttentionPlan:
     """The plan of a flat batch of `num_tokens` tokens holding `segments` (host arrays), each
-    routed by length (`PlanSizes.route`); run by `backend`'s kernels."""
-    return plan_passes(sizes.route(segments), num_tokens, sizes, backend)
+    routed by length (`PlanSizes.route`); run by `backend`'s kernels; with a `window` > 0,
+    also the local layers' passes."""
+    return plan_passes(sizes.route(segments), num_tokens, sizes, backend, window)
 
 
 def plan_passes(
-    groups: Sequence[Sequence[Segment]], num_tokens: int, sizes: PlanSizes, backend: str = "xla"
+    groups: Sequence[Sequence[Segment]],
+    num_tokens: int,
+    sizes: PlanSizes,
+    backend: str = "xla",
+    window: int = 0,
 ) -> AttentionPlan:
     """The plan of a flat batch whose segments are already grouped by pass (a one-token
     prefill chunk belongs with the chunks, not the decode rows, whose tiles are counted)."""
-    passes = tuple(
-        build_pass(
-            group,
-            page_size=sizes.page_size,
-            q_tile=shape.q_tile,
-            kv_tile=shape.kv_tile,
-            num_tokens=num_tokens,
-            max_tiles=shape.max_tiles,
-            max_items=shape.max_items,
+
+    def passes(window: int) -> tuple[TilePass, ...]:
+        return tuple(
+            build_pass(
+                group,
+                page_size=sizes.page_size,
+                q_tile=shape.q_tile,
+                kv_tile=shape.kv_tile,
+                num_tokens=num_tokens,
+                max_tiles=shape.max_tiles,
+                max_items=shape.max_items,
+                window=window,
+            )
+            for group, shape in zip(groups, sizes.passes, strict=True)
         )
-        for group, shape in zip(groups, sizes.passes, strict=True)
+
+    return AttentionPlan(
+        passes=passes(0),
+        chunk=sizes.chunk,
+        backend=backend,
+        local=passes(window) if window > 0 else None,
+        window=window,
     )
-    return AttentionPlan(passes=passes, chunk=sizes.chunk, backend=backend)
 
 
 def padded_batch_plan(

@@ -25,6 +25,7 @@ one page list per KV head, where the upstream kernel takes one per sequence.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from etjax.attention.plan import AttentionPlan
 from pallas_kernels.ragged_attention import ragged_attention_xla
@@ -50,17 +51,23 @@ def attend(
     positions: jax.Array,
     plan: AttentionPlan,
     first_page: jax.Array | int = 0,
+    local: jax.Array | bool = False,
 ) -> jax.Array:
     """q: [T, H, hd] (RoPE applied); k_pages, v_pages: [N, KVH, ps, hd] a pool of pages already
     holding the step's keys; positions: [T] int32; first_page: the pool page of the plan's page
-    0 (a layer's offset in the cache's pool, etjax/cache/kv_cache.py). Returns [T, H, hd] in
-    q's dtype."""
-    passes = tuple(p._replace(item_pages=p.item_pages + first_page) for p in plan.passes)
+    0 (a layer's offset in the cache's pool, etjax/cache/kv_cache.py); local: whether this is
+    a sliding-window layer (a traced bool inside the layer scan): it then sees only the last
+    `plan.window` positions and reads only their pages. Returns [T, H, hd] in q's dtype."""
+    passes, window = plan.passes, 0
+    if plan.window > 0:
+        passes = jax.tree.map(lambda a, b: jnp.where(local, a, b), plan.local, plan.passes)
+        window = jnp.where(local, plan.window, 0).astype(jnp.int32)
+    passes = tuple(p._replace(item_pages=p.item_pages + first_page) for p in passes)
     if plan.backend == "pallas_gpu":
         from pallas_kernels.ragged_attention.pallas_gpu import ragged_attention_gpu
 
         interpret = jax.default_backend() == "cpu"
         return ragged_attention_gpu(
-            q, k_pages, v_pages, positions, passes, plan.chunk, interpret=interpret
+            q, k_pages, v_pages, positions, passes, plan.chunk, interpret=interpret, window=window
         )
-    return ragged_attention_xla(q, k_pages, v_pages, positions, passes, plan.chunk)
+    return ragged_attention_xla(q, k_pages, v_pages, positions, passes, plan.chunk, window)
