@@ -1,8 +1,9 @@
 """Where every array of a decode lives on a (data, model) mesh, as `NamedSharding`s.
 
-The weights and the KV cache name their arrays' dimensions (`AXES` of Weights, LayerWeights and
-KVCache); this module maps names to mesh axes (`SPLITS`) and knows no field, so weights of
-another layout place themselves by naming their dimensions. The resulting layout:
+The weights and the KV cache name their arrays' dimensions (`AXES` of Weights, of each family's
+layer class and of KVCache; the weights' come from their tables, etjax/model/leaves.py `Dim`);
+this module maps names to mesh axes (`SPLITS`) and knows no field, so weights of another
+layout or architecture place themselves by naming their dimensions. The resulting layout:
 
 - **Weights** are split along the `model` axis the Megatron way: the fused q|k|v and gate|up
   projections by output column, the attention output and down projections by input row, the
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from etjax.model.weights import Weights
     from etjax.runtime.state import DecodeState, StepOutputs
 
-# The pytrees name their arrays' dimensions (`AXES` of Weights, LayerWeights and KVCache); each
+# The pytrees name their arrays' dimensions (`AXES` of Weights, layers and KVCache); each
 # mesh axis splits the first of these names, in this order, that an array has and the axis
 # divides. So KV pages split by KV head, or by head dimension where the heads do not divide.
 SPLITS = {MODEL: ("vocab", "heads", "ffn", "kv_heads", "head_dim"), DATA: ("rows",)}

@@ -1,7 +1,9 @@
 """Assemble the `Weights` pytree from a model file's tensors, one tensor and one chunk at a time.
 
-A loader describes each tensor it needs as a `SourceTensor`: its shape in Hugging Face layout and
-a way to read its rows as float32. Nothing is read until the leaf that needs it is built, and
+One loop for every format and family: the weight tables (etjax/model/leaves.py) say which
+tensors each leaf is built from and how; a loader only finds a tensor by its format's name and
+describes it as a `SourceTensor`: its shape in Hugging Face layout and a way to read its rows
+as float32. Nothing is read until the leaf that needs it is built, and
 each leaf is written chunk by chunk straight into one host buffer already in its final dtype and
 layout (q|k|v and gate|up fused, projections input-major), which JAX then adopts as the array's
 memory on CPU, or copies to an accelerator and lets go. So at any moment the host holds the
@@ -19,7 +21,11 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from etjax.model.weights import LayerWeights, Weights
+from etjax.errors import ModelLoadError
+from etjax.model.config import ModelConfig
+from etjax.model.families import family
+from etjax.model.leaves import STORED, Leaf, Part
+from etjax.model.weights import MODEL_LEAVES, Weights
 
 # float32 bytes per chunk. A chunk, and the few times its size that dequantizing it takes in
 # temporaries, is all a leaf costs beyond its own final bytes; at 16 MiB the embedding's chunks,
@@ -35,64 +41,64 @@ _ALIGNMENT = 64
 class SourceTensor:
     """A tensor of a model file, read on demand.
 
-    `shape` is Hugging Face's: `[out, in]` for a projection, `[V, D]` for the embedding, `[D]`
-    for a norm or bias. `read_rows(rows_per_chunk)` yields the tensor's rows in order as float32
-    arrays of at most `rows_per_chunk` rows (a small 1-D tensor may come whole).
+    `name` is the file's name for it (for errors). `shape` is Hugging Face's: `[out, in]` for
+    a projection, `[V, D]` for the embedding, `[D]` for a norm or bias.
+    `read_rows(rows_per_chunk)` yields the tensor's rows in order as float32 arrays of at most
+    `rows_per_chunk` rows (a small 1-D tensor may come whole).
     """
 
+    name: str
     shape: tuple[int, ...]
     read_rows: Callable[[int], Iterator[np.ndarray]]
 
 
-def assembled_layer(
-    *,
-    attn_norm: SourceTensor,
-    wq: SourceTensor,
-    wk: SourceTensor,
-    wv: SourceTensor,
-    wo: SourceTensor,
-    mlp_norm: SourceTensor,
-    w_gate: SourceTensor,
-    w_up: SourceTensor,
-    w_down: SourceTensor,
-    dtype: np.dtype,
-    bq: SourceTensor | None = None,
-    bk: SourceTensor | None = None,
-    bv: SourceTensor | None = None,
-) -> LayerWeights:
-    """One layer's `LayerWeights` from Hugging Face-layout tensors; matrices in `dtype`.
+# A loader's access to its file: the tensor of `part` for layer i (None outside the layers),
+# or ModelLoadError naming the file and the tensor when the file lacks it.
+FindTensor = Callable[[Part, int | None], SourceTensor]
 
-    Norm scales stay float32: they are tiny and RMSNorm runs in float32 anyway.
+
+def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights:
+    """The `Weights` of a model with config `cfg`, leaf by leaf as the tables describe them
+    (etjax/model/weights.py `MODEL_LEAVES`, the family's layer table), in their final dtypes.
+
+    Layers come first, then the embedding and LM head, whose chunks are the largest. Raises
+    ModelLoadError naming `origin`, the leaf and its tensors when the tensors' shapes do not
+    give the leaf's shape from the config.
     """
-    return LayerWeights(
-        attn_norm=as_stored(attn_norm, np.float32),
-        wqkv=input_major([wq, wk, wv], dtype),
-        bqkv=None if bq is None else input_major([bq, bk, bv], dtype),
-        wo=input_major([wo], dtype),
-        mlp_norm=as_stored(mlp_norm, np.float32),
-        w_gate_up=input_major([w_gate, w_up], dtype),
-        w_down=input_major([w_down], dtype),
+    fam = family(cfg.architecture)
+
+    def build(name: str, leaf: Leaf, layer: int | None) -> jax.Array | None:
+        if not leaf.present(cfg):
+            return None
+        parts = [find(part, layer) for part in leaf.parts]
+        got, want = _built_shape(leaf, parts), leaf.shape(cfg)
+        if got != want:
+            where = name if layer is None else f"layer {layer} {name}"
+            tensors = ", ".join(f"{p.name!r} {p.shape}" for p in parts)
+            raise ModelLoadError(
+                f"{origin}: {where} (from {tensors}) would have shape {got}; the config "
+                f"gives {want}"
+            )
+        dtype = leaf.dtype(cfg)
+        return as_stored(parts[0], dtype) if leaf.layout == STORED else input_major(parts, dtype)
+
+    layers = tuple(
+        fam.layer_type(**{name: build(name, leaf, i) for name, leaf in fam.layer.items()})
+        for i in range(cfg.num_layers)
     )
+    model = {name: build(name, leaf, None) for name, leaf in MODEL_LEAVES.items()}
+    return Weights(layers=layers, **model)
 
 
-def assembled_weights(
-    *,
-    embed: SourceTensor,
-    layers: Sequence[LayerWeights],
-    final_norm: SourceTensor,
-    lm_head: SourceTensor | None,
-    dtype: np.dtype,
-) -> Weights:
-    """The `Weights` pytree from built layers and the remaining tensors; matrices in `dtype`.
-
-    `lm_head` is Hugging Face-layout `[V, D]`, stored input-major `[D, V]`.
-    """
-    return Weights(
-        embed=as_stored(embed, dtype),
-        layers=tuple(layers),
-        final_norm=as_stored(final_norm, np.float32),
-        lm_head=None if lm_head is None else input_major([lm_head], dtype),
-    )
+def _built_shape(leaf: Leaf, parts: Sequence[SourceTensor]) -> tuple[int, ...] | None:
+    # The shape `as_stored` or `input_major` would build from `parts`; None where the parts'
+    # input dimensions disagree and cannot be concatenated at all.
+    if leaf.layout == STORED:
+        return parts[0].shape
+    inner = parts[0].shape[1:]
+    if any(p.shape[1:] != inner for p in parts):
+        return None
+    return (*inner, sum(p.shape[0] for p in parts))
 
 
 def as_stored(tensor: SourceTensor, dtype: np.dtype) -> jax.Array:
@@ -131,7 +137,7 @@ def _rows_per_chunk(tensor: SourceTensor) -> int:
 def _check_rows_read(count: int, tensor: SourceTensor) -> None:
     # A short read would leave part of an uninitialised buffer in the model.
     if count != tensor.shape[0]:
-        raise ValueError(f"read {count} rows of a tensor of shape {tensor.shape}")
+        raise ValueError(f"read {count} rows of tensor {tensor.name!r} of shape {tensor.shape}")
 
 
 def _empty_aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -18,14 +18,13 @@ from pathlib import Path
 from types import EllipsisType
 
 import jax
-import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
 from etjax.loaders.loaded_model import Model
 from etjax.model.config import Llama3RopeScaling, ModelConfig
-from etjax.model.weights import LayerWeights, Weights
+from etjax.model.weights import Weights, abstract_weights
 from etjax.tokenizer import Tokenizer
 
 FORMAT_VERSION = 1
@@ -75,9 +74,15 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
         raw = dict(manifest["config"])
         if raw.get("rope_scaling"):
             raw["rope_scaling"] = Llama3RopeScaling(**raw["rope_scaling"])
+        # Checkpoints written before `architecture` existed hold Llama or Qwen2 weights, which
+        # share the layer and its leaf names: "llama", the default, restores both.
         saved_cfg = ModelConfig(**raw)
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ModelLoadError(f"{manifest_path}: malformed etjax manifest ({e})") from None
+    except ModelLoadError:
+        raise
+    except ValueError as e:  # a field the config refuses, e.g. an architecture of a newer etjax
+        raise ModelLoadError(f"{manifest_path}: {e}") from None
     cfg = saved_cfg.with_dtype(dtype)
     # Restored straight into `dtype`: orbax casts each array on the host as it reads it, so a
     # model saved in another dtype is never whole in both.
@@ -94,30 +99,6 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
         raise ModelLoadError(f"{path / 'weights'}: cannot restore weights ({e})") from None
     tokenizer = Tokenizer.from_hf_dir(path / "tokenizer")
     return Model(cfg, weights, tokenizer, name=manifest.get("name", path.name), source=path)
-
-
-def abstract_weights(cfg: ModelConfig) -> Weights:
-    """A `Weights` tree of `jax.ShapeDtypeStruct`s describing a model with this config."""
-    d, f, dtype = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
-
-    def spec(*shape: int, f32: bool = False) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, jnp.float32 if f32 else dtype)
-
-    layer = LayerWeights(
-        attn_norm=spec(d, f32=True),
-        wqkv=spec(d, cfg.qkv_size),
-        bqkv=spec(cfg.qkv_size) if cfg.attention_bias else None,
-        wo=spec(cfg.num_heads * cfg.head_dim, d),
-        mlp_norm=spec(d, f32=True),
-        w_gate_up=spec(d, 2 * f),
-        w_down=spec(f, d),
-    )
-    return Weights(
-        embed=spec(cfg.vocab_size, d),
-        layers=tuple(layer for _ in range(cfg.num_layers)),
-        final_norm=spec(d, f32=True),
-        lm_head=None if cfg.tie_word_embeddings else spec(d, cfg.vocab_size),
-    )
 
 
 def _restore_weights(directory: Path, target: Weights) -> Weights:

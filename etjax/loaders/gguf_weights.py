@@ -1,4 +1,8 @@
-"""Read a Llama-family model (config and weights) from a GGUF file with the `gguf` package."""
+"""Read a model (config and weights) from a GGUF file with the `gguf` package.
+
+The file's `general.architecture` picks the family (etjax/model/families/), whose table names
+the tensors every leaf is built from; this module reads the config and finds the tensors.
+"""
 
 from __future__ import annotations
 
@@ -14,11 +18,12 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from etjax.errors import ModelLoadError
-from etjax.loaders.assemble import SourceTensor, assembled_layer, assembled_weights
+from etjax.loaders.assemble import SourceTensor, assemble_weights
 from etjax.model.config import ModelConfig
-from etjax.model.weights import Weights
+from etjax.model.families import gguf_architectures
+from etjax.model.leaves import Part
+from etjax.model.weights import MODEL_LEAVES, Weights
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # Tensor types are whatever `gguf.quants.dequantize` implements (F32, F16, BF16, the legacy
 # Q4/Q5/Q8 blocks and the K-quants); the rest (Q8_1, Q8_K, integer tensors) are refused by name.
 
@@ -48,11 +53,13 @@ def gguf_field(reader: GGUFReader, key: str, default: Any = ...) -> Any:
 def gguf_model_config(reader: GGUFReader, dtype: str) -> ModelConfig:
     """Build the `ModelConfig` from the `{arch}.*` metadata of a GGUF file."""
     arch = gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    families = gguf_architectures()
+    if arch not in families:
         raise ModelLoadError(
             f"{reader.data.filename}: general.architecture={arch!r} is not supported; "
-            f"allowed: {SUPPORTED_ARCHITECTURES}"
+            f"allowed: {tuple(families)}"
         )
+    fam = families[arch]
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ModelLoadError(
             f"{reader.data.filename}: per-frequency RoPE factors (rope_freqs, Llama 3.1 scaling) "
@@ -72,9 +79,12 @@ def gguf_model_config(reader: GGUFReader, dtype: str) -> ModelConfig:
         rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 4096)),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        # Optional leaves are there when their tensors are (the first part, of layer 0).
+        tie_word_embeddings=MODEL_LEAVES["lm_head"].parts[0].gguf_name(None) not in tensor_names,
+        attention_bias="bqkv" in fam.layer
+        and fam.layer["bqkv"].parts[0].gguf_name(0) in tensor_names,
         dtype=dtype,
+        architecture=fam.name,
     )
 
 
@@ -104,7 +114,6 @@ class GGUFTensors:
     """
 
     path: Path
-    interleaved_rope: bool
     stored: dict[str, _StoredTensor]
 
 
@@ -120,11 +129,7 @@ def gguf_tensors(reader: GGUFReader) -> GGUFTensors:
         )
         for t in reader.tensors
     }
-    return GGUFTensors(
-        path=Path(reader.data.filename),
-        interleaved_rope=gguf_field(reader, "general.architecture") == "llama",
-        stored=stored,
-    )
+    return GGUFTensors(path=Path(reader.data.filename), stored=stored)
 
 
 def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:
@@ -132,54 +137,23 @@ def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:
 
     Each tensor is dequantized to float32 a chunk of rows at a time and written straight into
     its final leaf (etjax/loaders/assemble.py), so no float32 copy of the model is ever held.
-    For the `llama` architecture GGUF stores the q and k projections with each head's rows
-    interleaved for llama.cpp's adjacent-pair RoPE; they are un-permuted back to the Hugging Face
-    half-split layout that `apply_rope` uses. `qwen2` files use half-split RoPE and are stored
-    as they are.
+    Where the family's table says llama.cpp interleaved a q or k projection's rows per head for
+    its adjacent-pair RoPE (`Part.gguf_rope_heads`, the `llama` architecture), they are read
+    back in the Hugging Face half-split order that `apply_rope` uses.
     """
-    dtype = cfg.jnp_dtype
 
-    def take(name: str, rope_heads: int | None = None) -> SourceTensor:
+    def find(part: Part, layer: int | None) -> SourceTensor:
+        name = part.gguf_name(layer)
         stored = tensors.stored.get(name)
         if stored is None:
             raise ModelLoadError(f"{tensors.path}: tensor {name!r} is missing")
         order = np.arange(stored.shape[0])
-        if rope_heads is not None:
-            order = _rope_rows(order, rope_heads, tensors.interleaved_rope)
-        return SourceTensor(
-            stored.shape, functools.partial(_read_rows, tensors.path, name, stored, order)
-        )
+        if part.gguf_rope_heads is not None:
+            order = _rope_rows(order, getattr(cfg, part.gguf_rope_heads))
+        read = functools.partial(_read_rows, tensors.path, name, stored, order)
+        return SourceTensor(name, stored.shape, read)
 
-    def optional(name: str) -> SourceTensor | None:
-        return take(name) if name in tensors.stored else None
-
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"blk.{i}."
-        layers.append(
-            assembled_layer(
-                attn_norm=take(p + "attn_norm.weight"),
-                wq=take(p + "attn_q.weight", rope_heads=cfg.num_heads),
-                wk=take(p + "attn_k.weight", rope_heads=cfg.num_kv_heads),
-                wv=take(p + "attn_v.weight"),
-                wo=take(p + "attn_output.weight"),
-                mlp_norm=take(p + "ffn_norm.weight"),
-                w_gate=take(p + "ffn_gate.weight"),
-                w_up=take(p + "ffn_up.weight"),
-                w_down=take(p + "ffn_down.weight"),
-                bq=optional(p + "attn_q.bias"),
-                bk=optional(p + "attn_k.bias"),
-                bv=optional(p + "attn_v.bias"),
-                dtype=dtype,
-            )
-        )
-    return assembled_weights(
-        embed=take("token_embd.weight"),
-        layers=layers,
-        final_norm=take("output_norm.weight"),
-        lm_head=optional("output.weight"),
-        dtype=dtype,
-    )
+    return assemble_weights(cfg, find, str(tensors.path))
 
 
 def _read_rows(
@@ -221,9 +195,7 @@ def _dequantize(
         ) from None
 
 
-def _rope_rows(w: np.ndarray, num_heads: int, interleaved: bool) -> np.ndarray:
+def _rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     # Within each head llama.cpp orders rows (0, hd/2, 1, hd/2+1, ...); restore (0, 1, ..., hd-1).
-    if not interleaved:
-        return w
     head_dim = w.shape[0] // num_heads
     return w.reshape(num_heads, head_dim // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -8,8 +8,7 @@ from typing import Any
 
 from etjax.errors import ModelLoadError
 from etjax.model.config import Llama3RopeScaling, ModelConfig
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+from etjax.model.families import hf_model_types
 
 
 def read_hf_config(path: Path, dtype: str) -> ModelConfig:
@@ -28,10 +27,10 @@ def read_hf_config(path: Path, dtype: str) -> ModelConfig:
 def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> ModelConfig:
     """Map config.json fields to a `ModelConfig`; errors name `source` and the field."""
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    families = hf_model_types()
+    if model_type not in families:
         raise ModelLoadError(
-            f"{source}: model_type={model_type!r} is not supported; etjax runs the Llama family "
-            f"{SUPPORTED_MODEL_TYPES}"
+            f"{source}: model_type={model_type!r} is not supported; allowed: {tuple(families)}"
         )
 
     def field(name: str, default: Any = ...) -> Any:
@@ -69,6 +68,7 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
         attention_bias=model_type == "qwen2" or bool(field("attention_bias", False)),
         rope_scaling=_rope_scaling(raw, rope_params, source),
         dtype=dtype,
+        architecture=families[model_type].name,
     )
 
 

@@ -1,4 +1,5 @@
-"""Read Llama-family weights from Hugging Face safetensors files (single or sharded)."""
+"""Read weights from Hugging Face safetensors files (single or sharded), by the Hugging Face
+names of the family's table (etjax/model/families/)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import numpy as np
 from safetensors import safe_open
 
 from etjax.errors import ModelLoadError
-from etjax.loaders.assemble import SourceTensor, assembled_layer, assembled_weights
+from etjax.loaders.assemble import SourceTensor, assemble_weights
 from etjax.model.config import ModelConfig
+from etjax.model.leaves import Part
 from etjax.model.weights import Weights
 
 _INDEX = "model.safetensors.index.json"
@@ -42,59 +44,21 @@ def safetensors_files(directory: Path) -> list[Path]:
 
 
 def load_safetensors_weights(directory: Path, cfg: ModelConfig) -> Weights:
-    """Load and fuse the weights of a Hugging Face Llama/Mistral/Qwen2 directory, in `cfg.dtype`.
+    """Load and fuse the weights of a Hugging Face directory, in `cfg.dtype`.
 
     Each tensor is read a chunk of rows at a time straight into its final leaf
     (etjax/loaders/assemble.py), so no float32 copy of the model is ever held.
     """
     tensors = _source_tensors(safetensors_files(directory))
-    dtype = cfg.jnp_dtype
 
-    def take(name: str) -> SourceTensor:
+    def find(part: Part, layer: int | None) -> SourceTensor:
+        name = part.hf_name(layer)
         try:
             return tensors[name]
         except KeyError:
             raise ModelLoadError(f"{directory}: tensor {name!r} is missing") from None
 
-    layers = []
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        bias = (
-            dict(
-                bq=take(p + "self_attn.q_proj.bias"),
-                bk=take(p + "self_attn.k_proj.bias"),
-                bv=take(p + "self_attn.v_proj.bias"),
-            )
-            if cfg.attention_bias
-            else {}
-        )
-        layers.append(
-            assembled_layer(
-                attn_norm=take(p + "input_layernorm.weight"),
-                wq=take(p + "self_attn.q_proj.weight"),
-                wk=take(p + "self_attn.k_proj.weight"),
-                wv=take(p + "self_attn.v_proj.weight"),
-                wo=take(p + "self_attn.o_proj.weight"),
-                mlp_norm=take(p + "post_attention_layernorm.weight"),
-                w_gate=take(p + "mlp.gate_proj.weight"),
-                w_up=take(p + "mlp.up_proj.weight"),
-                w_down=take(p + "mlp.down_proj.weight"),
-                dtype=dtype,
-                **bias,
-            )
-        )
-    lm_head = None
-    if not cfg.tie_word_embeddings:
-        if "lm_head.weight" not in tensors:
-            raise ModelLoadError(f"{directory}: tensor 'lm_head.weight' is missing (untied model)")
-        lm_head = take("lm_head.weight")
-    return assembled_weights(
-        embed=take("model.embed_tokens.weight"),
-        layers=layers,
-        final_norm=take("model.norm.weight"),
-        lm_head=lm_head,
-        dtype=dtype,
-    )
+    return assemble_weights(cfg, find, str(directory))
 
 
 def _source_tensors(files: list[Path]) -> dict[str, SourceTensor]:
@@ -106,7 +70,7 @@ def _source_tensors(files: list[Path]) -> dict[str, SourceTensor]:
                 for name in f.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
                     shape = tuple(f.get_slice(name).get_shape())
                     read = functools.partial(_read_rows, path, name, shape)
-                    tensors[name] = SourceTensor(shape, read)
+                    tensors[name] = SourceTensor(name, shape, read)
         except Exception as e:  # safetensors raises its own untyped errors for corrupt files
             raise ModelLoadError(f"{path}: cannot read safetensors file ({e})") from None
     return tensors

@@ -1,1 +1,1 @@
-"""The Llama-family decoder: config, weights pytree, layers and forward pass."""
+"""The decoder: config, weight tables and pytree, families (architectures), layers, forward pass."""

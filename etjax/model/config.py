@@ -1,4 +1,4 @@
-"""Model configuration: the hyper-parameters of a Llama-family decoder, frozen and hashable.
+"""Model configuration: the hyper-parameters of a decoder, frozen and hashable.
 
 A `ModelConfig` is passed to jitted functions as a static argument, so it must be hashable and
 must never hold arrays.
@@ -40,10 +40,11 @@ class Llama3RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM).
+    """Shape and numerics of a decoder (Llama 2/3, Mistral, Qwen2, SmolLM).
 
-    `dtype` is the dtype of weights, activations and the KV cache; norms, softmax and logits are
-    always accumulated in float32.
+    `architecture` names its family in etjax/model/families/ (its weight leaves and what its
+    layer computes). `dtype` is the dtype of weights, activations and the KV cache; norms,
+    softmax and logits are always accumulated in float32.
     """
 
     vocab_size: int
@@ -60,10 +61,15 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2 adds a bias to the q, k and v projections.
     rope_scaling: Llama3RopeScaling | None = None
     dtype: str = "float32"
+    architecture: str = "llama"
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"ModelConfig.dtype={self.dtype!r}; allowed: {SUPPORTED_DTYPES}")
+        # Imported here: the registry's tables are written in terms of this class.
+        from etjax.model.families import family
+
+        family(self.architecture)  # raises naming the supported architectures
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -88,11 +94,7 @@ class ModelConfig:
 
     @property
     def num_parameters(self) -> int:
-        """Parameter count (tied embeddings counted once)."""
-        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = d * self.qkv_size + self.num_heads * hd * d
-        if self.attention_bias:
-            attn += self.qkv_size
-        per_layer = attn + 3 * d * f + 2 * d
-        embed = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + d
+        """Parameter count (tied embeddings counted once), from the weight tables."""
+        from etjax.model.weights import parameter_count  # the tables are built on this class
+
+        return parameter_count(self)

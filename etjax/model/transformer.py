@@ -1,4 +1,4 @@
-"""The Llama-family decoder as pure functions over `Weights` and a paged `KVCache`.
+"""The decoder as pure functions over `Weights` and a paged `KVCache`.
 
 One forward pass serves every phase over a flat batch of tokens: prefill (many tokens per
 sequence starting at 0), chunked prefill (a chunk continuing a cached prefix) and decode (one
@@ -25,8 +25,9 @@ import jax.numpy as jnp
 from etjax.attention import AttentionPlan, attend, pruned_decode_attention
 from etjax.cache.kv_cache import NULL_PAGE, KVCache, PagePool, cache_from_pool, page_pool, write_kv
 from etjax.model.config import ModelConfig
-from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies, swiglu_mlp
-from etjax.model.weights import LayerWeights, Weights
+from etjax.model.families import family
+from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies
+from etjax.model.weights import Weights
 from etjax.pruning.config import PruningConfig
 
 
@@ -65,17 +66,14 @@ def forward(
     t, hd = tokens.shape[0], cfg.head_dim
     q_width, kv_width = cfg.num_heads * hd, cfg.num_kv_heads * hd
 
-    def qkv_projection(layer: LayerWeights, x: jax.Array) -> jax.Array:
-        qkv = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps) @ layer.wqkv
-        return qkv if layer.bqkv is None else qkv + layer.bqkv
-
-    def output_and_mlp(layer: LayerWeights, x: jax.Array, heads: jax.Array) -> jax.Array:
-        x = x + heads @ layer.wo
-        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        return x + swiglu_mlp(h, layer.w_gate_up, layer.w_down)
-
-    per_layer_qkv = [functools.partial(qkv_projection, layer) for layer in weights.layers]
-    per_layer_rest = [functools.partial(output_and_mlp, layer) for layer in weights.layers]
+    # What a layer computes around attention is its family's (etjax/model/families/).
+    fam = family(cfg.architecture)
+    per_layer_qkv = [
+        functools.partial(fam.qkv_projection, layer, cfg=cfg) for layer in weights.layers
+    ]
+    per_layer_rest = [
+        functools.partial(fam.output_and_mlp, layer, cfg=cfg) for layer in weights.layers
+    ]
 
     def layer_step(carry, index):
         x, pool = carry

@@ -1,4 +1,4 @@
-"""The weights pytree of a Llama-family decoder.
+"""The weights pytree of a decoder, and the table of the leaves outside its layers.
 
 Layers are a tuple of per-layer pytrees rather than arrays stacked on a layer axis: a slice of
 a stacked array, static or indexed by a scan, is materialised as a copy before each matrix
@@ -7,93 +7,64 @@ with a `lax.scan`, choosing each layer's buffers with `lax.switch` (etjax/model/
 
 Projections are stored input-major (`x @ w`) and fused where they share an input: q|k|v in one
 matrix and gate|up in another, so each layer runs two large products instead of five small ones.
+Each leaf is described once, in a table (etjax/model/leaves.py): the model's own leaves below,
+a layer's in its family's table (etjax/model/families/), whose pytree class is made from it.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+import math
+from typing import Any, ClassVar
 
 import flax.struct
 import jax
 
 from etjax.model.config import ModelConfig
+from etjax.model.families import family
+from etjax.model.leaves import HIDDEN, STORED, VOCAB, Leaf, Part, Table, axes_of
 
 
-@flax.struct.dataclass
-class LayerWeights:
-    """One decoder layer. D = hidden, F = intermediate, Q = qkv width, A = heads * head_dim."""
+def _untied(cfg: ModelConfig) -> bool:
+    return not cfg.tie_word_embeddings
 
-    attn_norm: jax.Array  # [D]
-    wqkv: (
-        jax.Array
-    )  # [D, Q]  columns: q heads | k heads | v heads, Hugging Face (half-split) RoPE layout
-    bqkv: jax.Array | None  # [Q] or None (only Qwen2-style attention_bias)
-    wo: jax.Array  # [A, D]
-    mlp_norm: jax.Array  # [D]
-    w_gate_up: jax.Array  # [D, 2F]  columns: gate | up
-    w_down: jax.Array  # [F, D]
 
-    # Each array's dimensions by name, for the mesh placement (etjax/distributed/placement.py):
-    # "heads" and "ffn" are what tensor parallelism splits (q|k|v and gate|up by output column,
-    # the output and down projections by input row); unnamed dimensions are never split.
-    AXES: ClassVar[dict[str, tuple[str | None, ...]]] = {
-        "attn_norm": (None,),
-        "wqkv": (None, "heads"),
-        "bqkv": ("heads",),
-        "wo": ("heads", None),
-        "mlp_norm": (None,),
-        "w_gate_up": (None, "ffn"),
-        "w_down": ("ffn", None),
-    }
+# The leaves every family shares, outside the layers.
+MODEL_LEAVES: Table = {
+    "embed": Leaf(
+        (VOCAB, HIDDEN), (Part("model.embed_tokens.weight", "token_embd.weight"),), STORED
+    ),
+    "final_norm": Leaf(
+        (HIDDEN,), (Part("model.norm.weight", "output_norm.weight"),), STORED, float32=True
+    ),
+    # Absent when tied: the logits then contract with `embed` (transformer.logits_from_hidden).
+    "lm_head": Leaf((HIDDEN, VOCAB), (Part("lm_head.weight", "output.weight"),), present=_untied),
+}
 
 
 @flax.struct.dataclass
 class Weights:
-    """All weights of a decoder. V = vocabulary."""
+    """All weights of a decoder: the leaves of `MODEL_LEAVES` and the layers, each of its
+    family's `layer_type`. V = vocabulary, D = hidden."""
 
     embed: jax.Array  # [V, D]
-    layers: tuple[LayerWeights, ...]
-    final_norm: jax.Array  # [D]
+    layers: tuple[Any, ...]
+    final_norm: jax.Array  # [D] float32
     lm_head: jax.Array | None  # [D, V], or None when tied to `embed`
 
-    # As `LayerWeights.AXES`; `layers` holds LayerWeights, which name their own.
-    AXES: ClassVar[dict[str, tuple[str | None, ...]]] = {
-        "embed": ("vocab", None),
-        "final_norm": (None,),
-        "lm_head": (None, "vocab"),
-    }
+    # Each array's dimensions by name, for the mesh placement (etjax/distributed/placement.py);
+    # `layers` hold their own.
+    AXES: ClassVar[dict[str, tuple[str | None, ...]]] = axes_of(MODEL_LEAVES)
 
 
-def check_weights_shapes(weights: Weights, cfg: ModelConfig, source: str) -> None:
-    """Raise ValueError naming `source` and the field if any weight has the wrong shape."""
-    d, f = cfg.hidden_size, cfg.intermediate_size
-    a = cfg.num_heads * cfg.head_dim
-    expected = {
-        "embed": (cfg.vocab_size, d),
-        "final_norm": (d,),
-    }
-    if weights.lm_head is not None:
-        expected["lm_head"] = (d, cfg.vocab_size)
-    for name, shape in expected.items():
-        got = getattr(weights, name).shape
-        if got != shape:
-            raise ValueError(f"{source}: {name} has shape {got}, expected {shape} from the config")
-    if len(weights.layers) != cfg.num_layers:
-        raise ValueError(
-            f"{source}: found {len(weights.layers)} layers, config says {cfg.num_layers}"
-        )
-    layer_expected = {
-        "attn_norm": (d,),
-        "wqkv": (d, cfg.qkv_size),
-        "wo": (a, d),
-        "mlp_norm": (d,),
-        "w_gate_up": (d, 2 * f),
-        "w_down": (f, d),
-    }
-    for i, layer in enumerate(weights.layers):
-        for name, shape in layer_expected.items():
-            got = getattr(layer, name).shape
-            if got != shape:
-                raise ValueError(
-                    f"{source}: layer {i} {name} has shape {got}, expected {shape} from the config"
-                )
+def abstract_weights(cfg: ModelConfig) -> Weights:
+    """A `Weights` tree of `jax.ShapeDtypeStruct`s (None where a leaf is absent) describing a
+    model with this config: orbax's restore target, and the truth shape checks compare with."""
+    fam = family(cfg.architecture)
+    layer = fam.layer_type(**{name: leaf.abstract(cfg) for name, leaf in fam.layer.items()})
+    model = {name: leaf.abstract(cfg) for name, leaf in MODEL_LEAVES.items()}
+    return Weights(layers=tuple(layer for _ in range(cfg.num_layers)), **model)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of a model with this config (tied embeddings counted once)."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_weights(cfg)))

@@ -1,0 +1,140 @@
+"""The vocabulary of weight tables: one `Leaf` describes one weight leaf, once.
+
+A leaf's row in its table (etjax/model/weights.py for the model's own leaves, a family's table
+in etjax/model/families/ for a layer's) gives everything any part of etjax needs to know
+about it: its shape and the names of its dimensions (`Dim`: a size read from the
+`ModelConfig` and the name the mesh placement splits by), its dtype, when it is present, how
+it is laid out, and the tensors of a Hugging Face or GGUF file it is built from (`Part`). The
+pytree classes, the placement's `AXES`, the orbax restore targets, the shape checks and the
+loaders' name maps are all read from the tables, so a weight is added or changed in one place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from etjax.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A dimension of a weight: its size from the config, and the name the mesh placement
+    splits by (etjax/distributed/placement.py `SPLITS`; None: never split)."""
+
+    size: Callable[[ModelConfig], int]
+    mesh_name: str | None
+
+
+HIDDEN = Dim(lambda c: c.hidden_size, None)  # D
+VOCAB = Dim(lambda c: c.vocab_size, "vocab")  # V
+HEAD_DIM = Dim(lambda c: c.head_dim, None)  # per-head norms (Gemma's q_norm, k_norm)
+# Tensor parallelism splits q|k|v and gate|up by output column, the attention output and down
+# projections by input row: attention heads and MLP units never mix across devices until the
+# output projections' sums.
+QKV = Dim(lambda c: c.qkv_size, "heads")  # Q = (heads + 2 kv_heads) * head_dim
+ATTENTION = Dim(lambda c: c.num_heads * c.head_dim, "heads")  # A
+FFN = Dim(lambda c: c.intermediate_size, "ffn")  # F
+GATE_UP = Dim(lambda c: 2 * c.intermediate_size, "ffn")  # 2F
+
+
+@dataclass(frozen=True)
+class Part:
+    """A tensor of a model file that a leaf is built from; "{i}" in a name is the layer index.
+
+    `gguf_rope_heads` names the config field counting the heads of a q or k projection whose
+    rows llama.cpp interleaved per head for its adjacent-pair RoPE (llama-architecture GGUF
+    files only); the GGUF loader restores the Hugging Face half-split order etjax rotates in.
+    """
+
+    hf: str
+    gguf: str
+    gguf_rope_heads: str | None = None
+
+    def hf_name(self, layer: int | None) -> str:
+        return self.hf.format(i=layer)
+
+    def gguf_name(self, layer: int | None) -> str:
+        return self.gguf.format(i=layer)
+
+
+# Layouts. Products are stored input-major (`x @ w`), their parts concatenated along the output
+# axis (q|k|v, gate|up) so a layer runs two large products instead of five small ones; biases
+# concatenate the same way. Norm scales and the embedding table are stored as the file has them.
+INPUT_MAJOR = "input_major"
+STORED = "stored"
+
+
+def always(cfg: ModelConfig) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """One weight leaf: shape `[d.size(cfg) for d in dims]`, built from `parts`.
+
+    `float32`: kept in float32 whatever the model dtype (norm scales: tiny, and RMSNorm runs in
+    float32). `present(cfg)`: whether the model has the leaf; an absent leaf is None in the
+    pytree. `layout`: INPUT_MAJOR (parts `[out_i, in]` give `[in, sum(out_i)]`; 1-D parts give
+    `[sum(out_i)]`) or STORED (one part, as it is).
+    """
+
+    dims: tuple[Dim, ...]
+    parts: tuple[Part, ...]
+    layout: str = INPUT_MAJOR
+    float32: bool = False
+    present: Callable[[ModelConfig], bool] = always
+
+    def __post_init__(self) -> None:
+        if self.layout not in (INPUT_MAJOR, STORED):
+            raise ValueError(f"Leaf.layout={self.layout!r}; allowed: {INPUT_MAJOR}, {STORED}")
+        if self.layout == STORED and len(self.parts) != 1:
+            raise ValueError("a STORED leaf is built from exactly one part")
+
+    def shape(self, cfg: ModelConfig) -> tuple[int, ...]:
+        return tuple(d.size(cfg) for d in self.dims)
+
+    def dtype(self, cfg: ModelConfig) -> jnp.dtype:
+        return jnp.dtype("float32") if self.float32 else cfg.jnp_dtype
+
+    @property
+    def mesh_names(self) -> tuple[str | None, ...]:
+        return tuple(d.mesh_name for d in self.dims)
+
+    def abstract(self, cfg: ModelConfig) -> jax.ShapeDtypeStruct | None:
+        """The leaf's shape and dtype, or None where the model has no such leaf."""
+        return jax.ShapeDtypeStruct(self.shape(cfg), self.dtype(cfg)) if self.present(cfg) else None
+
+
+Table = Mapping[str, Leaf]
+
+
+def axes_of(table: Table) -> dict[str, tuple[str | None, ...]]:
+    """The dimension names of every leaf of `table`, as the placement reads them (`AXES`)."""
+    return {name: leaf.mesh_names for name, leaf in table.items()}
+
+
+def pytree_class(name: str, table: Table, module: str) -> type:
+    """A flax dataclass with one array field per leaf of `table` (None where absent), in the
+    table's order, carrying the leaves' dimension names as `AXES`.
+
+    The class is made from the table so that a family's layer is described once; its fields
+    are plain attributes (`layer.wqkv`), so the forward pass reads it like a written class.
+    """
+    namespace = {
+        "__annotations__": {field: jax.Array | None for field in table},
+        "__module__": module,
+        "__qualname__": name,
+        "__doc__": f"One layer's weights: {', '.join(table)} (the table in {module}).",
+        "AXES": axes_of(table),
+    }
+    return flax.struct.dataclass(type(name, (), namespace))
+
+
+def layer_part(hf: str, gguf: str, gguf_rope_heads: str | None = None) -> Part:
+    """A `Part` of layer i: `hf` under "model.layers.{i}.", `gguf` under "blk.{i}."."""
+    return Part(f"model.layers.{{i}}.{hf}", f"blk.{{i}}.{gguf}", gguf_rope_heads)
