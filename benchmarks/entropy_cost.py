@@ -1,18 +1,22 @@
-"""Cost of the entropy estimators and of the sampling stage relative to a SmolLM2 decode step.
+"""Cost of the entropy estimators and of the sampling stage relative to a decode step.
 
 Batch 32, float32, this machine. The decode step is `decode_steps` (8 steps per call, greedy,
 context ~128), divided by 8; it already contains one exact entropy and the greedy sampling
 stage, so the fractions below are of a whole step. Each estimator and each sampler
-configuration is timed alone on [32, 49152] logits, jitted, warm, median of 20 calls.
-Writes the "entropy_cost" section of docs/PERF.md.
+configuration is timed alone on [32, V] logits, jitted, warm, median of 20 calls.
+Writes the "entropy_cost" section of docs/PERF.md (SmolLM2, V = 49,152), or with
+`--model gemma3-270m` the "entropy_cost_gemma3" section (V = 262,144: where the paper's claim
+of cheap entropy meets a large vocabulary).
 
-    .venv/bin/python benchmarks/entropy_cost.py
+    .venv/bin/python benchmarks/entropy_cost.py [--model gemma3-270m]
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import inspect
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -45,7 +49,12 @@ def main() -> None:
     from etjax.sampling.sampler import initial_sampler_state, sample_next
     from etjax.sampling.settings import SamplerSettings, pack_sampler_params
 
-    model = etjax.load_model()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a model name (default: SmolLM2)")
+    args = parser.parse_args()
+    model = etjax.load_model(args.model, dtype="float32")
+    label = "SmolLM2" if args.model is None else args.model
+    section = "entropy_cost" if args.model is None else "entropy_cost_gemma3"
     # Interleaved pairs: the machine drifts by more than the difference being measured.
     step_ms, bare_ms, differences = [], [], []
     for _ in range(3):
@@ -102,14 +111,14 @@ def main() -> None:
     step = float(np.median(step_ms))
     in_step = float(np.median(differences))
     lines = [
-        "## Entropy estimators and the sampling stage vs a decode step (SmolLM2, batch 32)",
+        f"## Entropy estimators and the sampling stage vs a decode step ({label}, batch 32)",
         "",
         f"Measured {raw['date']} on {raw['machine']}. Command: "
-        "`.venv/bin/python benchmarks/entropy_cost.py`. Decode step (greedy, context ~128, "
-        f"whole step including its own entropy and sampling): {median_spread(step_ms)} ms. "
-        "The first row is measured inside the step (the step with the greedy stage minus the step "
-        "with a bare argmax); the others are timed alone on [32, 49152] float32 logits, median "
-        "(min-max) of 20 warm calls.",
+        f"`.venv/bin/python benchmarks/entropy_cost.py {shlex.join(sys.argv[1:])}`. Decode step "
+        "(greedy, context ~128, whole step including its own entropy and sampling): "
+        f"{median_spread(step_ms)} ms. The first row is measured inside the step (the step with "
+        "the greedy stage minus the step with a bare argmax); the others are timed alone on "
+        f"[32, {vocab}] float32 logits, median (min-max) of 20 warm calls.",
         "",
         "| operation | ms | share of a decode step |",
         "|---|---|---|",
@@ -119,7 +128,7 @@ def main() -> None:
     ]
     for name, times in rows:
         lines.append(f"| {name} | {median_spread(times)} | {np.median(times) / step:.1%} |")
-    write_section("entropy_cost", "\n".join(lines), raw)
+    write_section(section, "\n".join(lines), raw)
     print("\n".join(lines))
 
 
@@ -129,11 +138,11 @@ def _decode_step_ms(model, RequestSettings, RuntimeOptions, bare_stage: bool = F
     # difference is what the stage costs inside the step (fused with the rest), not alone.
     from etjax.engine import build as gen
     from etjax.engine import device
-    from etjax.runtime import steps
+    from etjax.runtime import commit
     from etjax.sampling import sampler
 
-    if bare_stage:
-        steps.sample_next = _bare_stage
+    if bare_stage:  # the name the decode step's sampling calls (etjax/runtime/commit.py)
+        commit.sample_next = _bare_stage
         jax.clear_caches()
 
     prompts = [[100 + i] * 64 for i in range(BATCH)]
@@ -156,7 +165,7 @@ def _decode_step_ms(model, RequestSettings, RuntimeOptions, bare_stage: bool = F
         gen.generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
     finally:
         device.decode_steps = original
-        steps.sample_next = sampler.sample_next
+        commit.sample_next = sampler.sample_next
         jax.clear_caches()
     return [t * 1e3 for t in times]
 

@@ -21,7 +21,7 @@ def full_logits(weights: Weights, cfg: ModelConfig, ids: np.ndarray, page_size: 
     table = 1 + np.arange(b * pages_per_row, dtype=np.int32).reshape(b, pages_per_row)
     positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, s))
     plan, write_pages = padded_batch_plan(
-        table, np.zeros(b, np.int32), np.full(b, s, np.int32), s, page_size
+        table, np.zeros(b, np.int32), np.full(b, s, np.int32), s, page_size, cfg.attention_window
     )
     hidden, _ = _forward(
         weights,

@@ -169,11 +169,13 @@ def padded_batch_plan(
     num_valid: np.ndarray,
     tokens_per_row: int,
     page_size: int,
+    window: int = 0,
 ) -> tuple[AttentionPlan, np.ndarray]:
     """The plan of a padded batch flattened row-major: row b holds `num_valid[b]` real tokens
     from position `starts[b]` in `tokens_per_row` slots and owns row b of `page_table` [B, P].
     Also returns each flat token's write page (the null page for padding). For teacher forcing,
-    tests and benchmarks; the engine plans ragged batches directly."""
+    tests and benchmarks; the engine plans ragged batches directly. `window`: the model's
+    sliding window (`ModelConfig.attention_window`), for its local layers' passes."""
     b, p = page_table.shape
     write_pages = np.zeros(b * tokens_per_row, np.int32)
     segments = []
@@ -195,4 +197,4 @@ def padded_batch_plan(
     tiles = b * -(-tokens_per_row // q_tile)
     items = items_capacity(tiles * -(-p // kv_tile), CHUNK)
     sizes = PlanSizes(page_size, (PassShape(q_tile, kv_tile, tiles, items),))
-    return plan_segments(segments, b * tokens_per_row, sizes), write_pages
+    return plan_segments(segments, b * tokens_per_row, sizes, window=window), write_pages

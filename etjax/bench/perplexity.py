@@ -114,7 +114,9 @@ def prefill_documents(model, docs: list[list[int]]) -> Prefilled:
             tokens = np.array([docs[i][r : r + n] + [0] * (CHUNK - n) for i in group], np.int32)
             starts = np.full(len(group), r, np.int32)
             valid = np.full(len(group), n, np.int32)
-            plan, write_pages = padded_batch_plan(table[group], starts, valid, CHUNK, PAGE)
+            plan, write_pages = padded_batch_plan(
+                table[group], starts, valid, CHUNK, PAGE, model.config.attention_window
+            )
             positions = (starts[:, None] + np.arange(CHUNK)).reshape(-1).astype(np.int32)
             last = np.arange(len(group), dtype=np.int32) * CHUNK + n - 1
             out, cache = prefill_chunk(
@@ -149,7 +151,12 @@ def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
     segments = [
         Segment(b, 1, prefix, prefix + scored - 1, table_host[b].tolist()) for b in range(rows)
     ]
-    plan = plan_segments(segments, rows, PlanSizes.decode(rows, table_host.size + 1, PAGE))
+    plan = plan_segments(
+        segments,
+        rows,
+        PlanSizes.decode(rows, table_host.size + 1, PAGE),
+        window=model.config.attention_window,
+    )
     nll, kept, blocks = _teacher_forced(
         model.weights,
         prefilled.cache,  # not donated: every setting starts from the same prefilled cache

@@ -57,6 +57,11 @@ class DeviceBackend:
         options: RuntimeOptions,
         num_pages: int,
     ) -> None:
+        if options.pruning.enabled and cfg.local_layers:
+            raise ValueError(
+                f"pruning.enabled with a {cfg.architecture} model: entropic pruning does not yet "
+                "run on models with sliding-window layers; turn pruning off"
+            )
         self.cfg, self.options = cfg, options
         self.vocab_size = cfg.vocab_size  # token ids the engine accepts
         self.cost = CostModel.for_model(cfg, options.page_size)
@@ -167,6 +172,7 @@ class DeviceBackend:
             num_tokens,
             PlanSizes(opts.page_size, passes + prefill_sizes.passes),
             self.attention_backend,
+            cfg.attention_window,
         )
         batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index, draft_len)
         table, max_kept = None, 0
@@ -325,7 +331,11 @@ class DeviceBackend:
                 for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
             ]
             plan = plan_segments(
-                segments, num, PlanSizes.decode(num, self.num_pages, ps), self.attention_backend
+                segments,
+                num,
+                PlanSizes.decode(num, self.num_pages, ps),
+                self.attention_backend,
+                self.cfg.attention_window,
             )
         self.store, self.cache, out = decode_steps(
             self.weights,

@@ -25,7 +25,7 @@ from etjax.errors import ModelLoadError
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
 from etjax.model.leaves import STORED, Leaf, Part
-from etjax.model.weights import MODEL_LEAVES, Weights
+from etjax.model.weights import Weights, model_leaves
 
 # float32 bytes per chunk. A chunk, and the few times its size that dequantizing it takes in
 # temporaries, is all a leaf costs beyond its own final bytes; at 16 MiB the embedding's chunks,
@@ -86,7 +86,7 @@ def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights
         fam.layer_type(**{name: build(name, leaf, i) for name, leaf in fam.layer.items()})
         for i in range(cfg.num_layers)
     )
-    model = {name: build(name, leaf, None) for name, leaf in MODEL_LEAVES.items()}
+    model = {name: build(name, leaf, None) for name, leaf in model_leaves(cfg).items()}
     return Weights(layers=layers, **model)
 
 

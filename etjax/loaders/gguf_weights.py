@@ -68,23 +68,53 @@ def gguf_model_config(reader: GGUFReader, dtype: str) -> ModelConfig:
     num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
+    head_dim = int(
+        gguf_field(
+            reader,
+            f"{arch}.attention.key_length",
+            gguf_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads),
+        )
+    )
+    num_layers = int(gguf_field(reader, f"{arch}.block_count"))
+    window = {}
+    if fam.name == "gemma3":
+        window = _gemma3_window(reader, arch, num_layers, head_dim)
     return ModelConfig(
         vocab_size=_vocab_size(reader, arch),
         hidden_size=hidden,
         intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(gguf_field(reader, f"{arch}.block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
-        head_dim=int(gguf_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads)),
+        head_dim=head_dim,
         rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 4096)),
         # Optional leaves are there when their tensors are (the first part, of layer 0).
-        tie_word_embeddings=MODEL_LEAVES["lm_head"].parts[0].gguf_name(None) not in tensor_names,
+        tie_word_embeddings=(fam.model or MODEL_LEAVES)["lm_head"].parts[0].gguf_name(None)
+        not in tensor_names,
         attention_bias="bqkv" in fam.layer
         and fam.layer["bqkv"].parts[0].gguf_name(0) in tensor_names,
         dtype=dtype,
         architecture=fam.name,
+        **window,
+    )
+
+
+def _gemma3_window(reader: GGUFReader, arch: str, num_layers: int, head_dim: int) -> dict:
+    # llama.cpp's Gemma 3: every sixth layer is global, the others see the last
+    # `attention.sliding_window` positions and rotate with base 10000 (not stored in the file,
+    # as transformers assumes too); the query scale is head_dim ** -0.5.
+    pattern = int(gguf_field(reader, f"{arch}.attention.sliding_window_pattern", 6))
+    if gguf_field(reader, f"{arch}.final_logit_softcapping", None) is not None:
+        raise ModelLoadError(
+            f"{reader.data.filename}: {arch}.final_logit_softcapping is not supported"
+        )
+    return dict(
+        sliding_window=int(gguf_field(reader, f"{arch}.attention.sliding_window")),
+        local_layers=tuple(i for i in range(num_layers) if (i + 1) % pattern),
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=float(head_dim),
     )
 
 

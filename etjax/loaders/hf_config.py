@@ -40,17 +40,20 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
             raise ModelLoadError(f"{source}: required field {name!r} is missing")
         return default
 
-    act = field("hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
+    architecture = families[model_type].name
     if field("mlp_bias", False):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
-
     num_heads = int(field("num_attention_heads"))
     hidden = int(field("hidden_size"))
     rope_params = raw.get("rope_parameters") or {}
-    rope_theta = float(rope_params.get("rope_theta", field("rope_theta", 10000.0)))
     max_positions = int(field("max_position_embeddings", 4096))
+    if architecture == "gemma3":
+        return _gemma3_config(raw, field, dtype, source)
+
+    act = field("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
+    rope_theta = float(rope_params.get("rope_theta", field("rope_theta", 10000.0)))
     max_positions = min(max_positions, _sliding_window_limit(raw, model_type) or max_positions)
 
     return ModelConfig(
@@ -68,7 +71,69 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
         attention_bias=model_type == "qwen2" or bool(field("attention_bias", False)),
         rope_scaling=_rope_scaling(raw, rope_params, source),
         dtype=dtype,
-        architecture=families[model_type].name,
+        architecture=architecture,
+    )
+
+
+def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
+    # Gemma 3 text models: layers marked "sliding_attention" see the last `sliding_window`
+    # positions and rotate with the local base; "full_attention" layers see everything.
+    num_layers = int(field("num_hidden_layers"))
+    act = field("hidden_activation", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(
+            f"{source}: hidden_activation={act!r}; Gemma 3 supports 'gelu_pytorch_tanh'"
+        )
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(name) is not None:
+            raise ModelLoadError(f"{source}: {name}={raw[name]!r} is not supported (null only)")
+    layer_types = raw.get("layer_types")
+    if layer_types is None:  # older configs: every `sliding_window_pattern`-th layer is global
+        pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)))
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(
+            f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
+            f"of the {num_layers} layers"
+        )
+    # transformers 5 keeps one RoPE table per layer type; transformers 4 two fields.
+    rope = raw.get("rope_parameters") or {}
+    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    for name, table in (("full_attention", full), ("sliding_attention", local)):
+        kind = table.get("rope_type", "default")
+        if kind != "default":
+            raise ModelLoadError(
+                f"{source}: rope_parameters.{name}.rope_type={kind!r} is not supported; "
+                "allowed: default"
+            )
+    if field("attention_bias", False):
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported for Gemma 3")
+    if (raw.get("rope_scaling") or {}).get("rope_type", "default") != "default":
+        raise ModelLoadError(f"{source}: rope_scaling is not supported for Gemma 3 (null only)")
+    num_heads = int(field("num_attention_heads"))
+    hidden = int(field("hidden_size"))
+    head_dim = int(field("head_dim", hidden // num_heads))
+    return ModelConfig(
+        vocab_size=int(field("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(field("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(field("num_key_value_heads", num_heads)),
+        head_dim=head_dim,
+        rope_theta=float(full.get("rope_theta", field("rope_theta", 1_000_000.0))),
+        rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(field("max_position_embeddings", 32768)),
+        tie_word_embeddings=bool(field("tie_word_embeddings", True)),
+        dtype=dtype,
+        architecture="gemma3",
+        sliding_window=int(field("sliding_window")),
+        local_layers=tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention"),
+        rope_local_theta=float(local.get("rope_theta", field("rope_local_base_freq", 10000.0))),
+        query_pre_attn_scalar=float(field("query_pre_attn_scalar", head_dim)),
     )
 
 

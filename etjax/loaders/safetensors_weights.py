@@ -3,6 +3,7 @@ names of the family's table (etjax/model/families/)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from collections.abc import Iterator
@@ -54,9 +55,14 @@ def load_safetensors_weights(directory: Path, cfg: ModelConfig) -> Weights:
     def find(part: Part, layer: int | None) -> SourceTensor:
         name = part.hf_name(layer)
         try:
-            return tensors[name]
+            tensor = tensors[name]
         except KeyError:
             raise ModelLoadError(f"{directory}: tensor {name!r} is missing") from None
+        if not part.hf_offset:
+            return tensor
+        read = tensor.read_rows
+        shifted = lambda rows: (chunk + part.hf_offset for chunk in read(rows))  # noqa: E731
+        return dataclasses.replace(tensor, read_rows=shifted)
 
     return assemble_weights(cfg, find, str(directory))
 

@@ -62,6 +62,14 @@ class ModelConfig:
     rope_scaling: Llama3RopeScaling | None = None
     dtype: str = "float32"
     architecture: str = "llama"
+    # Sliding-window attention (Gemma 3): the layers in `local_layers` see only the last
+    # `sliding_window` positions and rotate with base `rope_local_theta`; the others see the
+    # whole context with `rope_theta`.
+    sliding_window: int = 0
+    local_layers: tuple[int, ...] = ()
+    rope_local_theta: float = 10000.0
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (0: head_dim, the usual).
+    query_pre_attn_scalar: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -70,6 +78,12 @@ class ModelConfig:
         from etjax.model.families import family
 
         family(self.architecture)  # raises naming the supported architectures
+        if self.local_layers and self.sliding_window <= 0:
+            raise ValueError(f"local_layers={self.local_layers} needs a sliding_window > 0")
+        if any(not 0 <= i < self.num_layers for i in self.local_layers):
+            raise ValueError(
+                f"local_layers={self.local_layers}: layers are 0..{self.num_layers - 1}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -78,6 +92,12 @@ class ModelConfig:
     @property
     def jnp_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.dtype)
+
+    @property
+    def attention_window(self) -> int:
+        """The sliding window of the model's local layers, 0 when it has none: what the
+        attention plans list key tiles for (etjax/attention/plan.py)."""
+        return self.sliding_window if self.local_layers else 0
 
     @property
     def group_size(self) -> int:

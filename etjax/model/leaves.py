@@ -49,11 +49,14 @@ class Part:
     `gguf_rope_heads` names the config field counting the heads of a q or k projection whose
     rows llama.cpp interleaved per head for its adjacent-pair RoPE (llama-architecture GGUF
     files only); the GGUF loader restores the Hugging Face half-split order etjax rotates in.
+    `hf_offset` is added to the Hugging Face tensor: Gemma's norms scale by 1 + w, which
+    llama.cpp stores as such and etjax keeps as the scale itself.
     """
 
     hf: str
     gguf: str
     gguf_rope_heads: str | None = None
+    hf_offset: float = 0.0
 
     def hf_name(self, layer: int | None) -> str:
         return self.hf.format(i=layer)
@@ -135,6 +138,8 @@ def pytree_class(name: str, table: Table, module: str) -> type:
     return flax.struct.dataclass(type(name, (), namespace))
 
 
-def layer_part(hf: str, gguf: str, gguf_rope_heads: str | None = None) -> Part:
+def layer_part(
+    hf: str, gguf: str, gguf_rope_heads: str | None = None, hf_offset: float = 0.0
+) -> Part:
     """A `Part` of layer i: `hf` under "model.layers.{i}.", `gguf` under "blk.{i}."."""
-    return Part(f"model.layers.{{i}}.{hf}", f"blk.{{i}}.{gguf}", gguf_rope_heads)
+    return Part(f"model.layers.{{i}}.{hf}", f"blk.{{i}}.{gguf}", gguf_rope_heads, hf_offset)

@@ -16,6 +16,7 @@ step then ran ~1.8x slower in isolation). Branches of plain products compile in 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax.struct
@@ -60,14 +61,28 @@ def forward(
     """
     if plan is None and (sparse is None or sparse.slots is not None):
         raise ValueError("forward needs an attention plan for tokens that are not pruned rows")
-    inv_freq = rope_inverse_frequencies(cfg)
+    if plan is not None and plan.window != cfg.attention_window:
+        raise ValueError(
+            f"an attention plan for a window of {plan.window} positions; the model's local "
+            f"layers have {cfg.attention_window} (plan_passes(window=cfg.attention_window))"
+        )
+    if sparse is not None and cfg.local_layers:
+        raise ValueError("pruned attention does not support sliding-window layers yet")
+    # What a layer computes around attention is its family's (etjax/model/families/).
+    fam = family(cfg.architecture)
     x = weights.embed[tokens]
+    if fam.scales_embedding:
+        x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
 
     t, hd = tokens.shape[0], cfg.head_dim
     q_width, kv_width = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    # Local (sliding-window) layers rotate with their own base; a traced flag per layer.
+    inv_freq = rope_inverse_frequencies(cfg)
+    local_inv_freq = rope_inverse_frequencies(
+        dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+    )
+    is_local = jnp.asarray([i in cfg.local_layers for i in range(cfg.num_layers)])
 
-    # What a layer computes around attention is its family's (etjax/model/families/).
-    fam = family(cfg.architecture)
     per_layer_qkv = [
         functools.partial(fam.qkv_projection, layer, cfg=cfg) for layer in weights.layers
     ]
@@ -78,15 +93,19 @@ def forward(
     def layer_step(carry, index):
         x, pool = carry
         qkv = jax.lax.switch(index, per_layer_qkv, x)
-        q = apply_rope(qkv[:, :q_width].reshape(t, cfg.num_heads, hd), positions, inv_freq)
+        local = is_local[index]
+        freq = jnp.where(local, local_inv_freq, inv_freq) if cfg.local_layers else inv_freq
+        q = apply_rope(qkv[:, :q_width].reshape(t, cfg.num_heads, hd), positions, freq)
         k = apply_rope(
             qkv[:, q_width : q_width + kv_width].reshape(t, cfg.num_kv_heads, hd),
             positions,
-            inv_freq,
+            freq,
         )
         v = qkv[:, q_width + kv_width :].reshape(t, cfg.num_kv_heads, hd)
         first_page = index * pool.pages_per_layer
-        heads, pool = _attention(q, k, v, pool, first_page, positions, write_pages, plan, sparse)
+        heads, pool = _attention(
+            q, k, v, pool, first_page, positions, write_pages, plan, sparse, local
+        )
         x = jax.lax.switch(index, per_layer_rest, x, heads.reshape(t, q_width))
         return (x, pool), None
 
@@ -130,12 +149,14 @@ def _attention(
     write_pages: jax.Array,
     plan: AttentionPlan | None,
     sparse: SparsePlan | None,
+    local: jax.Array | bool = False,
 ) -> tuple[jax.Array, PagePool]:
     # q: [T, H, hd], k, v: [T, KVH, hd] (RoPE applied) -> attention heads [T, H, hd] and the
-    # pool with this layer's pages updated; first_page: the pool page of this layer's page 0.
+    # pool with this layer's pages updated; first_page: the pool page of this layer's page 0;
+    # local: a sliding-window layer (the plan's local passes).
     pool = write_kv(pool, k, v, write_pages, positions, first_page)
     if sparse is None:
-        return attend(q, pool.k, pool.v, positions, plan, first_page), pool
+        return attend(q, pool.k, pool.v, positions, plan, first_page, local), pool
     slots = sparse.slots
 
     def rows_of(x):  # the rows' entries of a flat array (zeros for padding rows)

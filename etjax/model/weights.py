@@ -61,8 +61,14 @@ def abstract_weights(cfg: ModelConfig) -> Weights:
     model with this config: orbax's restore target, and the truth shape checks compare with."""
     fam = family(cfg.architecture)
     layer = fam.layer_type(**{name: leaf.abstract(cfg) for name, leaf in fam.layer.items()})
-    model = {name: leaf.abstract(cfg) for name, leaf in MODEL_LEAVES.items()}
+    model = {name: leaf.abstract(cfg) for name, leaf in model_leaves(cfg).items()}
     return Weights(layers=tuple(layer for _ in range(cfg.num_layers)), **model)
+
+
+def model_leaves(cfg: ModelConfig) -> Table:
+    """The leaves outside the layers of a model with this config: its family's, or the shared
+    `MODEL_LEAVES`."""
+    return family(cfg.architecture).model or MODEL_LEAVES
 
 
 def parameter_count(cfg: ModelConfig) -> int:

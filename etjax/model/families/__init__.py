@@ -10,10 +10,11 @@ reads).
 from __future__ import annotations
 
 from etjax.model.families.family import Family
+from etjax.model.families.gemma3 import GEMMA3
 from etjax.model.families.llama import LLAMA
 from etjax.model.families.qwen2 import QWEN2
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, GEMMA3)}
 
 
 def family(architecture: str) -> Family:

@@ -33,6 +33,11 @@ class Family:
     output_and_mlp: Callable[[Any, jax.Array, jax.Array, ModelConfig], jax.Array]
     hf_model_types: tuple[str, ...]  # config.json `model_type` values read as this family
     gguf_architectures: tuple[str, ...]  # GGUF `general.architecture` values
+    # The leaves outside the layers, where the family's differ from `MODEL_LEAVES`
+    # (etjax/model/weights.py) in more than names: None for the shared table.
+    model: Table | None = None
+    # Whether the embedding is scaled by sqrt(hidden_size) before the first layer (Gemma).
+    scales_embedding: bool = False
 
     def __post_init__(self) -> None:
         fields = tuple(f.name for f in dataclasses.fields(self.layer_type))

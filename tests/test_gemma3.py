@@ -1,0 +1,212 @@
+"""Gemma 3 against transformers: tiny random models written by the tests (every default run),
+and the real Gemma 3 270M GGUF (when its optional packages are installed).
+
+The tiny models have sliding windows of 8 positions and prompts of 40-200 tokens, so most
+positions of their local layers see only part of the context; their norm scales are random
+(Gemma's zero-initialised norms would hide a missing 1 + w), and the query scale is not
+head_dim ** -0.5, so each of Gemma's departures from Llama shows in the logits if it is wrong.
+Tolerance as in test_model_parity.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from etjax.loaders.hf_config import read_hf_config
+from etjax.loaders.safetensors_weights import load_safetensors_weights
+from etjax.runtime.options import RequestSettings
+from tests.conftest import TINY_VOCAB, relative_error
+from tests.model_runner import full_logits
+
+TOLERANCE = 1e-4
+WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory, hf_smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        query_pre_attn_scalar=24,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(3)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.copy_(torch.randn_like(parameter) * 0.5)
+    directory = tmp_path_factory.mktemp("tiny-gemma3")
+    model.save_pretrained(directory)
+    hf_smollm2_tokenizer.save_pretrained(directory)
+    return directory
+
+
+def test_tiny_gemma3_logits_match_transformers(tiny_gemma3_dir):
+    from transformers import AutoModelForCausalLM
+
+    cfg = read_hf_config(tiny_gemma3_dir / "config.json", "float32")
+    assert cfg.architecture == "gemma3" and cfg.local_layers == (0, 2)
+    assert cfg.sliding_window == WINDOW and cfg.query_pre_attn_scalar == 24
+    weights = load_safetensors_weights(tiny_gemma3_dir, cfg)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 200), dtype=np.int32)
+    reference_model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32)
+    with torch.no_grad():
+        reference = reference_model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    for page_size in (4, 16):  # windows starting mid-page and within one page
+        ours = full_logits(weights, cfg, ids, page_size=page_size)
+        assert relative_error(ours, reference) < TOLERANCE, page_size
+
+    # Each departure from Llama is visible: no window, the global base for local layers.
+    for changed in (
+        dataclasses.replace(cfg, local_layers=(), sliding_window=0),
+        dataclasses.replace(cfg, rope_local_theta=cfg.rope_theta),
+        dataclasses.replace(cfg, query_pre_attn_scalar=0.0),
+    ):
+        wrong = full_logits(weights, changed, ids, page_size=4)
+        assert relative_error(wrong, reference) > 100 * TOLERANCE, changed
+
+
+def test_tiny_gemma3_greedy_decode_matches_transformers(tiny_gemma3_dir):
+    # Through the engine (ragged prefill in chunks, decode bursts): the windowed plans of both.
+    from transformers import AutoModelForCausalLM
+
+    import etjax
+    from etjax.engine.build import build_engine
+    from etjax.runtime.options import RuntimeOptions
+
+    model = etjax.load_model(tiny_gemma3_dir)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in (5, 40, 70)]
+    options = RuntimeOptions(page_size=4, prefill_chunk=16)
+    engine = build_engine(model.weights, model.config, model.tokenizer, options, 128)
+    settings = [RequestSettings(max_new_tokens=16, ignore_eos=True)] * len(prompts)
+    ours = engine.generate(prompts, settings)
+    reference_model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32)
+    for prompt, out in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            generated = reference_model.generate(
+                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16
+            )
+        assert out.token_ids == generated[0, len(prompt) :].tolist()
+
+
+# The real model: Gemma 3 270M (base, Q4_K_M), optional, from its PyPI packages -------------
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m_path():
+    from etjax.loaders.gemma_package import INSTALL_HINT, gemma3_270m_missing_packages
+
+    missing = gemma3_270m_missing_packages()
+    if missing:
+        pytest.skip(f"Gemma 3 270M is not installed ({', '.join(missing)}): {INSTALL_HINT}")
+    from etjax.loaders.gemma_package import gemma3_270m_gguf_path
+
+    return gemma3_270m_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m(gemma3_270m_path):
+    import etjax
+
+    return etjax.load_model("gemma3-270m", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_gemma3_270m(gemma3_270m_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gemma3_270m_path.parent, gguf_file=gemma3_270m_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
+def test_gemma3_270m_config_is_read_from_the_gguf(gemma3_270m):
+    cfg = gemma3_270m.config
+    assert (cfg.architecture, cfg.vocab_size, cfg.num_layers) == ("gemma3", 262144, 18)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (4, 1, 256)
+    assert cfg.sliding_window == 512 and cfg.local_layers == (
+        0,
+        1,
+        2,
+        3,
+        4,
+        6,
+        7,
+        8,
+        9,
+        10,
+        12,
+        13,
+        14,
+        15,
+        16,
+    )
+    assert cfg.tie_word_embeddings
+
+
+def test_gemma3_270m_logits_match_transformers_past_the_window(gemma3_270m, hf_gemma3_270m, lee):
+    # 600 tokens: the last 88 positions of every local layer see only part of the context.
+    ids = gemma3_270m.tokenizer.encode(" ".join(lee[:4]))[:600]
+    assert len(ids) == 600
+    ids = np.array([ids], dtype=np.int32)
+    with torch.no_grad():
+        reference = hf_gemma3_270m(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    ours = full_logits(gemma3_270m.weights, gemma3_270m.config, ids)
+    assert relative_error(ours, reference) < TOLERANCE
+    np.testing.assert_array_equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_gemma3_270m_greedy_continuations_match_transformers(gemma3_270m, hf_gemma3_270m, lee):
+    # Six prompts of mixed lengths, two longer than the 512-position window, 32 tokens each,
+    # through `decode()` (the engine, its ragged prefill and decode bursts).
+    import etjax
+
+    tokenizer = gemma3_270m.tokenizer
+    texts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        lee[5][:300],
+        lee[6][:1200],
+        " ".join(lee[7:10])[:3000],
+        " ".join(lee[10:14])[:4000],
+    ]
+    lengths = [len(tokenizer.encode(t)) for t in texts]
+    assert sum(n > 512 for n in lengths) >= 2, lengths
+    results = etjax.decode(texts, model=gemma3_270m, max_new_tokens=32, temperature=0.0)
+    stops = set(tokenizer.eos_token_ids)
+    assert stops == {1, 106}  # <eos>, <end_of_turn>
+    for text, result in zip(texts, results, strict=True):
+        prompt = tokenizer.encode(text)
+        with torch.no_grad():
+            generated = hf_gemma3_270m.generate(
+                torch.tensor([prompt]), max_new_tokens=32, do_sample=False
+            )
+        # Both stop at the first stop token (etjax keeps it as the last token).
+        expected = generated[0, len(prompt) :].tolist()
+        ends = [i for i, token in enumerate(expected) if token in stops]
+        expected = expected[: ends[0] + 1] if ends else expected
+        assert result.token_ids == expected, text[:40]
