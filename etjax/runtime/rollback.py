@@ -54,12 +54,17 @@ def retract_rejected(
         kept_slots.append(jnp.clip(length - page_start, 0, page_size))
     pages = jnp.concatenate(pages)
     kept_slots = jnp.concatenate(kept_slots)
-    keys = cache.k.at[:, pages].get(mode="fill", fill_value=0).astype(jnp.float32)
-    # keys: [L, M, KVH, page_size, hd]; the slots below each page's kept count are real.
-    real = (jnp.arange(page_size) < kept_slots[:, None])[None, :, None, :, None]
-    k_min = jnp.min(jnp.where(real, keys, jnp.inf), axis=3)
-    k_max = jnp.max(jnp.where(real, keys, -jnp.inf), axis=3)
-    return cache.replace(
-        k_min=cache.k_min.at[:, pages].set(k_min, mode="drop"),
-        k_max=cache.k_max.at[:, pages].set(k_max, mode="drop"),
-    )
+
+    def recompute(cache: KVCache) -> KVCache:
+        keys = cache.k.at[:, pages].get(mode="fill", fill_value=0).astype(jnp.float32)
+        # keys: [L, M, KVH, page_size, hd]; the slots below each page's kept count are real.
+        real = (jnp.arange(page_size) < kept_slots[:, None])[None, :, None, :, None]
+        k_min = jnp.min(jnp.where(real, keys, jnp.inf), axis=3)
+        k_max = jnp.max(jnp.where(real, keys, -jnp.inf), axis=3)
+        return cache.replace(
+            k_min=cache.k_min.at[:, pages].set(k_min, mode="drop"),
+            k_max=cache.k_max.at[:, pages].set(k_max, mode="drop"),
+        )
+
+    # Most steps reject nothing (no row drafted, or all drafts held): they skip the gather.
+    return jax.lax.cond(jnp.any(pages < num_pages), recompute, lambda cache: cache, cache)
