@@ -88,6 +88,22 @@ def test_tiny_gemma3_logits_match_transformers(tiny_gemma3_dir):
         assert relative_error(wrong, reference) > 100 * TOLERANCE, changed
 
 
+def test_tiny_gemma3_converted_checkpoint_restores_the_same_model(tiny_gemma3_dir, tmp_path):
+    # `etjax convert` keeps the family, the window and its layers (a tuple through JSON).
+    import etjax
+    from etjax.cli import main
+
+    assert main(["convert", str(tiny_gemma3_dir), str(tmp_path / "converted")]) == 0
+    original = etjax.load_model(tiny_gemma3_dir)
+    restored = etjax.load_model(tmp_path / "converted")
+    assert restored.config == original.config
+    ids = np.random.default_rng(2).integers(0, original.config.vocab_size, size=(1, 40))
+    np.testing.assert_array_equal(
+        full_logits(restored.weights, restored.config, ids),
+        full_logits(original.weights, original.config, ids),
+    )
+
+
 def test_tiny_gemma3_greedy_decode_matches_transformers(tiny_gemma3_dir):
     # Through the engine (ragged prefill in chunks, decode bursts): the windowed plans of both.
     from transformers import AutoModelForCausalLM

@@ -74,6 +74,8 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
         raw = dict(manifest["config"])
         if raw.get("rope_scaling"):
             raw["rope_scaling"] = Llama3RopeScaling(**raw["rope_scaling"])
+        if "local_layers" in raw:  # JSON keeps the tuple as a list; the config is hashable
+            raw["local_layers"] = tuple(raw["local_layers"])
         # Checkpoints written before `architecture` existed hold Llama or Qwen2 weights, which
         # share the layer and its leaf names: "llama", the default, restores both.
         saved_cfg = ModelConfig(**raw)
