@@ -1,11 +1,13 @@
-"""etjax vs transformers `generate` on SmolLM2-135M, float32, greedy, on this CPU.
+"""etjax vs transformers `generate`, float32, greedy, on this CPU (SmolLM2-135M or Gemma 3 270M).
 
 Both engines run the same dequantized GGUF weights on the same token ids, side by side in one
 process, repetitions interleaved. Reports generation throughput at batch 1/8/32, prefill
 throughput, compile time, peak memory and the fraction of the memory-bandwidth roofline at
-batch 1, and writes the "decode_throughput" section of docs/PERF.md.
+batch 1, and writes the "decode_throughput" section of docs/PERF.md ("decode_throughput_gemma3"
+with `--model gemma3-270m`, the optional Gemma 3 packages installed).
 
     .venv/bin/python benchmarks/decode_throughput.py [--new-tokens 128] [--repeats 3]
+        [--model gemma3-270m]
 """
 
 from __future__ import annotations
@@ -28,6 +30,19 @@ from benchmarks.perf_report import machine_line, median_spread, write_section
 
 PROMPT_TOKENS = 32
 PREFILL_TOKENS = 512
+SMOLLM2 = "smollm2-135m"
+# The models this bench compares, by name: their title in PERF.md.
+MODELS = {SMOLLM2: "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M, Q4_K_M dequantized"}
+
+
+def _gguf_path(model: str) -> Path:
+    if model == SMOLLM2:
+        from etjax.loaders.embedded import smollm2_gguf_path
+
+        return smollm2_gguf_path()
+    from etjax.loaders.gemma_package import gemma3_270m_gguf_path
+
+    return gemma3_270m_gguf_path()
 
 
 def main() -> None:
@@ -35,14 +50,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--model", choices=sorted(MODELS), default=SMOLLM2)
     parser.add_argument("--memory-probe", choices=["etjax", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_probe:
-        _memory_probe(args.memory_probe, args.new_tokens)
+        _memory_probe(args.memory_probe, args.new_tokens, args.model)
         return
     batches = [int(b) for b in args.batches.split(",")]
 
-    engines = _Engines()
+    engines = _Engines(args.model)
     lee = _lee()
     raw: dict = {"machine": machine_line(), "date": str(datetime.date.today()), "runs": {}}
 
@@ -74,22 +90,22 @@ def main() -> None:
     raw["prefill"] = engines.prefill_rates(lee, args.repeats)
     raw["roofline"] = engines.roofline(raw["runs"].get(1), args.new_tokens)
     raw["peak_rss_mb"] = {
-        name: _peak_rss(name, args.new_tokens) for name in ("etjax", "transformers")
+        name: _peak_rss(name, args.new_tokens, args.model) for name in ("etjax", "transformers")
     }
-    write_section("decode_throughput", _markdown(raw, args), raw)
+    section = "decode_throughput" if args.model == SMOLLM2 else "decode_throughput_gemma3"
+    write_section(section, _markdown(raw, args), raw)
     print(json.dumps({k: v for k, v in raw.items() if k != "runs"}, indent=2))
 
 
 class _Engines:
-    def __init__(self) -> None:
+    def __init__(self, model: str) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
         import etjax
-        from etjax.loaders.embedded import smollm2_gguf_path
 
-        path = smollm2_gguf_path()
-        self.model = etjax.load_model(path)
+        path = _gguf_path(model)
+        self.model = etjax.load_model(path, dtype="float32")
         self.hf = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, dtype=torch.float32
         ).eval()
@@ -190,18 +206,18 @@ def _prompt_ids(engines: _Engines, lee: list[str], batch: int) -> list[list[int]
     return [engines.model.tokenizer.encode(lee[i])[:PROMPT_TOKENS] for i in range(batch)]
 
 
-def _peak_rss(engine: str, new_tokens: int) -> float:
+def _peak_rss(engine: str, new_tokens: int, model: str) -> float:
     # Each engine in its own process: peak resident memory of a batch-8 run, model load included.
     cmd = [sys.executable, __file__, "--memory-probe", engine, "--new-tokens", str(new_tokens)]
+    cmd += ["--model", model]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     return float(out.strip().splitlines()[-1])
 
 
-def _memory_probe(engine: str, new_tokens: int) -> None:
-    from etjax.loaders.embedded import smollm2_gguf_path
+def _memory_probe(engine: str, new_tokens: int, model: str) -> None:
     from etjax.tokenizer import Tokenizer
 
-    path = smollm2_gguf_path()
+    path = _gguf_path(model)
     lee = _lee()
     tokenizer = Tokenizer.from_gguf(path)
     prompts = [tokenizer.encode(lee[i])[:PROMPT_TOKENS] for i in range(8)]
@@ -209,9 +225,9 @@ def _memory_probe(engine: str, new_tokens: int) -> None:
         import etjax
         from etjax.engine.build import RequestSettings, generate_ids
 
-        model = etjax.load_model(path)
+        loaded = etjax.load_model(path, dtype="float32")
         settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * 8
-        generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
+        generate_ids(loaded.weights, loaded.config, loaded.tokenizer, prompts, settings)
     else:
         import torch
         from transformers import AutoModelForCausalLM
@@ -236,11 +252,13 @@ def _memory_probe(engine: str, new_tokens: int) -> None:
 
 def _markdown(raw: dict, args: argparse.Namespace) -> str:
     lines = [
-        "## Decode throughput: etjax vs transformers (SmolLM2-135M, float32, greedy)",
+        f"## Decode throughput: etjax vs transformers ({MODELS[args.model]}, float32, greedy)",
         "",
         f"Measured {raw['date']} on {raw['machine']}.",
         f"Command: `.venv/bin/python benchmarks/decode_throughput.py --new-tokens "
-        f"{args.new_tokens} --repeats {args.repeats}`.",
+        f"{args.new_tokens} --repeats {args.repeats}"
+        + ("" if args.model == SMOLLM2 else f" --model {args.model}")
+        + "`.",
         f"Prompts: the first {PROMPT_TOKENS} tokens of Lee corpus articles, {args.new_tokens} new "
         "tokens each (eos ignored), end-to-end generation time (prefill included), warm-up "
         "excluded, median (min-max) of the repeats, engines interleaved.",

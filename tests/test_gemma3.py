@@ -128,6 +128,84 @@ def test_tiny_gemma3_greedy_decode_matches_transformers(tiny_gemma3_dir):
         assert out.token_ids == generated[0, len(prompt) :].tolist()
 
 
+def _greedy(model_dir, prompts, pruning, new_tokens=16):
+    # The engine with ragged prefill in 16-token chunks (mixed steps) and decode bursts.
+    import etjax
+    from etjax.engine.build import build_engine
+    from etjax.runtime.options import RuntimeOptions
+
+    model = etjax.load_model(model_dir)
+    options = RuntimeOptions(page_size=4, prefill_chunk=16, steps_per_sync=4, pruning=pruning)
+    engine = build_engine(model.weights, model.config, model.tokenizer, options, 128)
+    settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
+    return engine.generate(prompts, settings)
+
+
+def _transformers_greedy(model_dir, prompt, new_tokens=16):
+    from transformers import AutoModelForCausalLM
+
+    reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        generated = reference_model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            min_new_tokens=new_tokens,
+        )
+    return generated[0, len(prompt) :].tolist()
+
+
+def _prompts(vocab_size):
+    rng = np.random.default_rng(1)
+    return [rng.integers(3, vocab_size, size=n).tolist() for n in (5, 40, 70)]
+
+
+def test_tiny_gemma3_pruning_that_keeps_everything_matches_transformers(tiny_gemma3_dir):
+    # The global layers take the pruned path (bounds, selection, block-sparse kernel) with
+    # every block kept, the local layers their windows through the plan: transformers' tokens.
+    from etjax.pruning.config import PruningConfig
+
+    prompts = _prompts(TINY_VOCAB)
+    keep_all = PruningConfig(enabled=True, min_fraction=1.0)
+    for prompt, out in zip(prompts, _greedy(tiny_gemma3_dir, prompts, keep_all), strict=True):
+        assert out.token_ids == _transformers_greedy(tiny_gemma3_dir, prompt)
+        lengths = len(prompt) + np.arange(len(out.token_ids) - 1)
+        assert out.kept_blocks[:-1] == (lengths // 4 + 1).tolist()  # every block, counted
+
+
+def test_tiny_gemma3_pruning_leaves_sliding_window_layers_whole(tiny_gemma3_dir, tmp_path):
+    # The same weights with every layer sliding: a budget that would keep 4 of a row's 20+
+    # blocks prunes nothing, so transformers' tokens come out. A local layer that took the
+    # pruned path would read keys outside its window (and drop some inside it).
+    import json
+    import shutil
+
+    from etjax.pruning.config import PruningConfig
+
+    local_dir = tmp_path / "all-sliding"
+    shutil.copytree(tiny_gemma3_dir, local_dir)
+    config = json.loads((local_dir / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention"] * config["num_hidden_layers"]
+    (local_dir / "config.json").write_text(json.dumps(config))
+    prompts = _prompts(TINY_VOCAB)
+    tight = PruningConfig(enabled=True, min_fraction=0.05, entropy_low=50.0, entropy_high=60.0)
+    for prompt, out in zip(prompts, _greedy(local_dir, prompts, tight), strict=True):
+        assert out.token_ids == _transformers_greedy(local_dir, prompt)
+
+
+def test_tiny_gemma3_pruning_keeps_the_budget_in_global_layers(tiny_gemma3_dir):
+    # A real budget on the mixed model: each token's global layers read the 4 blocks the
+    # budget allows (of up to 22), in mixed steps and in decode bursts alike.
+    from etjax.pruning.config import PruningConfig
+
+    prompts = _prompts(TINY_VOCAB)
+    tight = PruningConfig(enabled=True, min_fraction=0.05, entropy_low=50.0, entropy_high=60.0)
+    for prompt, out in zip(prompts, _greedy(tiny_gemma3_dir, prompts, tight), strict=True):
+        blocks = (len(prompt) + np.arange(len(out.token_ids) - 1)) // 4 + 1
+        assert out.kept_blocks[:-1] == np.minimum(blocks, 4).tolist()
+        assert len(out.token_ids) == 16
+
+
 # The real model: Gemma 3 270M (base, Q4_K_M), optional, from its PyPI packages -------------
 
 

@@ -135,11 +135,15 @@ def plan_passes(
     sizes: PlanSizes,
     backend: str = "xla",
     window: int = 0,
+    local_groups: Sequence[Sequence[Segment]] | None = None,
 ) -> AttentionPlan:
     """The plan of a flat batch whose segments are already grouped by pass (a one-token
-    prefill chunk belongs with the chunks, not the decode rows, whose tiles are counted)."""
+    prefill chunk belongs with the chunks, not the decode rows, whose tiles are counted).
+    `local_groups`: what the local layers' passes list when it differs from `groups` (under
+    pruning, the pruned rows read their window densely in local layers, and their global
+    layers take the pruned path outside the plan)."""
 
-    def passes(window: int) -> tuple[TilePass, ...]:
+    def passes(groups: Sequence[Sequence[Segment]], window: int) -> tuple[TilePass, ...]:
         return tuple(
             build_pass(
                 group,
@@ -155,10 +159,12 @@ def plan_passes(
         )
 
     return AttentionPlan(
-        passes=passes(0),
+        passes=passes(groups, 0),
         chunk=sizes.chunk,
         backend=backend,
-        local=passes(window) if window > 0 else None,
+        local=passes(groups if local_groups is None else local_groups, window)
+        if window > 0
+        else None,
         window=window,
     )
 

@@ -57,11 +57,6 @@ class DeviceBackend:
         options: RuntimeOptions,
         num_pages: int,
     ) -> None:
-        if options.pruning.enabled and cfg.local_layers:
-            raise ValueError(
-                f"pruning.enabled with a {cfg.architecture} model: entropic pruning does not yet "
-                "run on models with sliding-window layers; turn pruning off"
-            )
         self.cfg, self.options = cfg, options
         self.vocab_size = cfg.vocab_size  # token ids the engine accepts
         self.cost = CostModel.for_model(cfg, options.page_size)
@@ -134,7 +129,7 @@ class DeviceBackend:
         decode_slot = np.full(width, num_tokens, np.int32)  # out of range: dropped
         last_index = np.zeros(self.prefill_rows, np.int32)
         draft_len = np.zeros(width, np.int32)
-        decoding, verifying, chunks = [], [], []
+        decoding, windowed, verifying, chunks = [], [], [], []
         start = 0
         for j, (row, row_pages, n, draft) in enumerate(
             zip(rows, pages, lengths, drafts, strict=True)
@@ -146,10 +141,14 @@ class DeviceBackend:
             tokens[start + 1 : start + m] = draft
             positions[span] = n + np.arange(m)
             write_pages[span] = np.asarray(row_pages, np.int32)[positions[span] // opts.page_size]
-            if draft or not opts.pruning.enabled:  # pruned rows attend outside the plan
-                reach = n + m - 1
-                segment = Segment(start, m, n, reach, row_pages[: reach // opts.page_size + 1])
-                (verifying if draft else decoding).append(segment)
+            reach = n + m - 1
+            segment = Segment(start, m, n, reach, row_pages[: reach // opts.page_size + 1])
+            if draft:
+                verifying.append(segment)
+            elif opts.pruning.enabled:  # pruned: global layers outside the plan, local in it
+                windowed.append(segment)
+            else:
+                decoding.append(segment)
             start += m
         for j, job in enumerate(jobs):
             n = len(job.tokens)
@@ -167,12 +166,14 @@ class DeviceBackend:
         groups, passes = [decoding], decode_sizes.passes
         if spec.enabled:  # a row's token and drafts share one query tile
             groups, passes = [decoding, verifying], passes + self._verify_sizes().passes
+        routed = prefill_sizes.route(chunks)
         plan = plan_passes(
-            [*groups, *prefill_sizes.route(chunks)],
+            [*groups, *routed],
             num_tokens,
             PlanSizes(opts.page_size, passes + prefill_sizes.passes),
             self.attention_backend,
             cfg.attention_window,
+            local_groups=[decoding + windowed, *groups[1:], *routed],
         )
         batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index, draft_len)
         table, max_kept = None, 0
@@ -312,9 +313,19 @@ class DeviceBackend:
         index = np.full(num, self.rows, np.int32)  # pad rows: the never-active last row
         index[: len(rows)] = rows
         max_kept, plan = 0, None
+        segments = [
+            Segment(j, 1, n, n + k - 1, p[: pages_needed(n + k, ps)])
+            for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
+        ]
+        sizes = PlanSizes.decode(num, self.num_pages, ps)
+        window = self.cfg.attention_window
         if opts.pruning.enabled:
             table, max_kept = self._pruned_tables(pages, [n + k for n in lengths], budgets, num)
             base = np.zeros(num, np.int32)
+            if window:  # the local layers read each row's window densely, through a plan
+                plan = plan_passes(
+                    [[]], num, sizes, self.attention_backend, window, local_groups=[segments]
+                )
         else:
             # Dense: writes need only the pages the burst's positions fall in, and attention
             # reads each row's own pages up to its length after the burst.
@@ -326,17 +337,7 @@ class DeviceBackend:
                 + [[]] * (num - len(rows)),
                 width,
             )
-            segments = [
-                Segment(j, 1, n, n + k - 1, p[: pages_needed(n + k, ps)])
-                for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
-            ]
-            plan = plan_segments(
-                segments,
-                num,
-                PlanSizes.decode(num, self.num_pages, ps),
-                self.attention_backend,
-                self.cfg.attention_window,
-            )
+            plan = plan_segments(segments, num, sizes, self.attention_backend, window)
         self.store, self.cache, out = decode_steps(
             self.weights,
             self.cache,

@@ -54,7 +54,9 @@ def forward(
         `sparse.slots`, or every token when that is None): attend per layer only to the blocks
         the budget keeps, chosen by query-aware key bounds (etjax/pruning). With a plan too
         (a ragged step under pruning), the plan's tokens attend densely and the rows' tokens
-        take the pruned path; the plan lists no items for them.
+        take the pruned path; the plan lists no items for them. Pruning applies to global
+        layers only: a sliding-window layer already reads at most its window, and reads it
+        whole, the rows' tokens included (the plan's local passes list them).
 
     Returns:
       hidden: [T, D] final-normed hidden states in the model dtype, and the updated cache.
@@ -66,8 +68,11 @@ def forward(
             f"an attention plan for a window of {plan.window} positions; the model's local "
             f"layers have {cfg.attention_window} (plan_passes(window=cfg.attention_window))"
         )
-    if sparse is not None and cfg.local_layers:
-        raise ValueError("pruned attention does not support sliding-window layers yet")
+    if sparse is not None and cfg.local_layers and plan is None:
+        raise ValueError(
+            "pruned attention on a model with sliding-window layers needs a plan: its local "
+            "layers read each row's window densely (plan_passes(local_groups=...))"
+        )
     # What a layer computes around attention is its family's (etjax/model/families/).
     fam = family(cfg.architecture)
     x = weights.embed[tokens]
@@ -157,6 +162,35 @@ def _attention(
     pool = write_kv(pool, k, v, write_pages, positions, first_page)
     if sparse is None:
         return attend(q, pool.k, pool.v, positions, plan, first_page, local), pool
+    if plan is None or plan.window == 0:
+        return _pruned_attention(q, pool, first_page, positions, write_pages, plan, sparse)
+
+    # A model with sliding-window layers: only its global layers prune; a local layer reads
+    # every token's window through the plan's local passes (the block mass stays as it was).
+    def windowed():
+        return attend(q, pool.k, pool.v, positions, plan, first_page, True), pool.block_mass
+
+    def pruned():
+        heads, pruned_pool = _pruned_attention(
+            q, pool, first_page, positions, write_pages, plan, sparse
+        )
+        return heads, pruned_pool.block_mass
+
+    heads, mass = jax.lax.cond(local, windowed, pruned)
+    return heads, pool.replace(block_mass=mass)
+
+
+def _pruned_attention(
+    q: jax.Array,
+    pool: PagePool,
+    first_page: jax.Array,
+    positions: jax.Array,
+    write_pages: jax.Array,
+    plan: AttentionPlan | None,
+    sparse: SparsePlan,
+) -> tuple[jax.Array, PagePool]:
+    # The rows' decode tokens read the blocks their budgets keep; in a ragged step, the
+    # plan's tokens (chunks, verifying rows) attend densely.
     slots = sparse.slots
 
     def rows_of(x):  # the rows' entries of a flat array (zeros for padding rows)

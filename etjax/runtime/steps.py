@@ -242,7 +242,9 @@ def decode_steps(
     distribution the token was drawn from allows (the budget of step t comes from what step
     t - 1 computed). `plan`: the dense attention work of the burst, one decode token per row
     with items up to each row's length after the burst (etjax/attention); required unless
-    pruning. `attention_backend`: the block-sparse kernel of pruned steps (etjax/attention).
+    pruning, and under pruning on a model with sliding-window layers, whose local layers read
+    each row's window through its local passes. `attention_backend`: the block-sparse kernel
+    of pruned steps (etjax/attention).
     With a `placement`, the store, cache and outputs keep its shardings (rows over
     `data`, logits over `model` too). Returns the store, the cache, and outputs [K, B].
     """
@@ -265,7 +267,7 @@ def decode_steps(
                     state.lengths,
                     write_pages,
                     cfg,
-                    plan=None if sparse is not None else plan,
+                    plan=plan,
                     sparse=sparse,
                 )
 
