@@ -14,6 +14,11 @@ and the average fraction of blocks read. Writes one "pruning_quality_<length>" s
 docs/PERF.md per length.
 
     .venv/bin/python benchmarks/pruning_quality.py [--docs 4] [--lengths 4096,8192]
+        [--model gemma3-270m]
+
+On a model with sliding-window layers (Gemma 3) only the global layers prune (a local layer
+reads its window whole); "reads" is then the fraction of every layer's key reads against the
+dense model's, and the sections are "pruning_quality_<model>_<length>".
 """
 
 from __future__ import annotations
@@ -45,12 +50,13 @@ def main() -> None:
     parser.add_argument(
         "--part", default="", help="suffix of the PERF.md section, to keep several runs"
     )
+    parser.add_argument("--model", default=None, help="a model name (default: SmolLM2)")
     args = parser.parse_args()
 
     import etjax
     from etjax.bench.corpus import lee_articles
 
-    model = etjax.load_model()
+    model = etjax.load_model(args.model, dtype="float32")
     articles = lee_articles()
     chosen = [s.strip() for s in args.settings.split(";")]
     for length in (int(x) for x in args.lengths.split(",")):
@@ -65,10 +71,12 @@ def main() -> None:
             row["ratio"] = (np.array(row["ppl"]) / np.array(dense["ppl"])).tolist()
             results[name] = row
             print(length, name, row, flush=True)
-        _report(length, results, chosen, args.docs, args.part)
+        _report(length, results, chosen, args.docs, args.part, args.model)
 
 
-def _report(length: int, results: dict, chosen: list[str], num_docs: int, part: str) -> None:
+def _report(
+    length: int, results: dict, chosen: list[str], num_docs: int, part: str, model: str | None
+) -> None:
     raw = {
         "machine": machine_line(),
         "date": str(datetime.date.today()),
@@ -78,25 +86,28 @@ def _report(length: int, results: dict, chosen: list[str], num_docs: int, part: 
     dense = ", ".join(f"{p:.2f}" for p in results["dense"]["ppl"])
     lines = [
         f"## Entropic attention pruning: quality against kept fraction, {length} tokens "
-        f"(SmolLM2){', part ' + part if part else ''}",
+        f"({model or 'SmolLM2'}){', part ' + part if part else ''}",
         "",
         f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
         f"benchmarks/pruning_quality.py {shlex.join(sys.argv[1:])}`. Teacher-forced perplexity "
         f"of the last {EVAL_TOKENS} tokens of {num_docs} documents (Lee articles joined to "
         f"{length} tokens; dense perplexities {dense}) through the decode path, pruned over "
-        "dense; kept = average fraction of blocks read. Unless named, settings share the "
+        "dense; kept = average fraction of the pruned layers' blocks read, reads = of all "
+        "layers' key reads against the dense model's (they differ where sliding-window layers, "
+        "never pruned, read their windows). Unless named, settings share the "
         "selection across KV heads, rank by the key bound only and follow the exact entropy.",
         "",
-        "| setting | ppl ratio, mean | worst document | kept |",
-        "|---|---|---|---|",
+        "| setting | ppl ratio, mean | worst document | kept | reads |",
+        "|---|---|---|---|---|",
     ]
     for name in chosen:
         r = results[name]
         lines.append(
             f"| {name} | {np.mean(r['ratio']):.4f} | {max(r['ratio']):.4f} | "
-            f"{r['kept_fraction']:.1%} |"
+            f"{r['kept_fraction']:.1%} | {r['read_fraction']:.1%} |"
         )
-    write_section(f"pruning_quality_{length}{part}", "\n".join(lines), raw)
+    prefix = "pruning_quality" if model is None else f"pruning_quality_{model}"
+    write_section(f"{prefix}_{length}{part}", "\n".join(lines), raw)
     print("\n".join(lines))
 
 

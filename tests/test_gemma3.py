@@ -206,6 +206,40 @@ def test_tiny_gemma3_pruning_keeps_the_budget_in_global_layers(tiny_gemma3_dir):
         assert len(out.token_ids) == 16
 
 
+def test_tiny_gemma3_cost_counts_only_the_window_in_local_layers(tiny_gemma3_dir):
+    # Two global layers read whole pages of the context; two local layers at most the 3 pages
+    # of 4 a window of 8 can span (it starts mid-page). Hand-computed bytes of a 20-token
+    # prompt and 4 decode steps, as in test_entropy_clock.py.
+    import math
+
+    import etjax
+    from etjax.engine.build import generate_ids
+    from etjax.entropy.cost import CostModel
+    from etjax.runtime.options import RuntimeOptions
+
+    model = etjax.load_model(tiny_gemma3_dir)
+    cost = CostModel.for_model(model.config, page_size=4)
+    w, kv = cost.weight_bytes, cost.kv_bytes_per_key
+
+    def keys(positions: int) -> float:  # per layer, averaged over 2 global and 2 local layers
+        whole = math.ceil(positions / 4) * 4
+        return (2 * whole + 2 * min(whole, 12)) / 4
+
+    prompt = list(range(3, 23))
+    (out,) = generate_ids(
+        model.weights,
+        model.config,
+        model.tokenizer,
+        [prompt],
+        [RequestSettings(max_new_tokens=4, ignore_eos=True)],
+        RuntimeOptions(page_size=4),
+    )
+    prefill = w + kv * sum(keys(i) for i in range(1, 21))
+    forwards = [w + kv * keys(n) for n in (21, 22, 23)]
+    expected = [prefill + sum(forwards[:k]) for k in (1, 2, 3)] + [prefill + sum(forwards)]
+    np.testing.assert_allclose(out.cost_bytes, expected, rtol=1e-6)
+
+
 # The real model: Gemma 3 270M (base, Q4_K_M), optional, from its PyPI packages -------------
 
 

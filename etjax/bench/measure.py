@@ -125,7 +125,10 @@ def _request_record(out: SequenceOutput, prompt_tokens: int, cost: CostModel) ->
         -(-(prompt_tokens + i + 1) // cost.page_size) for i in range(n) if out.kept_blocks[i] > 0
     ]
     kept = [k for k in out.kept_blocks if k > 0]
-    kv_bytes = sum(kept) * cost.page_size * cost.kv_bytes_per_key
+    ps = cost.page_size
+    # Sliding-window layers read at most their window, pruned or not (CostModel.layer_keys).
+    keys = cost.layer_keys(np.asarray(kept) * ps, np.asarray(blocks) * ps, xp=np)
+    kv_bytes = float(np.sum(keys)) * cost.kv_bytes_per_key
     return {
         **out.metrics,
         "token_ids": list(out.token_ids),

@@ -64,7 +64,7 @@ def _teacher_forced(weights, cache, logits, tokens, start, table, plan, cfg, pru
             position,
             write_pages,
             cfg,
-            plan=None if sparse is not None else plan,
+            plan=plan,  # under pruning, only a sliding-window model's local layers use it
             sparse=sparse,
         )
         return (cache, logits_from_hidden(weights, hidden)), (nll, kept, blocks)
@@ -135,7 +135,9 @@ def prefill_documents(model, docs: list[list[int]]) -> Prefilled:
 
 def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
     """Perplexity of every document's last tokens under `pruning`, and the fraction of blocks
-    read: {"ppl": [per document], "kept_fraction": mean over tokens and documents}."""
+    read: {"ppl": [per document], "kept_fraction": mean over tokens and documents of the
+    pruned layers' blocks, "read_fraction": of every layer's key reads against the dense
+    model's (a sliding-window layer reads its window, pruned or not)}."""
     table, prefix = prefilled.table, prefilled.prefix
     pages = table.shape[1]
     max_kept = 0
@@ -170,7 +172,14 @@ def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
         max_kept,
     )
     nll, kept, blocks = (np.asarray(x, np.float64) for x in (nll, kept, blocks))  # [T, B]
+    cfg = model.config
+    num_local = len(cfg.local_layers)
+    window_blocks = np.minimum(blocks, cfg.attention_window // PAGE + 1) if num_local else 0
+    num_global = cfg.num_layers - num_local
+    read = num_global * kept + num_local * window_blocks
+    dense_read = num_global * blocks + num_local * window_blocks
     return {
         "ppl": np.exp(nll.mean(axis=0)).tolist(),
         "kept_fraction": float((kept / blocks).mean()),
+        "read_fraction": float((read / dense_read).mean()),
     }

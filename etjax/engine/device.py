@@ -229,7 +229,7 @@ class DeviceBackend:
         cost = self.cost
         keys = float(
             np.asarray(
-                cost.keys_read(np.arange(job.start + 1, job.start + len(job.tokens) + 1))
+                cost.keys_read(np.arange(job.start + 1, job.start + len(job.tokens) + 1), xp=np)
             ).sum()
         )
         flops = len(job.tokens) * cost.matmul_flops_per_token + cost.attention_flops_per_key * keys

@@ -10,10 +10,11 @@ sequence (decode step or prompt token):
 P_matmul: parameters used in matrix products (all projections and the LM head); L layers, H
 query heads, KVH KV heads, head dim hd, s bytes per cache element; K keys attended = the whole
 pages the paged kernel reads for this sequence (ceil(positions / page_size) * page_size, or the
-kept pages once attention is pruned); W bytes of weights, read once per forward pass and
-shared by the n sequences in it. The scalar cost C of d tau / d C is the bytes: decoding at the
-batch sizes that matter is bound by memory traffic, and bytes are what pruning and batching
-change. FLOPs are reported alongside.
+kept pages once attention is pruned), averaged over the layers: a sliding-window layer
+(Gemma 3's local layers) reads at most the pages its window spans, pruned or not; W bytes of
+weights, read once per forward pass and shared by the n sequences in it. The scalar cost C of
+d tau / d C is the bytes: decoding at the batch sizes that matter is bound by memory traffic,
+and bytes are what pruning and batching change. FLOPs are reported alongside.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from etjax.model.config import ModelConfig
 
@@ -35,6 +37,11 @@ class CostModel:
     weight_bytes: float
     kv_bytes_per_key: float
     page_size: int
+    # Sliding-window layers: how many of the model's layers, and the keys of the whole pages
+    # a window can span (it starts mid-page), the most any of them reads.
+    num_layers: int = 1
+    num_local_layers: int = 0
+    window_keys: float = 0.0
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, page_size: int) -> CostModel:
@@ -48,15 +55,36 @@ class CostModel:
             weight_bytes=float(cfg.num_parameters * itemsize),
             kv_bytes_per_key=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize,
             page_size=page_size,
+            num_layers=cfg.num_layers,
+            num_local_layers=len(cfg.local_layers),
+            window_keys=float((-(-cfg.attention_window // page_size) + 1) * page_size),
         )
 
-    def keys_read(self, positions: jax.Array) -> jax.Array:
-        """Keys a paged kernel reads to attend `positions` cached positions: whole pages."""
-        pages = (positions + self.page_size - 1) // self.page_size
-        return (pages * self.page_size).astype(jnp.float32)
+    def layer_keys(
+        self, keys: jax.Array, context_keys: jax.Array | None = None, xp=jnp
+    ) -> jax.Array:
+        """Keys read per layer, averaged over the layers, by a token whose global layers read
+        `keys` of a context of `context_keys` (default: `keys`, dense): its sliding-window
+        layers read at most `window_keys` of the context. `xp`: numpy on the host."""
+        if not self.num_local_layers:
+            return keys
+        context = keys if context_keys is None else context_keys
+        local = xp.minimum(context, self.window_keys)
+        num_global = self.num_layers - self.num_local_layers
+        return (num_global * keys + self.num_local_layers * local) / self.num_layers
 
-    def token_cost(self, keys: jax.Array, active: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """FLOPs and bytes [B] of one forward step over rows `active` [B] attending `keys` [B]."""
+    def keys_read(self, positions: jax.Array, xp=jnp) -> jax.Array:
+        """Keys a paged kernel reads to attend `positions` cached positions: whole pages
+        (averaged over the layers, `layer_keys`)."""
+        pages = (positions + self.page_size - 1) // self.page_size
+        return self.layer_keys((pages * self.page_size).astype(np.float32), xp=xp)
+
+    def token_cost(
+        self, keys: jax.Array, active: jax.Array, context_keys: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """FLOPs and bytes [B] of one forward step over rows `active` [B] whose global layers
+        attend `keys` [B] of `context_keys` [B] (default: all of them; see `layer_keys`)."""
+        keys = self.layer_keys(keys, context_keys)
         sharing = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
         flops = self.matmul_flops_per_token + self.attention_flops_per_key * keys
         nbytes = self.weight_bytes / sharing + self.kv_bytes_per_key * keys

@@ -314,7 +314,11 @@ def _decode_step(
     else:
         fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
     hidden, cache = run_model(tokens, runs, sparse)
-    flops, nbytes = cost.token_cost((kept * cost.page_size).astype(jnp.float32), runs)
+    flops, nbytes = cost.token_cost(
+        (kept * cost.page_size).astype(jnp.float32),
+        runs,
+        (num_blocks * cost.page_size).astype(jnp.float32),
+    )
     state, outputs = commit_tokens(
         state,
         tokens,

@@ -61,7 +61,7 @@ def accept_drafts(
             tokens, info, sampler_state = sample_rows(state)
             take = accepting & (i < draft_len) & (tokens == drafts[:, i])
             num_blocks = (state.lengths + cost.page_size) // cost.page_size
-            keys = (num_blocks * cost.page_size).astype(jnp.float32)
+            keys = cost.layer_keys((num_blocks * cost.page_size).astype(jnp.float32))
             flops = cost.matmul_flops_per_token + cost.attention_flops_per_key * keys
             flops = jnp.where(take, flops, 0.0)
             nbytes = jnp.where(take, cost.kv_bytes_per_key * keys, 0.0)  # weights: read once
@@ -89,7 +89,7 @@ def accept_drafts(
     state, _, accepted = carry
     # Rejected drafts still ran: their compute is the request's.
     rejected = jnp.where(ran, draft_len - accepted, 0).astype(jnp.float32)
-    keys = (state.lengths + rejected).astype(jnp.float32)
+    keys = cost.layer_keys((state.lengths + rejected).astype(jnp.float32))
     entropy = state.entropy
     state = state.replace(
         entropy=entropy.replace(
