@@ -257,6 +257,7 @@ def _markdown(raw: dict, args: argparse.Namespace) -> str:
         f"Measured {raw['date']} on {raw['machine']}.",
         f"Command: `.venv/bin/python benchmarks/decode_throughput.py --new-tokens "
         f"{args.new_tokens} --repeats {args.repeats}"
+        + ("" if args.batches == "1,8,32" else f" --batches {args.batches}")
         + ("" if args.model == SMOLLM2 else f" --model {args.model}")
         + "`.",
         f"Prompts: the first {PROMPT_TOKENS} tokens of Lee corpus articles, {args.new_tokens} new "
