@@ -18,6 +18,7 @@ import torch
 
 from etjax.loaders.hf_config import read_hf_config
 from etjax.loaders.safetensors_weights import load_safetensors_weights
+from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RequestSettings
 from tests.conftest import TINY_VOCAB, relative_error
 from tests.model_runner import full_logits
@@ -104,30 +105,6 @@ def test_tiny_gemma3_converted_checkpoint_restores_the_same_model(tiny_gemma3_di
     )
 
 
-def test_tiny_gemma3_greedy_decode_matches_transformers(tiny_gemma3_dir):
-    # Through the engine (ragged prefill in chunks, decode bursts): the windowed plans of both.
-    from transformers import AutoModelForCausalLM
-
-    import etjax
-    from etjax.engine.build import build_engine
-    from etjax.runtime.options import RuntimeOptions
-
-    model = etjax.load_model(tiny_gemma3_dir)
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in (5, 40, 70)]
-    options = RuntimeOptions(page_size=4, prefill_chunk=16)
-    engine = build_engine(model.weights, model.config, model.tokenizer, options, 128)
-    settings = [RequestSettings(max_new_tokens=16, ignore_eos=True)] * len(prompts)
-    ours = engine.generate(prompts, settings)
-    reference_model = AutoModelForCausalLM.from_pretrained(tiny_gemma3_dir, dtype=torch.float32)
-    for prompt, out in zip(prompts, ours, strict=True):
-        with torch.no_grad():
-            generated = reference_model.generate(
-                torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16
-            )
-        assert out.token_ids == generated[0, len(prompt) :].tolist()
-
-
 def _greedy(model_dir, prompts, pruning, new_tokens=16):
     # The engine with ragged prefill in 16-token chunks (mixed steps) and decode bursts.
     import etjax
@@ -141,18 +118,21 @@ def _greedy(model_dir, prompts, pruning, new_tokens=16):
     return engine.generate(prompts, settings)
 
 
-def _transformers_greedy(model_dir, prompt, new_tokens=16):
+def _transformers_greedy(model_dir, prompts, new_tokens=16):
     from transformers import AutoModelForCausalLM
 
     reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        generated = reference_model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            min_new_tokens=new_tokens,
-        )
-    return generated[0, len(prompt) :].tolist()
+    continuations = []
+    for prompt in prompts:
+        with torch.no_grad():
+            generated = reference_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                min_new_tokens=new_tokens,
+            )
+        continuations.append(generated[0, len(prompt) :].tolist())
+    return continuations
 
 
 def _prompts(vocab_size):
@@ -160,15 +140,22 @@ def _prompts(vocab_size):
     return [rng.integers(3, vocab_size, size=n).tolist() for n in (5, 40, 70)]
 
 
+def test_tiny_gemma3_greedy_decode_matches_transformers(tiny_gemma3_dir):
+    # Through the engine (ragged prefill in chunks, decode bursts): the windowed plans of both.
+    prompts = _prompts(TINY_VOCAB)
+    ours = _greedy(tiny_gemma3_dir, prompts, PruningConfig())
+    assert [out.token_ids for out in ours] == _transformers_greedy(tiny_gemma3_dir, prompts)
+
+
 def test_tiny_gemma3_pruning_that_keeps_everything_matches_transformers(tiny_gemma3_dir):
     # The global layers take the pruned path (bounds, selection, block-sparse kernel) with
     # every block kept, the local layers their windows through the plan: transformers' tokens.
-    from etjax.pruning.config import PruningConfig
-
     prompts = _prompts(TINY_VOCAB)
     keep_all = PruningConfig(enabled=True, min_fraction=1.0)
-    for prompt, out in zip(prompts, _greedy(tiny_gemma3_dir, prompts, keep_all), strict=True):
-        assert out.token_ids == _transformers_greedy(tiny_gemma3_dir, prompt)
+    reference = _transformers_greedy(tiny_gemma3_dir, prompts)
+    ours = _greedy(tiny_gemma3_dir, prompts, keep_all)
+    for prompt, out, expected in zip(prompts, ours, reference, strict=True):
+        assert out.token_ids == expected
         lengths = len(prompt) + np.arange(len(out.token_ids) - 1)
         assert out.kept_blocks[:-1] == (lengths // 4 + 1).tolist()  # every block, counted
 
@@ -180,8 +167,6 @@ def test_tiny_gemma3_pruning_leaves_sliding_window_layers_whole(tiny_gemma3_dir,
     import json
     import shutil
 
-    from etjax.pruning.config import PruningConfig
-
     local_dir = tmp_path / "all-sliding"
     shutil.copytree(tiny_gemma3_dir, local_dir)
     config = json.loads((local_dir / "config.json").read_text())
@@ -189,15 +174,13 @@ def test_tiny_gemma3_pruning_leaves_sliding_window_layers_whole(tiny_gemma3_dir,
     (local_dir / "config.json").write_text(json.dumps(config))
     prompts = _prompts(TINY_VOCAB)
     tight = PruningConfig(enabled=True, min_fraction=0.05, entropy_low=50.0, entropy_high=60.0)
-    for prompt, out in zip(prompts, _greedy(local_dir, prompts, tight), strict=True):
-        assert out.token_ids == _transformers_greedy(local_dir, prompt)
+    ours = _greedy(local_dir, prompts, tight)
+    assert [out.token_ids for out in ours] == _transformers_greedy(local_dir, prompts)
 
 
 def test_tiny_gemma3_pruning_keeps_the_budget_in_global_layers(tiny_gemma3_dir):
     # A real budget on the mixed model: each token's global layers read the 4 blocks the
     # budget allows (of up to 22), in mixed steps and in decode bursts alike.
-    from etjax.pruning.config import PruningConfig
-
     prompts = _prompts(TINY_VOCAB)
     tight = PruningConfig(enabled=True, min_fraction=0.05, entropy_low=50.0, entropy_high=60.0)
     for prompt, out in zip(prompts, _greedy(tiny_gemma3_dir, prompts, tight), strict=True):

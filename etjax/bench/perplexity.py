@@ -20,6 +20,7 @@ import numpy as np
 
 from etjax.attention import PlanSizes, kept_table_width, padded_batch_plan, plan_segments
 from etjax.cache.kv_cache import KVCache, init_kv_cache, token_pages
+from etjax.entropy.cost import CostModel
 from etjax.entropy.estimators import exact_entropy
 from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
@@ -172,12 +173,10 @@ def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
         max_kept,
     )
     nll, kept, blocks = (np.asarray(x, np.float64) for x in (nll, kept, blocks))  # [T, B]
-    cfg = model.config
-    num_local = len(cfg.local_layers)
-    window_blocks = np.minimum(blocks, cfg.attention_window // PAGE + 1) if num_local else 0
-    num_global = cfg.num_layers - num_local
-    read = num_global * kept + num_local * window_blocks
-    dense_read = num_global * blocks + num_local * window_blocks
+    # Key reads per token over all layers (a sliding-window layer reads at most its window).
+    cost = CostModel.for_model(model.config, PAGE)
+    read = cost.layer_keys(kept * PAGE, blocks * PAGE, xp=np)
+    dense_read = cost.layer_keys(blocks * PAGE, xp=np)
     return {
         "ppl": np.exp(nll.mean(axis=0)).tolist(),
         "kept_fraction": float((kept / blocks).mean()),
