@@ -15,14 +15,23 @@ import numpy as np
 import pytest
 
 from etjax.drafting import DraftHistory, SpeculationConfig, TokenHistory, lookup_draft
-from etjax.drafting.rule import draft_lengths, wanted_length
+from etjax.drafting.rule import (
+    draft_lengths,
+    expected_accepted,
+    verification_pays,
+    wanted_length,
+)
 from etjax.engine.build import build_engine
 from etjax.errors import ConfigError
 from etjax.run_config import load_run_config
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 from etjax.sampling import SamplerSettings
 
-SPEC = SpeculationConfig(enabled=True)
+# Verifying as an accelerator would (a pass's fixed cost large against a few tokens' compute):
+# every round that can draft does, so these tests exercise verification whatever this CPU's
+# cost gate would decide (test_draft_lengths_follow_entropy_acceptance_and_budget has it).
+EAGER = dict(pass_fixed_tokens=1000.0)
+SPEC = SpeculationConfig(enabled=True, **EAGER)
 
 
 def _generate(model, prompts, settings, speculation, **engine):
@@ -74,7 +83,7 @@ def test_sampling_with_speculation_draws_the_same_tokens(smollm2, lee, sampler):
     # every seeded draw is the one the plain engine makes: its distribution is the plain one.
     prompts = _repetitive(smollm2.tokenizer, lee)[:2]
     settings = [RequestSettings(max_new_tokens=32, ignore_eos=True, sampler=sampler)] * 2
-    loose = SpeculationConfig(enabled=True, entropy_max=20.0, acceptance_prior=0.9)
+    loose = SpeculationConfig(enabled=True, entropy_max=20.0, acceptance_prior=0.9, **EAGER)
     plain = _generate(smollm2, prompts, settings, SpeculationConfig())
     spec = _generate(smollm2, prompts, settings, loose)
     for a, b in zip(plain, spec, strict=True):
@@ -102,7 +111,7 @@ def _oracle(prompts, plain, vocab_size, counter=None):
     return lookup
 
 
-FORCED = SpeculationConfig(enabled=True, entropy_max=100.0, acceptance_prior=0.9)
+FORCED = SpeculationConfig(enabled=True, entropy_max=100.0, acceptance_prior=0.9, **EAGER)
 
 
 def test_verification_accepts_right_drafts_and_rejects_wrong_ones_beside_prefill(
@@ -271,7 +280,13 @@ def test_token_history_grows_with_the_output():
 
 def test_draft_lengths_follow_entropy_acceptance_and_budget():
     cfg = SpeculationConfig(
-        enabled=True, max_draft=4, entropy_max=1.5, min_survival=0.25, draft_budget=8
+        enabled=True,
+        max_draft=4,
+        entropy_max=1.5,
+        min_survival=0.25,
+        draft_budget=8,
+        acceptance_prior=0.5,
+        **EAGER,
     )
     # a = 0.5: 0.5**2 = 0.25 >= 0.25, 0.5**3 < 0.25 -> 2; a = 0.8: 0.8**6 = 0.26 -> capped at 4.
     assert wanted_length(0.3, DraftHistory(0.5), cfg) == 2
@@ -290,6 +305,30 @@ def test_draft_lengths_follow_entropy_acceptance_and_budget():
     record.record(4, 1, cfg)
     assert record.acceptance == pytest.approx(0.7 * 0.5 + 0.3 * 0.25)
     assert (record.drafted, record.accepted, record.verify_steps) == (4, 1, 1)
+
+
+def test_verification_is_turned_down_where_a_burst_step_makes_tokens_cheaper():
+    # The CPU's costs: a pass of n padded tokens costs 5 + n, verifying 0.5 more per padded
+    # row. One row, 4 drafts at a = 0.8: E = 0.8 + 0.64 + 0.512 + 0.4096 = 2.3616 accepted;
+    # verifying: (5 + 8 + 0.5) / 3.3616 = 4.02 per token, a burst step (5 + 1) / 1 = 6: pays.
+    cfg = SpeculationConfig(enabled=True, max_draft=4, pass_fixed_tokens=5.0, verify_row_tokens=0.5)
+    assert expected_accepted(4, 0.8) == pytest.approx(2.3616)
+    assert verification_pays([4], [0.8], cfg)
+    assert draft_lengths([0.1], [DraftHistory(0.8)], cfg, budget=100) == [4]
+    # One drafted token at a = 0.5: (5 + 8 + 0.5) / 1.5 = 9 > 6: a burst step is cheaper.
+    assert not verification_pays([1], [0.5], cfg)
+    # Fifteen rows, one drafts a token at a = 0.9 (the full loop's drained batch): verifying
+    # (5 + 16 + 0.5 * 16) / 15.9 = 1.82 per token against (5 + 16) / 15 = 1.40: turned down,
+    # and the confident row's estimate relaxes towards the prior (0.72).
+    histories = [DraftHistory(0.9)] + [DraftHistory(0.9) for _ in range(14)]
+    entropies = [0.1] + [3.0] * 14
+    assert draft_lengths(entropies, histories, cfg, budget=100) == [0] * 15
+    assert histories[0].acceptance == pytest.approx(0.7 * 0.9 + 0.3 * 0.72)
+    assert histories[1].acceptance == 0.9  # was not confident: untouched
+    # The same row with a fixed cost of 1000 (an accelerator reading its weights) verifies.
+    eager = dataclasses.replace(cfg, **EAGER)
+    assert draft_lengths(entropies, [DraftHistory(0.9)] * 15, eager, budget=100)[0] == 1
+    assert not verification_pays([0, 0], [0.9, 0.9], eager)  # nothing drafted: nothing to gain
 
 
 @pytest.mark.parametrize(

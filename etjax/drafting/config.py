@@ -21,7 +21,9 @@ class SpeculationConfig:
       earlier tokens (longest first).
     entropy_max: no drafting after a token drawn from a distribution with more entropy than
       this (nats): the model is unsure, a copied continuation is unlikely to survive.
-    acceptance_prior: the expected fraction of drafts accepted before a sequence has history;
+    acceptance_prior: the expected fraction of drafts accepted before a sequence has history
+      (0.72: what the defaults accepted on the mixed workload, batch 1, docs/PERF.md; at 0.5
+      the cost gate would turn down a fresh sequence's first drafts, so it never learned);
       acceptance_memory: weight of the past in the running acceptance estimate.
     min_survival: draft k tokens only while the chance all k are accepted (estimated
       acceptance ** k) stays at least this.
@@ -30,6 +32,15 @@ class SpeculationConfig:
       bound by reading the weights only while it holds few tokens: past that, drafts that may
       be rejected cost real compute, so a full batch (32 rows, more than the budget) drafts
       nothing and runs as it would without speculation.
+    pass_fixed_tokens, verify_row_tokens: the cost model that decides whether a round
+      verifies at all (rule.py, `verification_pays`), in units of one token's compute. A
+      model pass of n padded tokens costs pass_fixed_tokens + n (reading the weights, the
+      call); a verifying step costs verify_row_tokens more per padded row (re-sampling its
+      drafted positions: a sampler and an LM-head row each). The defaults fit the timings
+      on the 2-core CPU of docs/PERF.md ("what a verifying step costs"). An accelerator
+      reads its weights for far longer than it computes a few tokens, so pass_fixed_tokens
+      is larger there (about twice its peak FLOP/s over its memory bandwidth in bytes, for
+      float32 weights), and more rounds verify.
     """
 
     enabled: bool = False
@@ -37,10 +48,12 @@ class SpeculationConfig:
     ngram_max: int = 3
     ngram_min: int = 1
     entropy_max: float = 1.5
-    acceptance_prior: float = 0.5
+    acceptance_prior: float = 0.72
     acceptance_memory: float = 0.7
     min_survival: float = 0.25
     draft_budget: int = 16
+    pass_fixed_tokens: float = 5.0
+    verify_row_tokens: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -56,6 +69,10 @@ class SpeculationConfig:
                 f"ngram_min={self.ngram_min} > ngram_max={self.ngram_max}; the shortest "
                 "matched tail cannot exceed the longest"
             )
+        for name in ("pass_fixed_tokens", "verify_row_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise ValueError(f"{name}={value!r}; must be a number >= 0 (token computes)")
         if not self.entropy_max > 0:
             raise ValueError(f"entropy_max={self.entropy_max}; must be positive (nats)")
         for name in ("acceptance_prior", "min_survival"):

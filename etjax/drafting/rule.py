@@ -19,6 +19,16 @@ round (`rest`), so it tries again after a few rounds rather than never.
 Over the batch, drafting sequences are served lowest entropy first until the step holds
 `draft_budget` tokens, the rows' own included (and within the step's token budget): a batch
 of more rows than that drafts nothing.
+
+Drafting has a price beyond the drafted tokens: a round that verifies is one ragged step,
+where a round without drafts runs `steps_per_sync` decode steps in one burst. So the batch
+drafts only when a verifying step commits more tokens per unit of compute than a burst step
+(`verification_pays`). The model: a pass of n padded tokens costs `pass_fixed_tokens` + n
+token computes, a verifying step `verify_row_tokens` more per padded row, and each drafted
+token is accepted with the probability its row's acceptance estimate gives it. Before this
+gate, on the 2-core CPU of docs/PERF.md ("what a verifying step costs"), a round drained to
+15 rows verified one drafted token in a step that cost 1.6 burst steps, and speculation cost
+the full loop a fifth of its throughput.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import math
 from dataclasses import dataclass
 
 from etjax.drafting.config import SpeculationConfig
+from etjax.runtime.buckets import batch_bucket, next_power_of_two
 
 
 @dataclass
@@ -82,4 +93,37 @@ def draft_lengths(
     for i in sorted(range(len(wanted)), key=lambda i: entropies[i] or 0.0):
         granted[i] = max(min(wanted[i], left), 0)
         left -= granted[i]
-    return granted
+    if verification_pays(granted, [d.acceptance for d in histories], cfg):
+        return granted
+    # Turned down by the cost: confident rows relax towards the prior, as when their own
+    # estimate stops them, so a batch that drains to where verifying pays tries again.
+    for i, want in enumerate(wanted):
+        if want:
+            histories[i].rest(cfg)
+    return [0] * len(granted)
+
+
+def expected_accepted(length: int, acceptance: float) -> float:
+    """Drafted tokens a row accepts in expectation: draft i survives when all i before it
+    and itself do, about acceptance ** i."""
+    return sum(acceptance**i for i in range(1, length + 1))
+
+
+def verification_pays(lengths: list[int], acceptance: list[float], cfg: SpeculationConfig) -> bool:
+    """Whether one verifying step over a batch whose rows draft `lengths` tokens (running
+    acceptance estimates `acceptance`) commits more tokens per unit of compute than a step
+    of a decode burst over the same rows.
+
+    A burst step runs the rows padded to their bucket and commits a token each; a verifying
+    step runs them and their drafts padded to the ragged step's token bucket (at least 8),
+    plus the re-sampling of drafted positions over its padded rows, and commits each row's
+    token and its accepted drafts. A pass of n padded tokens costs `pass_fixed_tokens` + n."""
+    drafted = sum(lengths)
+    if not drafted:
+        return False
+    rows, fixed = len(lengths), cfg.pass_fixed_tokens
+    gained = sum(expected_accepted(k, a) for k, a in zip(lengths, acceptance, strict=True))
+    burst = (fixed + batch_bucket(rows)) / rows
+    padded_tokens = next_power_of_two(rows + drafted, minimum=8)
+    verify = fixed + padded_tokens + cfg.verify_row_tokens * batch_bucket(rows)
+    return verify / (rows + gained) < burst

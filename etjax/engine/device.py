@@ -121,13 +121,14 @@ class DeviceBackend:
         if total > opts.token_budget:
             raise ValueError(f"a step of {total} tokens exceeds token_budget={opts.token_budget}")
         num_tokens = self.token_bucket(total)
-        width = batch_bucket(opts.max_batch_size)
+        width = self.mixed_width(len(rows), bool(jobs))
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
         write_pages = np.zeros(num_tokens, np.int32)  # padding writes to the null page
         index = np.full(width, self.rows, np.int32)  # pad rows: the never-active last row
         decode_slot = np.full(width, num_tokens, np.int32)  # out of range: dropped
-        last_index = np.zeros(self.prefill_rows, np.int32)
+        # A step without chunks computes no prefill logits (and plans no prefill passes).
+        last_index = np.zeros(self.prefill_rows if jobs else 0, np.int32)
         draft_len = np.zeros(width, np.int32)
         decoding, windowed, verifying, chunks = [], [], [], []
         start = 0
@@ -162,15 +163,17 @@ class DeviceBackend:
                 Segment(start, n, job.start, reach, job.pages[: reach // opts.page_size + 1])
             )
             start += n
-        decode_sizes, prefill_sizes = self._mixed_sizes(num_tokens)
+        decode_sizes, prefill_sizes = self._mixed_sizes(num_tokens, width)
         groups, passes = [decoding], decode_sizes.passes
         if spec.enabled:  # a row's token and drafts share one query tile
-            groups, passes = [decoding, verifying], passes + self._verify_sizes().passes
-        routed = prefill_sizes.route(chunks)
+            groups, passes = [decoding, verifying], passes + self._verify_sizes(width).passes
+        routed, prefill_passes = [], ()
+        if jobs:
+            routed, prefill_passes = prefill_sizes.route(chunks), prefill_sizes.passes
         plan = plan_passes(
             [*groups, *routed],
             num_tokens,
-            PlanSizes(opts.page_size, passes + prefill_sizes.passes),
+            PlanSizes(opts.page_size, passes + prefill_passes),
             self.attention_backend,
             cfg.attention_window,
             local_groups=[decoding + windowed, *groups[1:], *routed],
@@ -207,23 +210,30 @@ class DeviceBackend:
         and its drafts fit 8)."""
         return next_power_of_two(num_tokens, minimum=8)
 
-    def _mixed_sizes(self, num_tokens: int) -> tuple[PlanSizes, PlanSizes]:
+    def mixed_width(self, num_rows: int, prefilling: bool) -> int:
+        """Padded decoding rows of a ragged step. With chunks, `max_batch_size` (bucketed):
+        the chunks dominate such a step, and one width keeps its programs to one per token
+        bucket. Without (rows verifying drafts), the batch's own bucket, as a decode burst
+        has: on a batch drained to a few rows, sampling and the LM head over 32 padded rows
+        made a verifying step cost 4-5 burst steps (docs/PERF.md, "what a verifying step
+        costs")."""
+        return batch_bucket(self.options.max_batch_size if prefilling else num_rows)
+
+    def _mixed_sizes(self, num_tokens: int, width: int) -> tuple[PlanSizes, PlanSizes]:
         # The decoding rows' pass and the chunks' passes of a step of `num_tokens` tokens.
         opts = self.options
-        decode = PlanSizes.decode(batch_bucket(opts.max_batch_size), self.num_pages, opts.page_size)
+        decode = PlanSizes.decode(width, self.num_pages, opts.page_size)
         prefill = PlanSizes.prefill(
             num_tokens, self.prefill_rows, self.max_seq_pages, opts.page_size
         )
         return decode, prefill
 
-    def _verify_sizes(self) -> PlanSizes:
+    def _verify_sizes(self, width: int) -> PlanSizes:
         # Rows with drafts: one query tile of 1 + max_draft tokens (a power of two) each,
         # reading its pages once for all of them.
         opts = self.options
         tile = next_power_of_two(1 + opts.speculation.max_draft)
-        return PlanSizes.decode(
-            batch_bucket(opts.max_batch_size), self.num_pages, opts.page_size, q_tile=tile
-        )
+        return PlanSizes.decode(width, self.num_pages, opts.page_size, q_tile=tile)
 
     def _prefill_cost(self, job: PrefillJob, num_jobs: int) -> tuple[float, float]:
         cost = self.cost
