@@ -118,12 +118,22 @@ def verification_pays(lengths: list[int], acceptance: list[float], cfg: Speculat
     step runs them and their drafts padded to the ragged step's token bucket (at least 8),
     plus the re-sampling of drafted positions over its padded rows, and commits each row's
     token and its accepted drafts. A pass of n padded tokens costs `pass_fixed_tokens` + n."""
-    drafted = sum(lengths)
+    drafted, rows = sum(lengths), len(lengths)
     if not drafted:
         return False
-    rows, fixed = len(lengths), cfg.pass_fixed_tokens
     gained = sum(expected_accepted(k, a) for k, a in zip(lengths, acceptance, strict=True))
-    burst = (fixed + batch_bucket(rows)) / rows
+    burst = burst_step_cost(rows, cfg) / rows
+    return verify_step_cost(rows, drafted, cfg) / (rows + gained) < burst
+
+
+def burst_step_cost(rows: int, cfg: SpeculationConfig) -> float:
+    """One decode step of a burst over `rows` rows (padded to their bucket), in token
+    computes."""
+    return cfg.pass_fixed_tokens + batch_bucket(rows)
+
+
+def verify_step_cost(rows: int, drafted: int, cfg: SpeculationConfig) -> float:
+    """A ragged step of `rows` rows verifying `drafted` tokens, in token computes: the pass
+    over the step's padded tokens and the re-sampling over its padded rows."""
     padded_tokens = next_power_of_two(rows + drafted, minimum=8)
-    verify = fixed + padded_tokens + cfg.verify_row_tokens * batch_bucket(rows)
-    return verify / (rows + gained) < burst
+    return cfg.pass_fixed_tokens + padded_tokens + cfg.verify_row_tokens * batch_bucket(rows)
