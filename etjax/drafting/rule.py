@@ -27,7 +27,7 @@ drafts only when a verifying step commits more tokens per unit of compute than a
 token computes, a verifying step `verify_row_tokens` more per padded row, and each drafted
 token is accepted with the probability its row's acceptance estimate gives it. Before this
 gate, on the 2-core CPU of docs/PERF.md ("what a verifying step costs"), a round drained to
-15 rows verified one drafted token in a step that cost 1.6 burst steps, and speculation cost
+15 rows verified one drafted token in a step that cost 1.7 burst steps, and speculation cost
 the full loop a fifth of its throughput.
 """
 
@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 
 from etjax.drafting.config import SpeculationConfig
-from etjax.runtime.buckets import batch_bucket, next_power_of_two
+from etjax.runtime.buckets import batch_bucket, ragged_token_bucket
 
 
 @dataclass
@@ -135,5 +135,5 @@ def burst_step_cost(rows: int, cfg: SpeculationConfig) -> float:
 def verify_step_cost(rows: int, drafted: int, cfg: SpeculationConfig) -> float:
     """A ragged step of `rows` rows verifying `drafted` tokens, in token computes: the pass
     over the step's padded tokens and the re-sampling over its padded rows."""
-    padded_tokens = next_power_of_two(rows + drafted, minimum=8)
-    return cfg.pass_fixed_tokens + padded_tokens + cfg.verify_row_tokens * batch_bucket(rows)
+    padded = ragged_token_bucket(rows + drafted)
+    return cfg.pass_fixed_tokens + padded + cfg.verify_row_tokens * batch_bucket(rows)

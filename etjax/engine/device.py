@@ -36,7 +36,12 @@ from etjax.entropy.state import initial_entropy_state
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
-from etjax.runtime.buckets import batch_bucket, next_power_of_two, pages_bucket
+from etjax.runtime.buckets import (
+    batch_bucket,
+    next_power_of_two,
+    pages_bucket,
+    ragged_token_bucket,
+)
 from etjax.runtime.footprint import check_fits
 from etjax.runtime.options import RuntimeOptions
 from etjax.runtime.state import DecodeState, StepOutputs
@@ -120,7 +125,7 @@ class DeviceBackend:
         total = sum(row_tokens) + sum(len(j.tokens) for j in jobs)
         if total > opts.token_budget:
             raise ValueError(f"a step of {total} tokens exceeds token_budget={opts.token_budget}")
-        num_tokens = self.token_bucket(total)
+        num_tokens = ragged_token_bucket(total)
         width = self.mixed_width(len(rows), bool(jobs))
         tokens = np.zeros(num_tokens, np.int32)
         positions = np.zeros(num_tokens, np.int32)
@@ -204,11 +209,6 @@ class DeviceBackend:
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
         budget = np.asarray(budget)[index[: len(rows)]]
         return out, budget, [self._prefill_cost(job, len(jobs)) for job in jobs]
-
-    def token_bucket(self, num_tokens: int) -> int:
-        """Padded token count of a ragged step (a power of two from 8 up: a lone row's token
-        and its drafts fit 8)."""
-        return next_power_of_two(num_tokens, minimum=8)
 
     def mixed_width(self, num_rows: int, prefilling: bool) -> int:
         """Padded decoding rows of a ragged step. With chunks, `max_batch_size` (bucketed):

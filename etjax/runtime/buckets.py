@@ -14,6 +14,12 @@ def prompt_bucket(num_tokens: int, chunk_size: int, minimum: int = 16) -> int:
     return min(next_power_of_two(num_tokens, minimum), chunk_size)
 
 
+def ragged_token_bucket(num_tokens: int) -> int:
+    """Padded token count of a ragged step: a power of two from 8 up (a lone row's token and
+    its drafts fit 8)."""
+    return next_power_of_two(num_tokens, minimum=8)
+
+
 def batch_bucket(num_rows: int) -> int:
     """Padded number of batch rows."""
     return next_power_of_two(num_rows)
