@@ -138,6 +138,8 @@ def _request_record(out: SequenceOutput, prompt_tokens: int, cost: CostModel) ->
         "decode_steps": len(kept),
         "kv_bytes": float(kv_bytes),
         "mean_logprob": float(np.mean(out.logprob)) if n else 0.0,
+        # Each token's model log-probability: where two runs part, how likely the draws were.
+        "logprob": [round(float(x), 4) for x in out.logprob],
         # The per-token traces the plots draw.
         "traces": {f: [round(float(x), 4) for x in getattr(out, f)] for f in DEFAULT_FIELDS}
         | {"kept_fraction": [round(k / b, 4) for k, b in zip(kept, blocks, strict=True)]},
