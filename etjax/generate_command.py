@@ -47,10 +47,13 @@ def add_generate(commands) -> None:
         if f.name == "seed":
             continue
         flag = "--" + f.name.replace("_", "-")
-        kwargs = {"choices": SAMPLERS} if f.name == "sampler" else {}
-        sampler.add_argument(
-            flag, type=_TYPES[str(f.type)], default=None, help=f"(default {f.default})", **kwargs
-        )
+        if f.type == "bool":  # a switch: --name / --no-name
+            kwargs = {"action": argparse.BooleanOptionalAction}
+        else:
+            kwargs = {"type": _TYPES[f.type]}
+            if f.name == "sampler":
+                kwargs["choices"] = SAMPLERS
+        sampler.add_argument(flag, default=None, help=f"(default {f.default})", **kwargs)
     gen.add_argument(
         "--show-entropy", action="store_true", help="print each token with its entropy after"
     )

@@ -11,14 +11,25 @@ import pytest
 
 from etjax.bench.corpus import lee_articles
 from etjax.host_limits import current_map_count
-from tests import hypothesis_profiles  # noqa: F401  (loads the profile before any test)
+from tests import (
+    hypothesis_profiles,  # noqa: F401  (loads the profile before any test)
+    session_cache,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The engine and the CLI turn on JAX's persistent compilation cache for the process (in the
-# user's home); in the test process that would make the suite's time depend on earlier runs.
-# Set before any fixture can build an engine. Subprocesses get a cache directory of their own
-# instead (subprocess_env.py), which takes precedence over this switch.
-os.environ["ETJAX_COMPILATION_CACHE"] = "off"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # One compilation cache for the whole run (session_cache.py): made fresh by the process
+    # that starts the run, shared by its xdist workers and every subprocess a test starts.
+    if not hasattr(config, "workerinput"):
+        session_cache.create()
+    session_cache.use()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        session_cache.remove()
 
 
 @pytest.fixture(scope="session")

@@ -55,7 +55,7 @@ def _ids_once_each(out: Path) -> None:
 @pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_what_is_done_and_a_rerun_completes(tiny_hf_dir, tmp_path, number):
     out = tmp_path / "out.jsonl"
-    command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env(tmp_path)
+    command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env()
     job = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     _wait_for_lines(job, out, 2)
     job.send_signal(number)
@@ -75,7 +75,7 @@ def test_a_failed_write_stops_with_the_file_named_and_a_rerun_completes(tiny_hf_
     # RLIMIT_FSIZE makes the kernel refuse writes past the limit (EFBIG), as a full disk
     # refuses them (ENOSPC): the job must stop, cut the half-written line and name the file.
     out = tmp_path / "out.jsonl"
-    command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env(tmp_path)
+    command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env()
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # cache entries exceed the limit too
     limit = 1500  # two or three result lines
     # A small launcher sets the limit and execs the job (no preexec_fn: forking this
@@ -105,7 +105,7 @@ def test_a_second_process_on_the_same_output_is_refused(tiny_hf_dir, tmp_path):
     # Long enough to be still running when the second process, started after its first
     # result, has imported JAX and asks for the lock.
     command = _job(tmp_path, tiny_hf_dir, out, records=1000)
-    env = subprocess_env(tmp_path)
+    env = subprocess_env()
     first = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
     _wait_for_lines(first, out, 1)
     second = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
@@ -120,7 +120,7 @@ def test_a_second_process_on_the_same_output_is_refused(tiny_hf_dir, tmp_path):
 
 def test_a_lock_left_by_a_killed_job_is_taken_over(tiny_hf_dir, tmp_path):
     out = tmp_path / "out.jsonl"
-    command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env(tmp_path)
+    command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env()
     job = subprocess.Popen(command, env=env, stderr=subprocess.DEVNULL)
     _wait_for_lines(job, out, 1)
     job.send_signal(signal.SIGKILL)
@@ -144,7 +144,7 @@ def test_the_lock_is_reentrant_within_a_process_and_exclusive_across(tmp_path):
         )
         other = subprocess.run(
             [sys.executable, "-c", probe, str(out)],
-            env=subprocess_env(tmp_path),
+            env=subprocess_env(),
             capture_output=True,
             text=True,
         )

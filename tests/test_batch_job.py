@@ -3,6 +3,8 @@ with nothing lost or duplicated, sharding by process index, and config validatio
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import signal
 import subprocess
@@ -15,9 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import etjax
+from etjax import request_checks
 from etjax.errors import ConfigError
 from etjax.jobs.batch import run_batch, shard_path
-from etjax.jobs.records import REQUEST_FIELDS, parse_record
+from etjax.jobs.records import REQUEST_FIELDS, parse_record, request_fingerprint
 from etjax.jobs.results_file import ResultsFile
 from etjax.run_config import load_run_config
 from etjax.sampling import SamplerSettings
@@ -126,7 +129,7 @@ def test_killed_job_resumes_with_nothing_lost_or_duplicated(tiny_hf_dir, tmp_pat
     out = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "etjax.cli", "batch", "--input", str(src), "--output"]
     common = ["--config", str(config), "--model", str(tiny_hf_dir("llama")), "--no-progress"]
-    env = subprocess_env(tmp_path)
+    env = subprocess_env()
     job = subprocess.Popen([*command, str(out), *common], env=env, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and job.poll() is None:
@@ -204,6 +207,44 @@ def test_a_rerun_retries_errors_and_refuses_changed_records(tiny, tmp_path):
     results = _results(out)
     assert sorted(r["id"] for r in results) == ["a", "b"]
     assert {r["id"]: r for r in results}["a"]["fingerprint"] != stored["a"]["fingerprint"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _UpgradedSampler(SamplerSettings):
+    """SamplerSettings as a later release might have it: one more setting, with a default."""
+
+    new_knob: bool = False
+
+
+def test_results_written_before_a_setting_was_added_stay_done_after_the_upgrade(
+    tiny, tmp_path, monkeypatch
+):
+    config = load_run_config(_config(tmp_path, new=3))
+    out = tmp_path / "out.jsonl"
+    source = _write(tmp_path / "in.jsonl", [json.dumps({"id": "a", "prompt": "The river"})])
+    run_batch(source, out, config, tiny, show_progress=False)
+    (stored,) = _results(out)
+    # What release 0.1 wrote: the digest of every settings field (independent of the code's
+    # canonical form), so results files written since keep their meaning.
+    record = parse_record(source.read_text().strip(), 1, tiny, config)
+    old_form = {"prompt": record.prompt_ids, "settings": dataclasses.asdict(record.settings)}
+    old_digest = hashlib.sha256(json.dumps(old_form, sort_keys=True).encode()).hexdigest()
+    assert stored["fingerprint"] == old_digest[:16]
+
+    # The upgrade: every record now carries the new setting at its default. The stored result
+    # is still this record's: the rerun finds it done, runs nothing and refuses nothing.
+    monkeypatch.setattr(request_checks, "SamplerSettings", _UpgradedSampler)
+    upgraded = parse_record(source.read_text().strip(), 1, tiny, config)
+    assert upgraded.error is None, upgraded.error
+    assert isinstance(upgraded.settings.sampler, _UpgradedSampler)
+    assert upgraded.fingerprint == stored["fingerprint"]
+    summary = run_batch(source, out, config, tiny, show_progress=False)
+    assert summary["run_now"] == 0 and _results(out) == [stored]
+    # The new setting away from its default does change what the result depends on.
+    knob_on = dataclasses.replace(
+        upgraded.settings, sampler=dataclasses.replace(upgraded.settings.sampler, new_knob=True)
+    )
+    assert request_fingerprint(upgraded.prompt_ids, knob_on) != stored["fingerprint"]
 
 
 def test_generated_ids_never_collide_and_ids_of_a_wrong_type_are_errors(tiny, tmp_path):

@@ -144,3 +144,27 @@ def test_generate_takes_a_config_n_seeds_and_every_sampler_field(tiny_hf_dir, tm
     )
     for r in expected:
         assert f"(seed {r.seed}) ---\n{r.text}\n" in first.out
+
+
+def test_a_switch_among_the_sampler_settings_is_a_flag_pair(monkeypatch):
+    # A bool SamplerSettings field (none today; any later one) becomes --name / --no-name,
+    # and takes only true or false.
+    import dataclasses
+
+    from etjax import generate_command
+    from etjax.cli import _parser
+    from etjax.errors import RequestError
+    from etjax.sampling import SamplerSettings
+
+    @dataclasses.dataclass(frozen=True)
+    class WithSwitch(SamplerSettings):
+        greedy_fallback: bool = False
+
+    monkeypatch.setattr(generate_command, "SamplerSettings", WithSwitch)
+    parser = _parser()
+    assert parser.parse_args(["generate", "x", "--greedy-fallback"]).greedy_fallback is True
+    assert parser.parse_args(["generate", "x", "--no-greedy-fallback"]).greedy_fallback is False
+    assert parser.parse_args(["generate", "x"]).greedy_fallback is None  # the config decides
+    assert WithSwitch(greedy_fallback=True).greedy_fallback is True
+    with pytest.raises(RequestError, match="greedy_fallback=1; must be true or false"):
+        WithSwitch(greedy_fallback=1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
@@ -10,22 +9,14 @@ import etjax
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.pruning.config import PruningConfig
 from etjax.sampling import SamplerSettings
-
-_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+from tests.compile_counter import counting_new_programs
 
 
 @pytest.fixture
 def backend_compiles():
-    """A counter of XLA backend compilations, read through jax.monitoring."""
-    count = [0]
-
-    def listener(event: str, duration: float, **_: object) -> None:
-        if event == _BACKEND_COMPILE:
-            count[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    yield count
-    jax.monitoring.unregister_event_duration_listener(listener)
+    """A counter of programs new to this process (compiled, or read from the run's cache)."""
+    with counting_new_programs() as count:
+        yield count
 
 
 PRUNED = PruningConfig(

@@ -39,7 +39,7 @@ def test_a_first_decode_fills_the_per_user_cache_unless_switched_off(tiny_hf_dir
         "ignore_eos=True)"
     )
     for switch in ("", "off"):
-        env = subprocess_env(tmp_path)
+        env = subprocess_env()
         del env["JAX_COMPILATION_CACHE_DIR"]
         env["XDG_CACHE_HOME"] = str(tmp_path / f"xdg{switch}")
         env["ETJAX_COMPILATION_CACHE"] = switch

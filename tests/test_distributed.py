@@ -19,7 +19,7 @@ def _run_worker(module: str, *args: str, tmp_path: Path, timeout: int = 900) -> 
     # A worker process whose JAX sees 8 CPU devices.
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
-        env=subprocess_env(tmp_path, forced_devices=8),
+        env=subprocess_env(forced_devices=8),
         cwd=ROOT,
         capture_output=True,
         text=True,

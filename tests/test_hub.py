@@ -21,7 +21,7 @@ LOAD = (
 
 
 def _env(tmp_path):
-    env = subprocess_env(tmp_path)
+    env = subprocess_env()
     env["HF_HUB_CACHE"] = str(tmp_path / "hub")
     env["HF_HUB_OFFLINE"] = "1"
     return env

@@ -26,7 +26,7 @@ def _batch_process(model: Path, input_path: Path, output: Path, *flags: str) -> 
     command += ["--output", str(output), "--model", str(model), "--no-progress", *flags]
     return subprocess.Popen(
         command,
-        env=subprocess_env(output.parent),
+        env=subprocess_env(),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -109,7 +109,7 @@ def test_a_process_that_dies_is_reported_within_the_timeout(tiny_hf_dir, tmp_pat
             f"jax.distributed.initialize('localhost:{port}', 2, 1, heartbeat_timeout_seconds=40); "
             "os._exit(1)",
         ],
-        env=subprocess_env(tmp_path),
+        env=subprocess_env(),
         capture_output=True,
         timeout=120,
     )

@@ -56,7 +56,7 @@ def test_a_wheel_runs_batch_with_the_shipped_config_and_preset(tmp_path):
         check=True,
     ).stdout.strip()
     (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    env = subprocess_env(tmp_path)
+    env = subprocess_env()
     env.pop("PYTHONPATH")  # not the checkout
     work = tmp_path / "elsewhere"
     work.mkdir()

@@ -202,7 +202,7 @@ def test_decode_rejects_unknown_option_before_running():
 
 
 def test_every_sampler_in_one_batch_without_recompiling(tiny_hf_dir):
-    from tests.test_compilation import _BACKEND_COMPILE
+    from tests.compile_counter import counting_new_programs
 
     model = etjax.load_model(tiny_hf_dir("llama"))
     base = [
@@ -238,17 +238,9 @@ def test_every_sampler_in_one_batch_without_recompiling(tiny_hf_dir):
         )
 
     first = run(base)
-    compiles = [0]
-
-    def listener(event: str, duration: float, **_: object) -> None:
-        compiles[0] += event == _BACKEND_COMPILE
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with counting_new_programs() as compiles:
         shuffled = run(base[::-1])  # a new mix of settings per row
         again = run(base)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles[0] == 0
     for a, b in zip(first, again, strict=True):
         assert a.token_ids == b.token_ids  # seeded: reproducible

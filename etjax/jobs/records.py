@@ -33,6 +33,7 @@ from etjax.request_checks import (
 )
 from etjax.run_config import RunConfig
 from etjax.runtime.options import RequestSettings
+from etjax.sampling.settings import SamplerSettings
 
 REQUEST_FIELDS = {"id", "prompt", "messages", "max_new_tokens", "ignore_eos", "chat"}
 REQUEST_FIELDS |= {"system_prompt", "stop", "priority", "n"}
@@ -79,13 +80,53 @@ def record_id(raw: object, line: int) -> tuple[RecordId, str | None]:
     return line, f"line {line}: id={value!r}; must be a non-empty string or an integer"
 
 
+# The settings fields of the first fingerprinted release: always hashed, so that results
+# files written since keep their fingerprints. A field added after them is hashed only when it
+# differs from its default: an upgrade that brings a new setting, left at its default, does not
+# turn every stored result into a "changed" record (a field whose default itself changes later
+# would go unnoticed; change a default by adding a field instead).
+FINGERPRINTED_SINCE_0_1 = {
+    RequestSettings: ("max_new_tokens", "ignore_eos", "stop", "sampler"),
+    SamplerSettings: (
+        "sampler", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
+        "presence_penalty", "frequency_penalty", "seed", "mirostat_tau", "mirostat_eta", "edt_t0",
+        "edt_theta", "edt_base", "target_entropy", "t_min", "t_max", "gain", "max_step",
+        "entropy_floor",
+    ),
+}  # fmt: skip
+
+
+def canonical_settings(settings: object) -> object:
+    """The form of `settings` a fingerprint hashes: as `dataclasses.asdict` for the fields of
+    `FINGERPRINTED_SINCE_0_1`, without later fields left at their defaults."""
+    if not dataclasses.is_dataclass(settings):
+        return list(settings) if isinstance(settings, tuple) else settings
+    since = next((FINGERPRINTED_SINCE_0_1[c] for c in type(settings).__mro__ if c in
+                  FINGERPRINTED_SINCE_0_1), ())  # fmt: skip
+    described = {}
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if f.name not in since and value == _default(f):
+            continue
+        described[f.name] = canonical_settings(value)
+    return described
+
+
+def _default(f: dataclasses.Field) -> object:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING  # a required field: always hashed
+
+
 def request_fingerprint(
     prompt_ids: list[int], settings: RequestSettings, n: int = 1, form: str | None = None
 ) -> str:
     """A digest of the prompt's tokens and everything that shapes the result (settings, the
     number of samples, the output format): a rerun whose record hashes differently would not
     reproduce the stored result."""
-    described = {"prompt": prompt_ids, "settings": dataclasses.asdict(settings)}
+    described = {"prompt": prompt_ids, "settings": canonical_settings(settings)}
     if n != 1 or form is not None:
         described |= {"n": n, "format": form}
     described = json.dumps(described, sort_keys=True)

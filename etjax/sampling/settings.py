@@ -63,9 +63,12 @@ class SamplerSettings:
         _check(self.sampler in SAMPLERS, "sampler", self.sampler, f"one of {SAMPLERS}")
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "sampler" and (
-                isinstance(value, bool) or not isinstance(value, int | float)
-            ):
+            if f.name == "sampler":
+                continue
+            if f.type == "bool":  # a switch (annotations are strings in this module)
+                _check(isinstance(value, bool), f.name, value, "true or false")
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
                 raise RequestError(f"{f.name}={value!r}; must be a number")
             if isinstance(value, float) and not math.isfinite(value):
                 raise RequestError(f"{f.name}={value!r}; must be finite")
