@@ -99,14 +99,20 @@ def test_entropic_policy_runs_the_sequence_whose_entropy_falls(policy, first):
     other_runs = log[: last_run_of_first + 1].count(3 - first)
     assert other_runs <= (last_run_of_first + 1) // 4 + 1  # only when overdue
     assert log.count(1) == 12 and log.count(2) == 12
+    assert [s.output.token_ids for s in seqs] == [
+        [token_of(r, i) for i in range(24)] for r in (1, 2)
+    ]
 
 
 def test_fcfs_with_one_slot_alternates_only_when_overdue():
-    # FCFS ranks by arrival: request 1 keeps the slot; 2 runs only when overdue.
+    # FCFS ranks by arrival: request 1 keeps the slot; 2 runs only when overdue, that is in
+    # the third round after its last run (R = 3). Both prompts are prefilled before the first
+    # decode round, so every round decodes K = 2 tokens: 1 needs six runs, taking rounds 0, 1,
+    # 3, 4, 6, 7; 2 gets 2, 5 and 8, then runs alone for its last three.
     engine, backend = _engine("fcfs", batch=1, resident=2, rounds=3)
-    engine.generate([_prompt(1, 4), _prompt(2, 4)], [RequestSettings(12)] * 2)
-    gaps = _max_gaps(backend.decode_log)
-    assert max(gaps.values()) <= 3
+    outs = engine.generate([_prompt(1, 4), _prompt(2, 4)], [RequestSettings(12)] * 2)
+    assert backend.decode_log == [[1], [1], [2]] * 3 + [[2]] * 3
+    assert [o.token_ids for o in outs] == [[token_of(r, i) for i in range(12)] for r in (1, 2)]
 
 
 def _max_gaps(log: list[list[int]]) -> dict[int, int]:
@@ -274,6 +280,12 @@ def test_rows_of_very_different_widths_run_as_separate_bursts():
 
 
 def test_one_group_when_splitting_does_not_pay():
-    engine, _ = _engine("fcfs", batch=4, resident=4, pages=256, weight_bytes=1000.0)
-    engine.generate([_prompt(r, 6 + r) for r in range(4)], [RequestSettings(4)] * 4)
+    # Weights cost 1000 against at most 4 * 10 for the rows: every round is one burst of all
+    # the rows that decode. Prompts of 6-9 tokens, two prefilled per round in chunks of 8:
+    # 0 and 1 first; they decode a token each beside 2 and 3's first chunks, then beside 3's
+    # last token with 2; then all four run a K = 2 burst, which finishes 0 and 1.
+    engine, backend = _engine("fcfs", batch=4, resident=4, pages=256, weight_bytes=1000.0)
+    outs = engine.generate([_prompt(r, 6 + r) for r in range(4)], [RequestSettings(4)] * 4)
     assert engine.decode_bursts == engine.decode_rounds
+    assert backend.decode_log == [[0, 1], [0, 1, 2], [0, 1, 2, 3], [2, 3]]
+    assert [o.token_ids for o in outs] == [[token_of(r, i) for i in range(4)] for r in range(4)]

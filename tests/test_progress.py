@@ -22,9 +22,21 @@ def test_captured_output_gets_log_lines_and_rejections_are_not_work(caplog, monk
 
 
 def test_decode_reports_progress_when_asked(tiny_hf_dir, caplog, monkeypatch):
+    # decode()'s own part: the bar counts the prompts that are work and the outputs the
+    # engine reports done. The engine is a stand-in that finishes each prompt with two tokens
+    # (what the bar is fed is the subject here, not decoding: tests/test_engine*.py).
     import etjax
+    from etjax import api
+    from etjax.runtime.options import SequenceOutput
+
+    def engine(weights, cfg, tokenizer, prompts, settings, options, on_text, on_done):
+        outputs = [SequenceOutput(token_ids=[5, 6], finish_reason="length") for _ in prompts]
+        for i, out in enumerate(outputs):
+            on_done(i, out)
+        return outputs
 
     monkeypatch.setattr(progress_module, "watched", lambda: False)
+    monkeypatch.setattr(api, "generate_ids", engine)
     model = etjax.load_model(tiny_hf_dir("llama"))
     with caplog.at_level(logging.INFO, logger="etjax"):
         etjax.decode(["a", "b", ""], model=model, max_new_tokens=2, progress=True)

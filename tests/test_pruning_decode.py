@@ -8,7 +8,14 @@ import pytest
 import etjax
 from etjax.attention import resolve_backend
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.errors import RequestError
 from etjax.pruning.config import PruningConfig
+
+# A budget band far above any entropy this random model reaches (about 9.5 nats): every
+# step keeps its minimum, 30% of the blocks and at least 3.
+LOW_BUDGET = PruningConfig(
+    enabled=True, min_fraction=0.3, entropy_low=50.0, entropy_high=60.0, min_blocks=3
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +72,20 @@ def test_low_budget_reads_fewer_blocks_and_costs_less(tiny):
     assert len(pruned.token_ids) == 12
 
 
-def test_decode_accepts_pruning_flag(tiny):
-    (result,) = etjax.decode("The river", model=tiny, max_new_tokens=6, pruning=True)
-    assert len(result.kept_blocks) == len(result.token_ids)
+def test_decode_prunes_by_its_pruning_argument(tiny):
+    # 121 prompt tokens in pages of 4: 31 blocks and more, of which the budget keeps
+    # ceil(0.3 * blocks); without pruning every block is read.
+    prompt, new = "The river " * 60, 6
+    kwargs = dict(model=tiny, max_new_tokens=new, ignore_eos=True, page_size=4)
+    (pruned,) = etjax.decode(prompt, pruning=LOW_BUDGET, **kwargs)
+    (dense,) = etjax.decode(prompt, pruning=False, **kwargs)
+    length = len(pruned.prompt_token_ids)
+    blocks = [-(-(length + i + 1) // 4) for i in range(new - 1)]  # the last token reads none
+    assert dense.kept_blocks[:-1] == blocks
+    assert pruned.kept_blocks[:-1] == [max(int(np.ceil(0.3 * b)), 3) for b in blocks]
+    assert pruned.cost_bytes[-1] < dense.cost_bytes[-1]
+    with pytest.raises(RequestError, match="pruning="):
+        etjax.decode(prompt, pruning="yes", **kwargs)
 
 
 @pytest.mark.parametrize("backend", ["pallas_tpu", "pallas_gpu"])
@@ -76,9 +94,7 @@ def test_pruned_decode_runs_each_pallas_kernel_with_the_xla_outputs(tiny, backen
     # the tokens and entropies of the XLA kernel, with a budget that really drops blocks.
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (41, 13)]
-    pruning = PruningConfig(
-        enabled=True, min_fraction=0.3, entropy_low=50.0, entropy_high=60.0, min_blocks=3
-    )
+    pruning = LOW_BUDGET
     xla = _run(tiny, prompts, pruning, new_tokens=6)
     pallas = _run(tiny, prompts, pruning, new_tokens=6, attention_backend=backend)
     for a, b in zip(xla, pallas, strict=True):
@@ -125,9 +141,7 @@ def test_pruned_rows_in_a_ragged_step_decode_as_they_do_alone(tiny, monkeypatch)
     monkeypatch.setattr(DeviceBackend, "mixed", counting)
     rng = np.random.default_rng(4)
     short, long = (rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (48, 120))
-    pruning = PruningConfig(
-        enabled=True, min_fraction=0.3, entropy_low=50.0, entropy_high=60.0, min_blocks=3
-    )
+    pruning = LOW_BUDGET
     settings = RequestSettings(max_new_tokens=8, ignore_eos=True)
 
     def run(prompts):
