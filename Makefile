@@ -32,17 +32,14 @@ $(VENV)/.test-deps: pyproject.toml $(VENV)/.run-deps
 run: $(VENV)/.run-deps
 	$(BIN)/etjax generate "$(PROMPT)" --chat --max-new-tokens 64 --show-entropy
 
-# Two workers: most of the suite's time is XLA compiling, one program at a time per process,
-# so two processes keep both cores busy (docs/ARCHITECTURE.md, "Tests and benchmarks"). Each
-# worker holds its own models (about 5 GB), so more workers need more memory than cores.
-# A test file runs whole on one worker (its module fixtures load once). The 25 slowest calls
-# are printed, so every run shows where the time goes.
-TEST_WORKERS ?= 2
-
+# The 25 slowest calls are printed, so every run shows where the time goes. One process: XLA
+# already compiles on both cores, and two xdist workers made the suite no faster (23.0 min
+# against 22.6 serial, docs/ARCHITECTURE.md "Tests and benchmarks") while each held its own
+# models and lost the programs the other modules had compiled.
 test: $(VENV)/.test-deps
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q --durations=25
 
 # The ablation of docs/PERF.md (about two hours on a 2-core CPU).
 bench: $(VENV)/.test-deps

@@ -3,9 +3,11 @@
 JAX fixes its device count when it starts, so tests/test_distributed.py runs this file in a
 subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8:
 
-    python -m tests.mesh_worker MODEL --meshes 1x1,2x4 --new 12 [--temperature 0.8]
+    python -m tests.mesh_worker MODEL --meshes 1x1,2x4 --new 12 [--temperatures 0,0.8]
 
-Prints {"devices": n, "outputs": {mesh: [token ids per prompt]}} on its last line.
+Prints {"devices": n, "outputs": {temperature: {mesh: [token ids per prompt]}}} on its last
+line. Temperatures are request settings, not part of a program: each mesh compiles once for
+all of them.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--meshes", default="1x1,1x8,2x4,8x1")
     parser.add_argument("--new", type=int, default=12)
-    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--temperatures", default="0.0")
     parser.add_argument("--pruning", action="store_true")
     args = parser.parse_args()
 
@@ -35,22 +37,23 @@ def main() -> None:
     model = etjax.load_model(args.model)
     articles = lee_articles()
     prompts = [model.tokenizer.encode(articles[i])[: 24 + 40 * i] for i in range(3)]
-    settings = [
-        RequestSettings(
-            args.new,
-            ignore_eos=True,
-            sampler=SamplerSettings(temperature=args.temperature, seed=i),
-        )
-        for i in range(len(prompts))
-    ]
     pruning = PruningConfig(enabled=True, min_fraction=0.3) if args.pruning else PruningConfig()
     outputs = {}
     for mesh in args.meshes.split(","):
         options = RuntimeOptions(max_batch_size=4, mesh=mesh, pruning=pruning)
-        outs = generate_ids(
-            model.weights, model.config, model.tokenizer, prompts, settings, options
-        )
-        outputs[mesh] = [o.token_ids for o in outs]
+        for temperature in args.temperatures.split(","):
+            settings = [
+                RequestSettings(
+                    args.new,
+                    ignore_eos=True,
+                    sampler=SamplerSettings(temperature=float(temperature), seed=i),
+                )
+                for i in range(len(prompts))
+            ]
+            outs = generate_ids(
+                model.weights, model.config, model.tokenizer, prompts, settings, options
+            )
+            outputs.setdefault(temperature, {})[mesh] = [o.token_ids for o in outs]
     print(json.dumps({"devices": jax.device_count(), "outputs": outputs}))
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,7 +14,7 @@ from etjax.errors import ConfigError
 from tests.subprocess_env import ROOT, subprocess_env
 
 
-def _run_worker(module: str, *args: str, tmp_path: Path, timeout: int = 900) -> dict:
+def _run_worker(module: str, *args: str, timeout: int = 900) -> dict:
     # A worker process whose JAX sees 8 CPU devices.
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
@@ -37,8 +36,7 @@ def test_mesh_shape_parsing_and_errors():
             MeshShape.parse(bad)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_tiny_model_outputs_equal_on_every_mesh(tiny_hf_dir, temperature, tmp_path):
+def test_tiny_model_outputs_equal_on_every_mesh(tiny_hf_dir):
     # Greedy and seeded sampling: the sampler draws with the same key per row and token
     # whatever the sharding (threefry is partitionable), so tokens must match exactly.
     result = _run_worker(
@@ -46,30 +44,30 @@ def test_tiny_model_outputs_equal_on_every_mesh(tiny_hf_dir, temperature, tmp_pa
         str(tiny_hf_dir("llama")),
         "--meshes",
         "1x1,1x8,2x4,8x1",
-        "--temperature",
-        str(temperature),
-        tmp_path=tmp_path,
+        "--temperatures",
+        "0.0,0.8",
     )
     assert result["devices"] == 8
-    outputs = result["outputs"]
-    for mesh in ("1x8", "2x4", "8x1"):
-        assert outputs[mesh] == outputs["1x1"], mesh
+    for temperature in ("0.0", "0.8"):
+        outputs = result["outputs"][temperature]
+        for mesh in ("1x8", "2x4", "8x1"):
+            assert outputs[mesh] == outputs["1x1"], (temperature, mesh)
+    assert result["outputs"]["0.8"]["1x1"] != result["outputs"]["0.0"]["1x1"]  # it sampled
 
 
-def test_tiny_model_pruned_outputs_equal_on_every_mesh(tiny_hf_dir, tmp_path):
+def test_tiny_model_pruned_outputs_equal_on_every_mesh(tiny_hf_dir):
     outputs = _run_worker(
         "tests.mesh_worker",
         str(tiny_hf_dir("llama")),
         "--meshes",
         "1x1,2x4",
         "--pruning",
-        tmp_path=tmp_path,
-    )["outputs"]
+    )["outputs"]["0.0"]
     assert outputs["2x4"] == outputs["1x1"]
 
 
 @pytest.mark.slow
-def test_smollm2_greedy_outputs_equal_on_every_mesh(tmp_path):
+def test_smollm2_greedy_outputs_equal_on_every_mesh():
     outputs = _run_worker(
         "tests.mesh_worker",
         "smollm2",
@@ -77,14 +75,13 @@ def test_smollm2_greedy_outputs_equal_on_every_mesh(tmp_path):
         "1x1,1x8,2x4,8x1",
         "--new",
         "8",
-        tmp_path=tmp_path,
-    )["outputs"]
+    )["outputs"]["0.0"]
     for mesh in ("1x8", "2x4", "8x1"):
         assert outputs[mesh] == outputs["1x1"], mesh
 
 
-def test_vocabulary_sharded_entropy_is_never_gathered(tmp_path):
-    result = _run_worker("tests.vocab_shard_worker", tmp_path=tmp_path)
+def test_vocabulary_sharded_entropy_is_never_gathered():
+    result = _run_worker("tests.vocab_shard_worker")
     # The exact entropy, the top-k tail bounds, top-k itself and the sampler (temperature,
     # entropic controller, top-p / min-p) on [4, V] logits split 8 ways over the vocabulary:
     # no collective moves a full vocabulary row, and tokens and values equal the one-device
@@ -98,7 +95,7 @@ def test_checkpoint_restores_straight_into_the_sharded_layout(tiny_hf_dir, tmp_p
 
     checkpoint = tmp_path / "ckpt"
     assert main(["convert", str(tiny_hf_dir("llama")), str(checkpoint)]) == 0
-    weights = _run_worker("tests.restore_worker", str(checkpoint), tmp_path=tmp_path)["weights"]
+    weights = _run_worker("tests.restore_worker", str(checkpoint))["weights"]
     # Tiny llama: vocab 49152, hidden 64, q|k|v 128 columns, MLP 128; model axis of 4.
     assert weights["embed"]["shards"] == [[49152 // 4, 64]]
     assert weights["wqkv"]["shards"] == [[64, 128 // 4]]

@@ -98,7 +98,7 @@ def test_a_process_that_dies_is_reported_within_the_timeout(tiny_hf_dir, tmp_pat
         "--process-index",
         "0",
         "--timeout",
-        "20",
+        "10",
     )
     # Process 1 joins the job, then dies before doing its shard.
     doomed = subprocess.run(
