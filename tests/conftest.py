@@ -17,15 +17,6 @@ from tests import (
 )
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Half of the suite's time is XLA compiling (the step programs take seconds each, even for the
-# tiny models). Without LLVM's optimisations a program compiles about a quarter faster and
-# computes the same values: XLA's HLO passes (fusion, layout, scheduling) are unchanged, the
-# matrix products are library calls either way, and float arithmetic is not reassociated at
-# any level. Tests check values, not speed; benchmarks and users keep the default. Set before
-# JAX starts its backend; subprocesses inherit it.
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-).strip()
 
 
 def pytest_configure(config: pytest.Config) -> None:
