@@ -58,3 +58,43 @@ def test_no_recompilation_after_warmup(
     # Longer contexts than any warm-up row (up to 100 tokens, 25 pages of 4), the same buckets.
     run([60, 30, 20, 10], max_new=[40, 8, 8, 8])
     assert backend_compiles[0] == warm
+
+
+def test_pruning_thresholds_are_read_at_run_time_not_compiled_in(tiny_hf_dir, backend_compiles):
+    # Two engines whose pruning differs only in its numbers run the same programs, and each
+    # row reads the blocks its own thresholds give (the host's formula, per token).
+    import dataclasses
+
+    from etjax.pruning.budget import kept_block_count, kept_fraction
+
+    model = etjax.load_model(tiny_hf_dir("llama"))
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in (30, 21)]
+    settings = [RequestSettings(max_new_tokens=12, ignore_eos=True)] * 2
+    ramp = dataclasses.replace(
+        PRUNED,
+        min_fraction=0.25,
+        entropy_low=0.0,
+        entropy_high=40.0,
+        sink_blocks=1,
+        recent_blocks=1,
+        min_blocks=1,
+        mass_threshold=0.05,
+    )
+
+    def run(pruning):
+        options = RuntimeOptions(num_pages=160, page_size=4, pruning=pruning)
+        outs = generate_ids(
+            model.weights, model.config, model.tokenizer, prompts, settings, options
+        )
+        for prompt, out in zip(prompts, outs, strict=True):
+            blocks = (len(prompt) + np.arange(len(out.token_ids) - 1)) // 4 + 1
+            entropy = np.asarray(out.entropy[:-1], np.float32)
+            expected = kept_block_count(kept_fraction(entropy, pruning), blocks, pruning, xp=np)
+            assert out.kept_blocks[:-1] == expected.tolist()
+        return [out.kept_blocks for out in outs]
+
+    first = run(PRUNED)
+    warm = backend_compiles[0]
+    assert run(ramp) != first  # the other numbers were read
+    assert backend_compiles[0] == warm

@@ -4,7 +4,7 @@ mixing with prefill, or preemption and recompute."""
 from __future__ import annotations
 
 from etjax.cache.page_allocator import pages_needed
-from etjax.engine.build import build_engine
+from etjax.engine.build import MIN_POOL_PAGES, build_engine, pool_pages
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 
 NEW = 48
@@ -19,7 +19,8 @@ def _run(model, prompts, options: RuntimeOptions, num_pages: int):
 def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, lee):
     prompts = [smollm2.tokenizer.encode(lee[i])[: 40 + 50 * i] for i in range(5)]
     needs = sorted(pages_needed(len(p) + NEW + 8, 16) for p in prompts)
-    reference, _ = _run(smollm2, prompts, RuntimeOptions(max_batch_size=8), 1 + sum(needs))
+    reference, _ = _run(smollm2, prompts, RuntimeOptions(max_batch_size=8), MIN_POOL_PAGES)
+    assert sum(needs) < MIN_POOL_PAGES  # every request resident at once
     reference = [o.token_ids for o in reference]
     # Two batch slots rotating over four resident sequences, in a pool that holds the largest
     # request with 4 pages to spare: sequences change batch partners every round, and the
@@ -41,10 +42,11 @@ def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
     # only under pruning), and every row's tokens equal those it gets alone.
     document = smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:3000]
     prompts = [document] + [smollm2.tokenizer.encode(lee[20 + i])[:40] for i in range(3)]
-    pages = 1 + sum(pages_needed(len(p) + NEW + 8, 16) for p in prompts)
-    outputs, engine = _run(smollm2, prompts, RuntimeOptions(max_batch_size=4), pages)
+    options = RuntimeOptions(max_batch_size=4)
+    # The pool decode() would size for them (all four at once).
+    pages = pool_pages([pages_needed(len(p) + NEW + 8, 16) for p in prompts], options)
+    outputs, engine = _run(smollm2, prompts, options, pages)
     batched = [o.token_ids for o in outputs]
     assert engine.decode_bursts == engine.decode_rounds
-    options = RuntimeOptions(max_batch_size=4)
     alone = [_run(smollm2, [p], options, pages)[0][0].token_ids for p in prompts]
     assert batched == alone

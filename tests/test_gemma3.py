@@ -108,12 +108,13 @@ def test_tiny_gemma3_converted_checkpoint_restores_the_same_model(tiny_gemma3_di
 def _greedy(model_dir, prompts, pruning, new_tokens=16):
     # The engine with ragged prefill in 16-token chunks (mixed steps) and decode bursts.
     import etjax
-    from etjax.engine.build import build_engine
+    from etjax.engine.build import MIN_POOL_PAGES, build_engine
     from etjax.runtime.options import RuntimeOptions
 
     model = etjax.load_model(model_dir)
     options = RuntimeOptions(page_size=4, prefill_chunk=16, steps_per_sync=4, pruning=pruning)
-    engine = build_engine(model.weights, model.config, model.tokenizer, options, 128)
+    pool = MIN_POOL_PAGES  # as decode() sizes it: the programs other tests compiled
+    engine = build_engine(model.weights, model.config, model.tokenizer, options, pool)
     settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
     return engine.generate(prompts, settings)
 

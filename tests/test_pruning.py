@@ -118,9 +118,12 @@ def test_recently_hot_blocks_rank_before_better_bounds():
     # before 1 and 2 despite their lower bounds.
     kept, _ = select_blocks(scores, jnp.asarray([6]), jnp.asarray([4]), cfg, 4, mass)
     assert set(np.asarray(kept)[0, 0]) == {0, 5, 3, 4}
+    # Threshold 0: the step is compiled to rank by bounds alone (pruned attention passes no
+    # mass), whatever mass the blocks drew.
     bounds_only = dataclasses.replace(cfg, mass_threshold=0.0)
-    plain, _ = select_blocks(scores, jnp.asarray([6]), jnp.asarray([4]), bounds_only, 4, mass)
-    assert set(np.asarray(plain)[0, 0]) == {0, 5, 1, 2}  # threshold 0: bounds only
+    assert cfg.shape().ranks_by_mass and not bounds_only.shape().ranks_by_mass
+    plain, _ = select_blocks(scores, jnp.asarray([6]), jnp.asarray([4]), bounds_only, 4, None)
+    assert set(np.asarray(plain)[0, 0]) == {0, 5, 1, 2}
 
 
 def test_mass_memory_stores_real_observations_and_forgets_reused_pages():

@@ -21,7 +21,7 @@ from etjax.drafting.rule import (
     verification_pays,
     wanted_length,
 )
-from etjax.engine.build import build_engine
+from etjax.engine.build import MIN_POOL_PAGES, build_engine
 from etjax.errors import ConfigError
 from etjax.run_config import load_run_config
 from etjax.runtime.options import RequestSettings, RuntimeOptions
@@ -36,7 +36,7 @@ SPEC = SpeculationConfig(enabled=True, **EAGER)
 
 def _generate(model, prompts, settings, speculation, **engine):
     options = RuntimeOptions(speculation=speculation, **engine)
-    built = build_engine(model.weights, model.config, model.tokenizer, options, 256)
+    built = build_engine(model.weights, model.config, model.tokenizer, options, MIN_POOL_PAGES)
     return built.generate(prompts, settings)
 
 
@@ -164,7 +164,7 @@ def test_rollback_leaves_the_cache_and_allocator_as_a_plain_run(tiny_hf_dir, mon
 
     def run(speculation):
         options = dataclasses.replace(engine_options, speculation=speculation)
-        engine = build_engine(tiny.weights, tiny.config, tiny.tokenizer, options, 64)
+        engine = build_engine(tiny.weights, tiny.config, tiny.tokenizer, options, MIN_POOL_PAGES)
         held, held_at = [], {}
         release, pick = engine._release, engine._pick_batch
 
@@ -180,7 +180,8 @@ def test_rollback_leaves_the_cache_and_allocator_as_a_plain_run(tiny_hf_dir, mon
         monkeypatch.setattr(engine, "_release", recording_release)
         monkeypatch.setattr(engine, "_pick_batch", recording_pick)
         (out,) = engine.generate([prompt], settings)
-        assert engine.allocator.num_free == 63  # everything back but the null page
+        # Everything back but the null page.
+        assert engine.allocator.num_free == MIN_POOL_PAGES - 1
         return out, jax.device_get(engine.backend.cache), held, held_at
 
     plain, plain_cache, plain_pages, plain_held = run(SpeculationConfig())

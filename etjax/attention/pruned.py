@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from etjax.cache.kv_cache import PagePool
 from etjax.pruning.block_scores import block_upper_bounds, remember_mass
-from etjax.pruning.config import PruningConfig
+from etjax.pruning.config import PruningShape, PruningThresholds
 from etjax.pruning.selection import select_blocks
 from pallas_kernels.block_sparse import block_sparse_attention_xla
 
@@ -32,24 +32,30 @@ def pruned_decode_attention(
     real: jax.Array,
     page_table: jax.Array,
     budget_blocks: jax.Array,
-    pruning: PruningConfig,
+    pruning: PruningShape,
+    thresholds: PruningThresholds,
     max_kept: int,
     backend: str = "xla",
 ) -> tuple[jax.Array, PagePool]:
     """q: [B, H, hd], one decode token per row at `position` [B] (its key already written);
     real: [B] bool rows whose token is real; page_table: [B, P] the rows' pages as pool pages
     (this layer's); budget_blocks: [B] int32
-    blocks each row may read; max_kept: static width of the kept table; backend: "xla",
+    blocks each row may read; pruning, thresholds: the static settings and the traced numbers
+    of the selection (etjax/pruning/config.py); max_kept: static width of the kept table;
+    backend: "xla",
     "pallas_tpu" or "pallas_gpu" (etjax/attention/seam.py). Returns [B, H, hd] and the pool
     with the remembered block mass updated."""
     page_size = pool.k.shape[2]
     lengths = position + 1
     num_blocks = (lengths + page_size - 1) // page_size
     scores, last_mass = _score_pages(q, pool, page_table, num_blocks, pruning.share_heads)
-    kept, counts = select_blocks(scores, num_blocks, budget_blocks, pruning, max_kept, last_mass)
+    ranking_mass = last_mass if pruning.ranks_by_mass else None
+    kept, counts = select_blocks(
+        scores, num_blocks, budget_blocks, thresholds, max_kept, ranking_mass
+    )
     kernel = _block_sparse_kernel(backend)
     out, mass = kernel(q, pool.k, pool.v, page_table, kept, counts, lengths)
-    if pruning.mass_threshold > 0:
+    if pruning.ranks_by_mass:
         physical = jnp.take_along_axis(page_table[:, None, :], kept, axis=2)
         pool = pool.replace(block_mass=remember_mass(pool.block_mass, physical, mass, counts, real))
     return out, pool

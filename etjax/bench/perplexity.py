@@ -53,7 +53,11 @@ def _teacher_forced(weights, cache, logits, tokens, start, table, plan, cfg, pru
                 kept_block_count(kept_fraction(signal, pruning), blocks, pruning), max_kept
             )
             sparse = SparsePlan(
-                budget_blocks=kept, page_table=table, pruning=pruning, max_kept=max_kept
+                budget_blocks=kept,
+                page_table=table,
+                thresholds=pruning.thresholds(),  # constants of this program
+                pruning=pruning.shape(),
+                max_kept=max_kept,
             )
         else:
             kept, sparse = blocks, None

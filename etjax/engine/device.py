@@ -85,6 +85,13 @@ class DeviceBackend:
         # Rows whose context is done: the logits of their last step [Sp, V] and their index.
         self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self.prefill_rows = batch_bucket(options.max_prefill_rows)  # chunks per step, padded
+        # Pruning as the step programs take it: what shapes them (static), and the thresholds
+        # (traced, so engines that differ only in them share the programs), on the device once.
+        self.pruning = options.pruning.shape()
+        self.thresholds = jax.device_put(
+            options.pruning.thresholds(),
+            None if self.placement is None else self.placement.replicated,
+        )
         self.attention_backend = resolve_backend(options.attention_backend)
         # The longest page list a sequence can have: the model's context or the pool.
         self.max_seq_pages = min(
@@ -197,7 +204,8 @@ class DeviceBackend:
             cfg,
             self.cost,
             table,
-            opts.pruning,
+            self.pruning,
+            self.thresholds,
             max_kept,
             self.placement,
             self.attention_backend,
@@ -358,7 +366,8 @@ class DeviceBackend:
             self.cfg,
             self.cost,
             k,
-            opts.pruning,
+            self.pruning,
+            self.thresholds,
             max_kept,
             self.placement,
             plan,

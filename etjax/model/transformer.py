@@ -29,7 +29,7 @@ from etjax.model.config import ModelConfig
 from etjax.model.families import family
 from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies
 from etjax.model.weights import Weights
-from etjax.pruning.config import PruningConfig
+from etjax.pruning.config import PruningShape, PruningThresholds
 
 
 def forward(
@@ -122,11 +122,13 @@ def forward(
 
 @flax.struct.dataclass
 class SparsePlan:
-    """How a decode step prunes attention: per-row block budgets and the static settings."""
+    """How a decode step prunes attention: per-row block budgets, the static settings and the
+    traced thresholds."""
 
     budget_blocks: jax.Array  # [B] int32 blocks each row may read (all layers and KV heads)
     page_table: jax.Array  # [B, P] int32 pages of each row's sequence
-    pruning: PruningConfig = flax.struct.field(pytree_node=False)
+    thresholds: PruningThresholds
+    pruning: PruningShape = flax.struct.field(pytree_node=False)
     max_kept: int = flax.struct.field(pytree_node=False)  # static width of the kept table
     backend: str = flax.struct.field(pytree_node=False, default="xla")  # the kernel
     # [B] int32 flat index of each row's token in a ragged step (out of range for padding
@@ -204,6 +206,7 @@ def _pruned_attention(
         sparse.page_table + first_page,
         sparse.budget_blocks,
         sparse.pruning,
+        sparse.thresholds,
         sparse.max_kept,
         sparse.backend,
     )

@@ -6,24 +6,26 @@ import jax
 import jax.numpy as jnp
 
 from etjax.entropy.estimators import tail_bounds
-from etjax.pruning.config import PruningConfig
+from etjax.pruning.config import PruningConfig, PruningShape, PruningThresholds
 
 
-def budget_entropy(logits: jax.Array, exact: jax.Array, cfg: PruningConfig) -> jax.Array:
+def budget_entropy(
+    logits: jax.Array, exact: jax.Array, cfg: PruningConfig | PruningShape
+) -> jax.Array:
     """The entropy [B] the budget follows: `exact` [B] as given, or the tail upper bound."""
     if cfg.signal == "exact":
         return exact
     return tail_bounds(logits, cfg.estimator_k)[1]
 
 
-def kept_fraction(entropy: jax.Array, cfg: PruningConfig) -> jax.Array:
+def kept_fraction(entropy: jax.Array, cfg: PruningConfig | PruningThresholds) -> jax.Array:
     """Fraction [B] of blocks to keep, monotone nondecreasing in the entropy [B] (nats)."""
     ramp = (entropy - cfg.entropy_low) / (cfg.entropy_high - cfg.entropy_low)
     return cfg.min_fraction + (1.0 - cfg.min_fraction) * jnp.clip(ramp, 0.0, 1.0)
 
 
 def kept_block_count(
-    fraction: jax.Array, num_blocks: jax.Array, cfg: PruningConfig, xp=jnp
+    fraction: jax.Array, num_blocks: jax.Array, cfg: PruningConfig | PruningThresholds, xp=jnp
 ) -> jax.Array:
     """Blocks [B] int32 to keep out of `num_blocks` [B]: the fraction, rounded up, with floors.
 
@@ -32,5 +34,5 @@ def kept_block_count(
     eager jnp calls would compile a small program for every new batch size.
     """
     wanted = xp.ceil(fraction * num_blocks).astype(xp.int32)
-    floor = max(cfg.min_blocks, cfg.sink_blocks + cfg.recent_blocks)
+    floor = xp.maximum(cfg.min_blocks, cfg.sink_blocks + cfg.recent_blocks)
     return xp.minimum(xp.maximum(wanted, floor), num_blocks)

@@ -1,15 +1,24 @@
-"""`PruningConfig`: how the attention budget follows the entropy signal."""
+"""`PruningConfig`: how the attention budget follows the entropy signal.
+
+The step programs take it in two parts: `PruningShape`, what changes the program (static), and
+`PruningThresholds`, its numbers (traced), so engines and tests that differ only in thresholds
+run the same compiled programs.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import flax.struct
+import jax
+import numpy as np
 
 SIGNALS = ("exact", "upper_bound")
 
 
 @dataclass(frozen=True)
 class PruningConfig:
-    """Settings of entropic attention pruning (static: part of the compiled step).
+    """Settings of entropic attention pruning.
 
     The kept fraction of a sequence's blocks is a monotone function of the model entropy H of
     its previous step (`signal`):
@@ -68,3 +77,56 @@ class PruningConfig:
             raise ValueError(f"signal={self.signal!r}; must be one of {SIGNALS}")
         if not 0 <= self.mass_threshold <= 1:
             raise ValueError(f"mass_threshold={self.mass_threshold}; must be in [0, 1]")
+
+    @property
+    def ranks_by_mass(self) -> bool:
+        """Whether recently hot blocks rank first (and the mass each read draws is kept)."""
+        return self.mass_threshold > 0
+
+    def shape(self) -> PruningShape:
+        """The settings a step program is compiled for."""
+        return PruningShape(
+            enabled=self.enabled,
+            signal=self.signal,
+            estimator_k=self.estimator_k,
+            share_heads=self.share_heads,
+            ranks_by_mass=self.ranks_by_mass,
+        )
+
+    def thresholds(self) -> PruningThresholds:
+        """The numbers a step program reads at run time (host scalars)."""
+        return PruningThresholds(
+            min_fraction=np.float32(self.min_fraction),
+            entropy_low=np.float32(self.entropy_low),
+            entropy_high=np.float32(self.entropy_high),
+            sink_blocks=np.int32(self.sink_blocks),
+            recent_blocks=np.int32(self.recent_blocks),
+            min_blocks=np.int32(self.min_blocks),
+            mass_threshold=np.float32(self.mass_threshold),
+        )
+
+
+@dataclass(frozen=True)
+class PruningShape:
+    """The part of a `PruningConfig` that shapes a compiled step: a static argument."""
+
+    enabled: bool
+    signal: str
+    estimator_k: int
+    share_heads: bool
+    ranks_by_mass: bool
+
+
+@flax.struct.dataclass
+class PruningThresholds:
+    """The numbers of a `PruningConfig`, traced in the step programs (scalars; the meanings
+    are the config's). `kept_fraction`, `kept_block_count` and `select_blocks` read these
+    fields by name, so they take a `PruningConfig` as well (on the host, or as constants)."""
+
+    min_fraction: jax.Array
+    entropy_low: jax.Array
+    entropy_high: jax.Array
+    sink_blocks: jax.Array
+    recent_blocks: jax.Array
+    min_blocks: jax.Array
+    mass_threshold: jax.Array

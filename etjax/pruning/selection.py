@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from etjax.pruning.config import PruningConfig
+from etjax.pruning.config import PruningConfig, PruningThresholds
 
 # Added to the score of a block that drew at least `mass_threshold` when last read, so such
 # blocks rank after the forced ones and before the rest. Scaled attention logits (and their
@@ -18,12 +18,13 @@ def select_blocks(
     scores: jax.Array,
     num_blocks: jax.Array,
     budget: jax.Array,
-    cfg: PruningConfig,
+    cfg: PruningConfig | PruningThresholds,
     max_kept: int,
     last_mass: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Pick the kept blocks: sinks and the recent window always, then recently hot blocks (if
-    `cfg.mass_threshold`), then the highest scores.
+    """Pick the kept blocks: sinks and the recent window always, then recently hot blocks
+    (those whose `last_mass` reached `cfg.mass_threshold`; None ranks by the scores alone),
+    then the highest scores.
 
     scores: [B, S, P] float32 with S = KVH (per-head selection) or 1 (shared by the heads);
     num_blocks: [B] blocks holding the sequence; budget: [B] blocks to keep (from
@@ -35,7 +36,7 @@ def select_blocks(
     block = jnp.arange(p)[None, None, :]
     n = num_blocks[:, None, None]
     forced = (block < cfg.sink_blocks) | ((block >= n - cfg.recent_blocks) & (block < n))
-    if cfg.mass_threshold > 0 and last_mass is not None:
+    if last_mass is not None:
         scores = jnp.where(last_mass >= cfg.mass_threshold, scores + _RECENTLY_HOT, scores)
     ranked = jnp.where(forced, jnp.inf, jnp.where(block < n, scores, -jnp.inf))
     _, order = jax.lax.top_k(ranked, min(max_kept, p))

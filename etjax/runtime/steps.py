@@ -35,13 +35,13 @@ from etjax.model.config import ModelConfig
 from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.model.weights import Weights
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
-from etjax.pruning.config import PruningConfig
+from etjax.pruning.config import PruningConfig, PruningShape, PruningThresholds
 from etjax.runtime.commit import commit_tokens, finishes, sample_rows
 from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.verify import accept_drafts
 
-DENSE = PruningConfig()  # pruning disabled: every block of the context is read
+DENSE = PruningConfig().shape()  # pruning disabled: every block of the context is read
 
 
 @flax.struct.dataclass
@@ -82,7 +82,8 @@ def mixed_step(
     cfg: ModelConfig,
     cost: CostModel,
     page_table: jax.Array | None = None,
-    pruning: PruningConfig = DENSE,
+    pruning: PruningShape = DENSE,
+    thresholds: PruningThresholds | None = None,
     max_kept: int = 0,
     placement: Placement | None = None,
     attention_backend: str = "xla",
@@ -98,7 +99,8 @@ def mixed_step(
     (etjax/runtime/rollback.py).
 
     Dense, `plan` holds every token's attention work. With `pruning.enabled`, the rows'
-    tokens attend to the blocks their budgets keep (as in `decode_steps`), scored over their
+    tokens attend to the blocks their budgets keep under `thresholds` (traced: engines that
+    differ in thresholds share the program; as in `decode_steps`), scored over their
     whole page tables `page_table` [Bm, W], and `plan` holds the chunks' work and that of
     the rows that verify drafts: those read their whole context, so their drafts are checked
     against the model itself, not against a pruned approximation of it.
@@ -143,6 +145,7 @@ def mixed_step(
             cfg,
             cost,
             pruning,
+            thresholds,
             max_kept,
             run_model,
             attention_backend,
@@ -225,7 +228,8 @@ def decode_steps(
     cfg: ModelConfig,
     cost: CostModel,
     num_steps: int,
-    pruning: PruningConfig = DENSE,
+    pruning: PruningShape = DENSE,
+    thresholds: PruningThresholds | None = None,
     max_kept: int = 0,
     placement: Placement | None = None,
     plan: AttentionPlan | None = None,
@@ -238,7 +242,8 @@ def decode_steps(
     the block selection; dense, just the pages the burst writes to. A row finishes when it
     samples an eos id (unless `stop_on_eos` is off) or reaches its `max_new_tokens`; a
     finished row is not run again. With `pruning.enabled`, the forward pass of a token reads
-    at most `max_kept` blocks per layer (and KV head), and as many as the entropy of the
+    at most `max_kept` blocks per layer (and KV head), and as many as `thresholds` and the
+    entropy of the
     distribution the token was drawn from allows (the budget of step t comes from what step
     t - 1 computed). `plan`: the dense attention work of the burst, one decode token per row
     with items up to each row's length after the burst (etjax/attention); required unless
@@ -272,7 +277,15 @@ def decode_steps(
                 )
 
             state, cache, outputs = _decode_step(
-                weights, state, cfg, cost, pruning, max_kept, run_model, attention_backend
+                weights,
+                state,
+                cfg,
+                cost,
+                pruning,
+                thresholds,
+                max_kept,
+                run_model,
+                attention_backend,
             )
             return (state, cache), outputs
 
@@ -286,7 +299,16 @@ def decode_steps(
 
 
 def _decode_step(
-    weights, state, cfg, cost, pruning, max_kept, run_model, backend="xla", dense_rows=None
+    weights,
+    state,
+    cfg,
+    cost,
+    pruning,
+    thresholds,
+    max_kept,
+    run_model,
+    backend="xla",
+    dense_rows=None,
 ):
     # One step of every row of `state`: sample from its logits, run the model on the token
     # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache)`), account.
@@ -299,11 +321,12 @@ def _decode_step(
     num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
     if pruning.enabled:
         signal = budget_entropy(state.logits, info.model_entropy, pruning)
-        fraction = kept_fraction(signal, pruning)
-        kept = jnp.minimum(kept_block_count(fraction, num_blocks, pruning), max_kept)
+        fraction = kept_fraction(signal, thresholds)
+        kept = jnp.minimum(kept_block_count(fraction, num_blocks, thresholds), max_kept)
         sparse = SparsePlan(
             budget_blocks=kept,
             page_table=state.page_table,
+            thresholds=thresholds,
             pruning=pruning,
             max_kept=max_kept,
             backend=backend,
