@@ -1,7 +1,8 @@
-"""Read a model (config and weights) from a GGUF file with the `gguf` package.
+"""Read a model (config and weights) from a GGUF file.
 
 The file's `general.architecture` picks the family (etjax/model/families/), whose table names
-the tensors every leaf is built from; this module reads the config and finds the tensors.
+the tensors every leaf is built from; this module reads the config and finds the tensors. The
+header is read by `gguf_file.py`, the tensors dequantized by the `gguf` package.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from etjax.errors import ModelLoadError
 from etjax.loaders.assemble import SourceTensor, assemble_weights
+from etjax.loaders.gguf_file import GGUFFile, read_gguf
 from etjax.model.config import ModelConfig
 from etjax.model.families import gguf_architectures
 from etjax.model.leaves import Part
@@ -28,41 +30,40 @@ from etjax.model.weights import MODEL_LEAVES, Weights
 # Q4/Q5/Q8 blocks and the K-quants); the rest (Q8_1, Q8_K, integer tensors) are refused by name.
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Open a GGUF file, turning a missing or corrupt file into a `ModelLoadError`."""
+def open_gguf(path: Path) -> GGUFFile:
+    """Read a GGUF file's header, turning a missing or corrupt file into a `ModelLoadError`."""
     if not path.is_file():
         raise ModelLoadError(f"{path}: GGUF file not found")
     try:
-        return GGUFReader(path)
-    except Exception as e:  # the reader raises ValueError, struct.error, IndexError, ...
+        return read_gguf(path)
+    except (OSError, ValueError) as e:
         raise ModelLoadError(
             f"{path}: not a readable GGUF file ({type(e).__name__}: {e})"
         ) from None
 
 
-def gguf_field(reader: GGUFReader, key: str, default: Any = ...) -> Any:
+def gguf_field(reader: GGUFFile, key: str, default: Any = ...) -> Any:
     """The value of metadata field `key`, or `default`; errors name the file and the key."""
-    field = reader.fields.get(key)
-    if field is None:
+    if key not in reader.fields:
         if default is ...:
-            raise ModelLoadError(f"{reader.data.filename}: metadata field {key!r} is missing")
+            raise ModelLoadError(f"{reader.path}: metadata field {key!r} is missing")
         return default
-    return field.contents()
+    return reader.fields[key]
 
 
-def gguf_model_config(reader: GGUFReader, dtype: str) -> ModelConfig:
+def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
     """Build the `ModelConfig` from the `{arch}.*` metadata of a GGUF file."""
     arch = gguf_field(reader, "general.architecture")
     families = gguf_architectures()
     if arch not in families:
         raise ModelLoadError(
-            f"{reader.data.filename}: general.architecture={arch!r} is not supported; "
+            f"{reader.path}: general.architecture={arch!r} is not supported; "
             f"allowed: {tuple(families)}"
         )
     fam = families[arch]
     if "rope_freqs.weight" in {t.name for t in reader.tensors}:
         raise ModelLoadError(
-            f"{reader.data.filename}: per-frequency RoPE factors (rope_freqs, Llama 3.1 scaling) "
+            f"{reader.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1 scaling) "
             "are not supported in GGUF; load the Hugging Face directory of the model instead"
         )
     num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
@@ -101,15 +102,13 @@ def gguf_model_config(reader: GGUFReader, dtype: str) -> ModelConfig:
     )
 
 
-def _gemma3_window(reader: GGUFReader, arch: str, num_layers: int, head_dim: int) -> dict:
+def _gemma3_window(reader: GGUFFile, arch: str, num_layers: int, head_dim: int) -> dict:
     # llama.cpp's Gemma 3: every sixth layer is global, the others see the last
     # `attention.sliding_window` positions and rotate with base 10000 (not stored in the file,
     # as transformers assumes too); the query scale is head_dim ** -0.5.
     pattern = int(gguf_field(reader, f"{arch}.attention.sliding_window_pattern", 6))
     if gguf_field(reader, f"{arch}.final_logit_softcapping", None) is not None:
-        raise ModelLoadError(
-            f"{reader.data.filename}: {arch}.final_logit_softcapping is not supported"
-        )
+        raise ModelLoadError(f"{reader.path}: {arch}.final_logit_softcapping is not supported")
     return dict(
         sliding_window=int(gguf_field(reader, f"{arch}.attention.sliding_window")),
         local_layers=tuple(i for i in range(num_layers) if (i + 1) % pattern),
@@ -118,11 +117,11 @@ def _gemma3_window(reader: GGUFReader, arch: str, num_layers: int, head_dim: int
     )
 
 
-def _vocab_size(reader: GGUFReader, arch: str) -> int:
+def _vocab_size(reader: GGUFFile, arch: str) -> int:
     size = gguf_field(reader, f"{arch}.vocab_size", None)
     if size is not None:
         return int(size)
-    return len(reader.fields["tokenizer.ggml.tokens"].data)
+    return len(gguf_field(reader, "tokenizer.ggml.tokens"))
 
 
 @dataclass(frozen=True)
@@ -138,28 +137,27 @@ class _StoredTensor:
 class GGUFTensors:
     """Where each tensor of a GGUF file lies: enough to read the weights without the reader.
 
-    A `GGUFReader` parses every metadata field into numpy views, about 150 MB for a 49k-token
-    vocabulary; dropping it once the config and tokenizer are read keeps that memory off the
-    weights' peak.
+    The metadata (a vocabulary of Python strings, tens of MB for 262k tokens) can be dropped
+    once the config and tokenizer are read, keeping it off the weights' peak.
     """
 
     path: Path
     stored: dict[str, _StoredTensor]
 
 
-def gguf_tensors(reader: GGUFReader) -> GGUFTensors:
-    """The tensor table of an open GGUF file (names, types, shapes, offsets)."""
+def gguf_tensors(reader: GGUFFile) -> GGUFTensors:
+    """The tensor table of a GGUF file (names, types, shapes, offsets)."""
     stored = {
         t.name: _StoredTensor(
             tensor_type=t.tensor_type,
-            shape=tuple(int(n) for n in reversed(t.shape)),
-            offset=int(t.data_offset),
-            data_dtype=t.data.dtype,
-            data_shape=tuple(t.data.shape),
+            shape=tuple(reversed(t.dims)),
+            offset=t.data_offset,
+            data_dtype=t.data_dtype,
+            data_shape=t.data_shape,
         )
         for t in reader.tensors
     }
-    return GGUFTensors(path=Path(reader.data.filename), stored=stored)
+    return GGUFTensors(path=reader.path, stored=stored)
 
 
 def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:

@@ -47,6 +47,7 @@ from tokenizers import AddedToken, decoders, processors
 from tokenizers.models import BPE
 
 from etjax.errors import TokenizerError
+from etjax.loaders.gguf_file import GGUFFile, read_gguf
 from etjax.tokenizer.chat_template import ChatTemplate
 from etjax.tokenizer.gguf_bpe import gguf_bpe_family
 
@@ -209,29 +210,36 @@ class Tokenizer:
     # ----------------------------------------------------------------------------- loaders
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike[str] | GGUFReader) -> Tokenizer:
+    def from_gguf(cls, path: str | os.PathLike[str] | GGUFFile | GGUFReader) -> Tokenizer:
         """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
 
-        Accepts a path or an open ``gguf.GGUFReader``. Byte-level BPE vocabularies
+        Accepts a path, a header already read (`etjax.loaders.gguf_file.read_gguf`) or an
+        open ``gguf.GGUFReader``. Byte-level BPE vocabularies
         (``tokenizer.ggml.model == "gpt2"``) and Gemma's SentencePiece ones (``"llama"``) are
         supported. Returns a Tokenizer whose ids match transformers' for the same file; raises
         TokenizerError naming the file and the field at fault.
         """
         if isinstance(path, GGUFReader):
-            reader = path
-            where = str(getattr(getattr(path, "data", None), "filename", None) or "GGUF file")
+            return cls._from_gguf_reader(path)
+        if isinstance(path, GGUFFile):
+            header = path
         else:
             where = os.fspath(path)
             if not Path(where).is_file():
                 raise TokenizerError(f"GGUF file {where} does not exist")
             try:
-                reader = GGUFReader(where)
-            except Exception as exc:  # gguf raises ValueError/struct.error/... on corrupt files
+                header = read_gguf(where)
+            except (OSError, ValueError) as exc:  # names the field or offset at fault
                 raise TokenizerError(f"{where} is not a readable GGUF file: {exc}") from exc
+        metadata = {k: v for k, v in header.fields.items() if _tokenizer_key(k)}
+        return cls.from_gguf_metadata(metadata, source=str(header.path))
+
+    @classmethod
+    def _from_gguf_reader(cls, reader: GGUFReader) -> Tokenizer:
+        where = str(getattr(getattr(reader, "data", None), "filename", None) or "GGUF file")
         metadata = {}
         for key, field in reader.fields.items():
-            # SentencePiece vocabularies are built by architecture, as transformers builds them.
-            if key.startswith("tokenizer.") or key == "general.architecture":
+            if _tokenizer_key(key):
                 try:
                     metadata[key] = field.contents()
                 except Exception as exc:  # undecodable strings or malformed arrays
@@ -746,3 +754,8 @@ def _hf_chat_template(root: Path, config: Mapping[str, Any]) -> tuple[str | None
             f"{origin} lists templates {sorted(named)} but none named 'default' holding a string"
         )
     raise TokenizerError(f"{origin} must be a string or a list of {{name, template}} objects")
+
+
+def _tokenizer_key(key: str) -> bool:
+    # SentencePiece vocabularies are built by architecture, as transformers builds them.
+    return key.startswith("tokenizer.") or key == "general.architecture"
