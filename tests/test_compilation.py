@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -31,20 +33,24 @@ def test_no_recompilation_after_warmup(
     tiny_hf_dir, backend_compiles, page_size, num_pages, pruning
 ):
     # Pruned: pages of 4, so the rows' page counts (3 to 16) and kept counts differ between
-    # the runs; neither may shape a program.
+    # the runs; neither may shape a program, nor may the pruning thresholds.
     model = etjax.load_model(tiny_hf_dir("llama"))
     rng = np.random.default_rng(0)
 
-    # A fixed pool: the shapes under test are those the prompts and budgets set.
-    options = RuntimeOptions(num_pages=num_pages, page_size=page_size, pruning=pruning)
-
-    def run(lengths: list[int], max_new: list[int]) -> None:
+    def run(lengths: list[int], max_new: list[int], pruning: PruningConfig = pruning) -> None:
+        # A fixed pool: the shapes under test are those the prompts and budgets set.
+        options = RuntimeOptions(num_pages=num_pages, page_size=page_size, pruning=pruning)
         prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in lengths]
         settings = [
             RequestSettings(max_new_tokens=m, sampler=SamplerSettings(temperature=0.7))
             for m in max_new
         ]
-        generate_ids(model.weights, model.config, model.tokenizer, prompts, settings, options)
+        outs = generate_ids(
+            model.weights, model.config, model.tokenizer, prompts, settings, options
+        )
+        if pruning.enabled:  # each row read the blocks its thresholds give, token by token
+            for prompt, out in zip(prompts, outs, strict=True):
+                assert out.kept_blocks[:-1] == _kept_by_hand(len(prompt), out, pruning, page_size)
 
     # Warm-up: the four prompts are prefilled as one flat batch of 73 tokens (bucket 128), and
     # finish one by one, so decode batches of 4, 3 (bucket 4), 2 and 1 rows all run.
@@ -55,46 +61,32 @@ def test_no_recompilation_after_warmup(
     # prefill's by total tokens, 81 and 71; attention plans by the pool, not the lengths).
     run([27, 25, 18, 11], max_new=[30, 12, 6, 20])
     run([12, 25, 31, 3], max_new=[13, 13, 13, 13])
-    # Longer contexts than any warm-up row (up to 100 tokens, 25 pages of 4), the same buckets.
-    run([60, 30, 20, 10], max_new=[40, 8, 8, 8])
-    assert backend_compiles[0] == warm
-
-
-def test_pruning_thresholds_are_read_at_run_time_not_compiled_in(tiny_hf_dir, backend_compiles):
-    # Two engines whose pruning differs only in its numbers run the same programs, and each
-    # row reads the blocks its own thresholds give (the host's formula, per token).
-    import dataclasses
-
-    from etjax.pruning.budget import kept_block_count, kept_fraction
-
-    model = etjax.load_model(tiny_hf_dir("llama"))
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in (30, 21)]
-    settings = [RequestSettings(max_new_tokens=12, ignore_eos=True)] * 2
-    ramp = dataclasses.replace(
-        PRUNED,
+    # Longer contexts than any warm-up row (up to 100 tokens, 25 pages of 4), the same buckets;
+    # pruned, under other thresholds (traced, not compiled in) that keep other block counts.
+    other = dataclasses.replace(
+        pruning,
         min_fraction=0.25,
         entropy_low=0.0,
         entropy_high=40.0,
-        sink_blocks=1,
-        recent_blocks=1,
         min_blocks=1,
+        recent_blocks=1,
         mass_threshold=0.05,
     )
-
-    def run(pruning):
-        options = RuntimeOptions(num_pages=160, page_size=4, pruning=pruning)
-        outs = generate_ids(
-            model.weights, model.config, model.tokenizer, prompts, settings, options
-        )
-        for prompt, out in zip(prompts, outs, strict=True):
-            blocks = (len(prompt) + np.arange(len(out.token_ids) - 1)) // 4 + 1
-            entropy = np.asarray(out.entropy[:-1], np.float32)
-            expected = kept_block_count(kept_fraction(entropy, pruning), blocks, pruning, xp=np)
-            assert out.kept_blocks[:-1] == expected.tolist()
-        return [out.kept_blocks for out in outs]
-
-    first = run(PRUNED)
-    warm = backend_compiles[0]
-    assert run(ramp) != first  # the other numbers were read
+    run([60, 30, 20, 10], max_new=[40, 8, 8, 8], pruning=other if pruning.enabled else pruning)
     assert backend_compiles[0] == warm
+
+
+def _kept_by_hand(prompt_length: int, out, pruning: PruningConfig, page_size: int) -> list[int]:
+    # The budget of each token but the last (which is not run): the ramp of the entropy it
+    # was drawn from between the thresholds, of the blocks its context then fills, rounded up,
+    # with the floors (PruningConfig's docstring), in float32 as the step computes it.
+    blocks = (prompt_length + np.arange(len(out.token_ids) - 1)) // page_size + 1
+    entropy = np.asarray(out.entropy[:-1], np.float32)
+    ramp = (entropy - np.float32(pruning.entropy_low)) / np.float32(
+        pruning.entropy_high - pruning.entropy_low
+    )
+    low = np.float32(pruning.min_fraction)
+    fraction = low + (np.float32(1) - low) * np.clip(ramp, 0, 1)
+    floor = max(pruning.min_blocks, pruning.sink_blocks + pruning.recent_blocks)
+    wanted = np.ceil(fraction * blocks.astype(np.float32))
+    return np.minimum(np.maximum(wanted, floor), blocks).astype(int).tolist()
