@@ -112,7 +112,10 @@ class MockBackend:
         # Hand-computable: the weights plus every row read at the longest length.
         return self.weight_bytes + len(lengths) * max(lengths)
 
-    def decode(self, rows, pages, lengths, budgets):
+    def decode(self, rows, pages, lengths, budgets, tokens_left=None):
+        # The engine's bound on the burst's tokens is the mock's own count of what is left.
+        left = max(self.rows[r].max_new - self.rows[r].generated for r in rows)
+        assert tokens_left == left, f"tokens_left={tokens_left}; the rows have {left} to go"
         return self._decode(rows, pages, lengths, self.steps_per_sync)
 
     def _decode(self, rows, pages, lengths, k):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine.build import RequestSettings, RuntimeOptions, build_engine, generate_ids
 from etjax.pruning.config import PruningConfig
 from etjax.sampling import SamplerSettings
 from tests.compile_counter import counting_new_programs
@@ -53,7 +53,8 @@ def test_no_recompilation_after_warmup(
                 assert out.kept_blocks[:-1] == _kept_by_hand(len(prompt), out, pruning, page_size)
 
     # Warm-up: the four prompts are prefilled as one flat batch of 73 tokens (bucket 128), and
-    # finish one by one, so decode batches of 4, 3 (bucket 4), 2 and 1 rows all run.
+    # finish one by one, so decode batches of 4, 3, 2 and 1 rows all run (the short tails in
+    # the 4-row program: DeviceBackend.burst_rows).
     run([9, 20, 14, 30], max_new=[8, 16, 24, 32])
     warm = backend_compiles[0]
     assert warm > 0
@@ -90,3 +91,52 @@ def _kept_by_hand(prompt_length: int, out, pruning: PruningConfig, page_size: in
     floor = max(pruning.min_blocks, pruning.sink_blocks + pruning.recent_blocks)
     wanted = np.ceil(fraction * blocks.astype(np.float32))
     return np.minimum(np.maximum(wanted, floor), blocks).astype(int).tolist()
+
+
+def test_a_drained_batch_runs_its_short_tail_in_a_bucket_it_has(tiny_hf_dir, monkeypatch):
+    # Four rows that finish one burst apart: the tail of 3, 2 and 1 rows stays in the 4-row
+    # program (a few padded rows cost less than compiling a program per bucket), and each
+    # row's tokens are those it gets alone, in 1-row bursts.
+    import etjax.engine.device as device
+    from etjax.engine.device import PADDED_ROW_STEPS
+
+    model = etjax.load_model(tiny_hf_dir("llama"))
+    bursts = []  # (rows, padded rows) of each decode burst
+    decode, decode_steps = device.DeviceBackend.decode, device.decode_steps
+
+    def recording_decode(self, rows, *args):
+        bursts.append([len(rows)])
+        return decode(self, rows, *args)
+
+    def recording_steps(weights, cache, store, rows, *args, **kwargs):
+        bursts[-1].append(len(rows))
+        return decode_steps(weights, cache, store, rows, *args, **kwargs)
+
+    monkeypatch.setattr(device.DeviceBackend, "decode", recording_decode)
+    monkeypatch.setattr(device, "decode_steps", recording_steps)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, model.config.vocab_size, size=n).tolist() for n in (5, 9, 7, 12)]
+    settings = [RequestSettings(max_new_tokens=m, ignore_eos=True) for m in (9, 17, 25, 33)]
+
+    def run(prompts, settings):
+        return generate_ids(model.weights, model.config, model.tokenizer, prompts, settings)
+
+    together = run(prompts, settings)
+    assert {rows for rows, _ in bursts} == {4, 3, 2, 1}
+    assert {padded for _, padded in bursts} == {4}
+    bursts.clear()
+    for prompt, setting, out in zip(prompts, settings, together, strict=True):
+        (alone,) = run([prompt], [setting])
+        assert out.token_ids == alone.token_ids
+    assert {padded for _, padded in bursts} == {1}
+
+    # By hand: a tail pads into the smallest bucket run so far while the padded row-steps
+    # stay within PADDED_ROW_STEPS; a longer tail gets its own bucket, kept from then on.
+    backend = build_engine(model.weights, model.config, model.tokenizer, RuntimeOptions()).backend
+    limit = PADDED_ROW_STEPS // 3
+    assert backend.burst_rows(4, None) == 4
+    assert backend.burst_rows(1, limit) == 4  # 3 padded rows x limit tokens
+    assert backend.burst_rows(1, limit + 1) == 1
+    assert backend.burst_rows(1, 5) == 1  # its own bucket exists now
+    assert backend.burst_rows(2, None) == 2  # unknown length: never padded
+    assert backend.burst_rows(3, 1000) == 4

@@ -40,16 +40,20 @@ def _generate(model, prompts, settings, speculation, **engine):
     return built.generate(prompts, settings)
 
 
-def _repetitive(tokenizer, lee) -> list[list[int]]:
+def _repetitive_texts(lee) -> list[str]:
     # A paragraph the model copies (drafts come from it), a verse it completes, and a prompt
     # with nothing to copy.
     paragraph = lee[3][:400]
     verse = "Twinkle, twinkle, little star, how I wonder what you are. "
     return [
-        tokenizer.encode(f"Text: {paragraph}\nCopy of the text: {' '.join(paragraph.split()[:4])}"),
-        tokenizer.encode(verse * 4 + "Twinkle, twinkle,"),
-        tokenizer.encode("The history of the river valley begins"),
+        f"Text: {paragraph}\nCopy of the text: {' '.join(paragraph.split()[:4])}",
+        verse * 4 + "Twinkle, twinkle,",
+        "The history of the river valley begins",
     ]
+
+
+def _repetitive(tokenizer, lee) -> list[list[int]]:
+    return [tokenizer.encode(text) for text in _repetitive_texts(lee)]
 
 
 def test_greedy_with_speculation_equals_greedy_without(smollm2, lee):
@@ -365,13 +369,13 @@ def test_decode_takes_speculation_and_names_bad_values(smollm2, lee):
     import etjax
     from etjax.errors import RequestError
 
-    paragraph = lee[3][:300]
-    prompt = f"Text: {paragraph}\nCopy of the text: {' '.join(paragraph.split()[:4])}"
+    # The prompts (and engine sizes) of the tests above: the programs they compiled.
+    texts = _repetitive_texts(lee)
     plain, spec = (
-        etjax.decode(prompt, model=smollm2, max_new_tokens=24, temperature=0, speculation=s)
+        etjax.decode(texts, model=smollm2, max_new_tokens=24, temperature=0, speculation=s)
         for s in (False, True)
     )
-    assert spec[0].token_ids == plain[0].token_ids
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     with pytest.raises(RequestError, match="speculation='yes'"):
         etjax.decode("x", model=smollm2, speculation="yes")
     with pytest.raises(RequestError, match="max_draft=9 needs steps_per_sync >= 10"):

@@ -60,9 +60,16 @@ class Backend(Protocol):
         token was committed), their next budget fractions, and each job's (FLOPs, bytes)."""
 
     def decode(
-        self, rows: list[int], pages: list[list[int]], lengths: list[int], budgets: list[float]
+        self,
+        rows: list[int],
+        pages: list[list[int]],
+        lengths: list[int],
+        budgets: list[float],
+        tokens_left: int | None = None,
     ) -> tuple[StepOutputs, np.ndarray]:
-        """A burst of decode steps; the outputs [K, len(rows)] and the next budget fractions."""
+        """A burst of decode steps; the outputs [K, len(rows)] and the next budget fractions.
+        `tokens_left`: the most tokens any of the rows may still produce (None: unknown), which
+        a device may use to choose the burst's padded shape."""
 
     def insert(self, row: int, init: RowInit) -> None:
         """Make `row` resident once its context is fully prefilled."""

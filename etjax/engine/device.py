@@ -50,6 +50,13 @@ from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import pack_sampler_params
 from pallas_kernels.ragged_attention import Segment
 
+# How many padded row-steps a drained batch may run in a larger row bucket it already has
+# rather than compile its own (`DeviceBackend.burst_rows`). Measured on SmolLM2 (AMD EPYC, 2
+# cores, benchmarks/burst_padding.py, docs/PERF.md): a padded row costs 0.05-0.18 of a one-row
+# step, and compiling a decode burst (2.6-3.1 s) as long as 665-2,890 padded row-steps; below
+# the smallest of those, padding never costs more than the compile it saves.
+PADDED_ROW_STEPS = 512
+
 
 class DeviceBackend:
     """The real device: SmolLM2 or any loaded model, on whatever JAX runs on."""
@@ -85,6 +92,7 @@ class DeviceBackend:
         # Rows whose context is done: the logits of their last step [Sp, V] and their index.
         self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self.prefill_rows = batch_bucket(options.max_prefill_rows)  # chunks per step, padded
+        self._burst_buckets: set[int] = set()  # row buckets of the bursts run so far
         # Pruning as the step programs take it: what shapes them (static), and the thresholds
         # (traced, so engines that differ only in them share the programs), on the device once.
         self.pruning = options.pruning.shape()
@@ -321,13 +329,19 @@ class DeviceBackend:
         return cost.weight_bytes + num * read * opts.page_size * cost.kv_bytes_per_key + scored
 
     def decode(
-        self, rows: list[int], pages: list[list[int]], lengths: list[int], budgets: list[float]
+        self,
+        rows: list[int],
+        pages: list[list[int]],
+        lengths: list[int],
+        budgets: list[float],
+        tokens_left: int | None = None,
     ) -> tuple[StepOutputs, np.ndarray]:
         """Run `steps_per_sync` steps on `rows`; returns the outputs [K, len(rows)] and each
-        row's budget fraction for its next step (host arrays)."""
+        row's budget fraction for its next step (host arrays). `tokens_left`: the most tokens
+        a row may still produce, for the choice of the burst's row bucket (`burst_rows`)."""
         opts = self.options
         k, ps = opts.steps_per_sync, opts.page_size
-        num = batch_bucket(len(rows))
+        num = self.burst_rows(len(rows), tokens_left)
         index = np.full(num, self.rows, np.int32)  # pad rows: the never-active last row
         index[: len(rows)] = rows
         max_kept, plan = 0, None
@@ -376,6 +390,20 @@ class DeviceBackend:
         out, budget = jax.device_get((out, self.store.entropy.budget))
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
         return out, np.asarray(budget)[index[: len(rows)]]
+
+    def burst_rows(self, num_rows: int, tokens_left: int | None) -> int:
+        """The padded rows of a burst over `num_rows` rows: their own bucket, or, when the
+        batch has drained below the buckets this backend already runs and few tokens are left,
+        the smallest of those that holds them. A new bucket is a new program, and compiling
+        it (seconds) costs more than the padded rows of a short tail (`PADDED_ROW_STEPS`)."""
+        own = batch_bucket(num_rows)
+        larger = [b for b in self._burst_buckets if b > own]
+        if own not in self._burst_buckets and larger and tokens_left is not None:
+            padded = min(larger)
+            if (padded - num_rows) * tokens_left <= PADDED_ROW_STEPS:
+                own = padded
+        self._burst_buckets.add(own)
+        return own
 
     def _pruned_tables(
         self, pages: list[list[int]], reach: list[int], budgets: list[float], num: int

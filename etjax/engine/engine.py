@@ -443,6 +443,7 @@ class Engine:
             [s.pages for s in batch],
             [s.length for s in batch],
             [s.budget for s in batch],
+            max(s.settings.max_new_tokens - len(s.output.token_ids) for s in batch),
         )
         elapsed = time.perf_counter() - started
         self.decode_bursts += 1
