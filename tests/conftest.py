@@ -14,7 +14,6 @@ from etjax.host_limits import current_map_count
 from tests import (
     hypothesis_profiles,  # noqa: F401  (loads the profile before any test)
     session_cache,
-    shared_gguf_readers,
 )
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -26,7 +25,6 @@ def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         session_cache.create()
     session_cache.use()
-    shared_gguf_readers.install()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
