@@ -7,7 +7,9 @@ tile (a static size):
   traced value) walks the item list `chunk` items at a time: each trip gathers its key tiles
   and query tokens, scores them, and folds its partial softmax into running per-tile
   accumulators (max, normaliser, weighted values) with scatters. A decode item is small, so
-  batching `chunk` of them per trip is what amortises the loop.
+  batching `chunk` of them per trip is what amortises the loop; a second loop takes the
+  items after the last full chunk `TAIL_CHUNK` at a time, so a few real items (one row over a
+  short context) do not pay for a whole chunk of padding.
 - Wide tiles (prefill chunks): an outer loop over the real query tiles and an inner loop over
   that tile's items, the accumulators of one tile carried in registers of the loop, so no trip
   scatters into or rescales the accumulators of the others. Each trip is one product of the
@@ -36,6 +38,12 @@ from pallas_kernels.ragged_attention.work_items import TilePass
 _MASKED = -1e30
 # Passes whose query tiles hold at least this many tokens run the tile loop.
 TILE_LOOP_MIN_QUERIES = 16
+# The one-token loop's items per trip after its full chunks. A trip costs about as much as an
+# item (~17 us each per layer on a 2-core Xeon), so the last partial chunk runs in trips of
+# this many: a batch-1 decode step over a short context (one real item) then pays for 4 items
+# per layer, not 16 (SmolLM2: 33 ms a step before, 27 ms after; its matrix products alone take
+# 24 ms. docs/PERF.md, "step_floor").
+TAIL_CHUNK = 4
 
 
 def ragged_attention_xla(
@@ -87,16 +95,16 @@ def _item_chunk_pass(
     positions = q_positions.at[tile_tokens].get(mode="fill", fill_value=-1)
     key_offsets = jnp.arange(kt * ps, dtype=jnp.int32)
 
-    def body(i, carry):
+    def trip(start, size, carry):
+        # Items [start, start + size) into the accumulators.
         best, norm, acc = carry  # [Nq, Qt, KVH, G], same, [Nq, Qt, KVH, G, hd]
-        start = i * chunk
-        tiles = jax.lax.dynamic_slice_in_dim(item_tile, start, chunk)
-        pages = jax.lax.dynamic_slice_in_dim(item_pages, start, chunk)
-        key_start = jax.lax.dynamic_slice_in_dim(item_key_start, start, chunk)
-        real = start + jnp.arange(chunk) < num_items
+        tiles = jax.lax.dynamic_slice_in_dim(item_tile, start, size)
+        pages = jax.lax.dynamic_slice_in_dim(item_pages, start, size)
+        key_start = jax.lax.dynamic_slice_in_dim(item_key_start, start, size)
+        real = start + jnp.arange(size) < num_items
         # [C, Kt, KVH, ps, hd] -> [C, KVH, Kt * ps, hd]
-        keys = k_pages[pages].transpose(0, 2, 1, 3, 4).reshape(chunk, kvh, kt * ps, hd)
-        values = v_pages[pages].transpose(0, 2, 1, 3, 4).reshape(chunk, kvh, kt * ps, hd)
+        keys = k_pages[pages].transpose(0, 2, 1, 3, 4).reshape(size, kvh, kt * ps, hd)
+        values = v_pages[pages].transpose(0, 2, 1, 3, 4).reshape(size, kvh, kt * ps, hd)
         key_pos = key_start[:, None] + key_offsets  # [C, Kt * ps]
         visible = visible_keys(key_pos[:, None, :], positions[tiles][:, :, None], window)
         visible = (visible & real[:, None, None])[:, :, None, None, :]
@@ -122,8 +130,15 @@ def _item_chunk_pass(
         jnp.zeros((nq, qt, kvh, g), jnp.float32),
         jnp.zeros((nq, qt, kvh, g, hd), jnp.float32),
     )
-    trips = (num_items + chunk - 1) // chunk
-    _, norm, acc = jax.lax.fori_loop(0, trips, body, init)
+    # Full chunks, then the rest in trips of TAIL_CHUNK (or of `chunk`, when smaller).
+    full = num_items // chunk
+    carry = jax.lax.fori_loop(0, full, lambda i, c: trip(i * chunk, chunk, c), init)
+    tail = min(TAIL_CHUNK, chunk)
+    if chunk % tail:
+        raise ValueError(f"the chunk {chunk} is not a multiple of the tail chunk {tail}")
+    rest = (num_items - full * chunk + tail - 1) // tail
+    carry = jax.lax.fori_loop(0, rest, lambda i, c: trip(full * chunk + i * tail, tail, c), carry)
+    _, norm, acc = carry
     out = acc / jnp.where(norm > 0, norm, 1.0)[..., None]
     return out.reshape(nq, qt, h, hd)
 
