@@ -25,10 +25,17 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
     # Two batch slots rotating over four resident sequences, in a pool that holds the largest
     # request with 4 pages to spare: sequences change batch partners every round, and the
     # short ones admitted together outgrow the pool, so some are preempted and recomputed.
+    # The pool is the default one with the rest of its pages taken before the run (a pool of
+    # that size would compile every program again for it).
     options = RuntimeOptions(
         max_batch_size=2, max_resident=4, min_advance_rounds=2, policy="entropic"
     )
-    outputs, engine = _run(smollm2, prompts, options, 1 + needs[-1] + 4)
+    engine = build_engine(
+        smollm2.weights, smollm2.config, smollm2.tokenizer, options, MIN_POOL_PAGES
+    )
+    aside = engine.allocator.allocate(engine.allocator.num_free - (needs[-1] + 4))
+    outputs = engine.generate(prompts, [RequestSettings(NEW, ignore_eos=True)] * len(prompts))
+    engine.allocator.free(aside)
     rotated = [o.token_ids for o in outputs]
     assert sum(o.metrics["preemptions"] for o in outputs) >= 1
     assert rotated == reference

@@ -50,42 +50,47 @@ def accept_drafts(
     distribution (an LM-head product over the batch) and sample cost nothing once every row
     has stopped.
     """
-    k = drafts.shape[1]
     ran = state.active & (draft_len > 0)  # rows whose drafts went through the model
-    carry = (state, state.active, jnp.zeros_like(draft_len))
-    outputs = []
-    for i in range(k):  # k is small and static: unrolled
 
-        def check(carry, i=i):
-            state, accepting, accepted = carry
-            tokens, info, sampler_state = sample_rows(state)
-            take = accepting & (i < draft_len) & (tokens == drafts[:, i])
-            num_blocks = (state.lengths + cost.page_size) // cost.page_size
-            keys = cost.layer_keys((num_blocks * cost.page_size).astype(jnp.float32))
-            flops = cost.matmul_flops_per_token + cost.attention_flops_per_key * keys
-            flops = jnp.where(take, flops, 0.0)
-            nbytes = jnp.where(take, cost.kv_bytes_per_key * keys, 0.0)  # weights: read once
-            state, out = commit_tokens(
-                state,
-                tokens,
-                info,
-                sampler_state,
-                take,
-                logits_from_hidden(weights, draft_hidden[:, i]),
-                jnp.ones_like(info.model_entropy),
-                num_blocks,
-                flops,
-                nbytes,
-            )
-            return (state, take & state.active, accepted + take), out
+    def check(carry, i):
+        state, accepting, accepted = carry
+        tokens, info, sampler_state = sample_rows(state)
+        draft = jax.lax.dynamic_index_in_dim(drafts, i, axis=1, keepdims=False)
+        take = accepting & (i < draft_len) & (tokens == draft)
+        num_blocks = (state.lengths + cost.page_size) // cost.page_size
+        keys = cost.layer_keys((num_blocks * cost.page_size).astype(jnp.float32))
+        flops = cost.matmul_flops_per_token + cost.attention_flops_per_key * keys
+        flops = jnp.where(take, flops, 0.0)
+        nbytes = jnp.where(take, cost.kv_bytes_per_key * keys, 0.0)  # weights: read once
+        hidden = jax.lax.dynamic_index_in_dim(draft_hidden, i, axis=1, keepdims=False)
+        state, out = commit_tokens(
+            state,
+            tokens,
+            info,
+            sampler_state,
+            take,
+            logits_from_hidden(weights, hidden),
+            jnp.ones_like(info.model_entropy),
+            num_blocks,
+            flops,
+            nbytes,
+        )
+        return (state, take & state.active, accepted + take), out
 
-        def skip(carry):
-            state, accepting, accepted = carry
-            return (state, jnp.zeros_like(accepting), accepted), _nothing(state)
+    def skip(carry, i):
+        del i
+        state, accepting, accepted = carry
+        return (state, jnp.zeros_like(accepting), accepted), _nothing(state)
 
+    def position(carry, i):
         pending = jnp.any(carry[1] & (i < draft_len))
-        carry, out = jax.lax.cond(pending, check, skip, carry)
-        outputs.append(out)
+        return jax.lax.cond(pending, check, skip, carry, i)
+
+    # A scan, not an unrolled loop: the sampler is the largest part of the program, and each
+    # unrolled position compiled a copy of it (a tiny model's step with 4 drafts took ~3 s to
+    # compile, most of it these copies).
+    carry = (state, state.active, jnp.zeros_like(draft_len))
+    carry, outputs = jax.lax.scan(position, carry, jnp.arange(drafts.shape[1]))
     state, _, accepted = carry
     # Rejected drafts still ran: their compute is the request's.
     rejected = jnp.where(ran, draft_len - accepted, 0).astype(jnp.float32)
@@ -98,7 +103,7 @@ def accept_drafts(
             cost_bytes=entropy.cost_bytes + rejected * cost.kv_bytes_per_key * keys,
         )
     )
-    return state, jax.tree.map(lambda *x: jnp.stack(x), *outputs)
+    return state, outputs
 
 
 def _nothing(state: DecodeState) -> StepOutputs:
