@@ -33,18 +33,28 @@ def replace_section(document: Path, name: str, markdown: str) -> None:
 
 
 def machine_line() -> str:
-    """Where the numbers come from: CPU model, core count, JAX version and backend."""
-    cpu = platform.processor() or platform.machine()
+    """Where the numbers come from: CPU model, the vector extensions that matter to XLA:CPU's
+    matrix products (AVX-512, AMX), core count, JAX version and backend."""
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        fields = dict(
+            line.split(":", 1)
+            for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
+            if ":" in line
+        )
+        fields = {key.strip(): value.strip() for key, value in fields.items()}
+        cpu = fields.get("model name", cpu)
+        flags = set(fields.get("flags", "").split())
     except OSError:
         pass
+    extensions = [
+        name
+        for name, flag in (("AVX2", "avx2"), ("AVX-512", "avx512f"), ("AMX", "amx_tile"))
+        if flag in flags
+    ]
     import jax
 
     return (
-        f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-        f"JAX {jax.__version__} ({jax.default_backend()})"
+        f"{cpu} ({', '.join(extensions) or 'no AVX2'}), {os.cpu_count()} cores, "
+        f"Python {platform.python_version()}, JAX {jax.__version__} ({jax.default_backend()})"
     )
