@@ -117,20 +117,24 @@ def _item_chunk_pass(
         key_pos = key_start[:, None] + key_offsets  # [C, Kt * ps]
         visible = visible_keys(key_pos[:, None, :], positions[tiles][:, :, None], window)
         visible = (visible & real[:, None, None])[:, :, None, None, :]
-        scores = jnp.einsum(
-            "cqkgd,cksd->cqkgs", queries[tiles], keys, preferred_element_type=jnp.float32
-        )
+        # Products with the (item, KV head) batch dimensions leading and a tile's queries
+        # (tokens x heads of the group) as rows, as XLA:CPU's fast batched-product path wants.
+        rows = queries[tiles].transpose(0, 2, 1, 3, 4).reshape(size, kvh, qt * g, hd)
+        scores = jnp.einsum("ckrd,cksd->ckrs", rows, keys, preferred_element_type=jnp.float32)
+        scores = scores.reshape(size, kvh, qt, g, -1).transpose(0, 2, 1, 3, 4)
         scores = jnp.where(visible, scores, _MASKED)
         new_best = best.at[tiles].max(scores.max(axis=-1))
         rescale = jnp.exp(best - new_best)
         weights = jnp.where(visible, jnp.exp(scores - new_best[tiles][..., None]), 0.0)
         norm = (norm * rescale).at[tiles].add(weights.sum(axis=-1))
+        weight_rows = weights.transpose(0, 2, 1, 3, 4).reshape(size, kvh, qt * g, -1)
         part = jnp.einsum(
-            "cqkgs,cksd->cqkgd",
-            weights,
+            "ckrs,cksd->ckrd",
+            weight_rows,
             values.astype(jnp.float32),
             preferred_element_type=jnp.float32,
         )
+        part = part.reshape(size, kvh, qt, g, hd).transpose(0, 2, 1, 3, 4)
         acc = (acc * rescale[..., None]).at[tiles].add(part)
         return new_best, norm, acc
 
