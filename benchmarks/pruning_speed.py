@@ -99,7 +99,7 @@ def main() -> None:
                     cfg=cfg,
                 )
                 logits = logits.at[jnp.asarray(rows_)].set(out)
-        state = _state(cfg, table, logits, context)
+        state = greedy_state(cfg, table, logits, context)
         times: dict[str, list[float]] = {name: [] for name in configs}
         kept: dict[str, list[float]] = {name: [] for name in configs}
         excluded = dict.fromkeys(configs, 0)
@@ -207,7 +207,9 @@ def main() -> None:
     print("\n".join(lines))
 
 
-def _state(cfg, table, logits, context) -> DecodeState:
+def greedy_state(cfg, table, logits, context) -> DecodeState:
+    """The store of `table`'s rows [B, W], each `context` tokens long, decoding greedily
+    without end from `logits` [B, V] (step_floor.py times its steps the same way)."""
     rows, vocab = table.shape[0], cfg.vocab_size
     params = pack_sampler_params([SamplerSettings()] * rows, rows)
     return DecodeState(

@@ -40,18 +40,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, median_spread, write_section
+from benchmarks.pruning_speed import greedy_state
 from etjax.attention import PlanSizes, padded_batch_plan, plan_segments
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.engine.build import MIN_POOL_PAGES
 from etjax.entropy.cost import CostModel
-from etjax.entropy.state import initial_entropy_state
 from etjax.model.families import family
 from etjax.model.layers import rms_norm
 from etjax.model.transformer import logits_from_hidden
-from etjax.runtime.state import DecodeState
 from etjax.runtime.steps import decode_steps, prefill_chunk
-from etjax.sampling.sampler import first_argmax, initial_sampler_state
-from etjax.sampling.settings import SamplerSettings, pack_sampler_params
+from etjax.sampling.sampler import first_argmax
 from pallas_kernels.ragged_attention import Segment
 
 PAGE, STEPS, CHUNK = 16, 8, 512
@@ -264,7 +262,8 @@ def _decode_row(model, floors: Floors, batch: int, context: int, rounds: int) ->
         k=_synthetic(cache.k.shape, cache.k.dtype, 1), v=_synthetic(cache.v.shape, cache.v.dtype, 2)
     )
     cost = CostModel.for_model(cfg, PAGE)
-    holder = {"state": _state(cfg, table, context), "cache": cache}
+    logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
+    holder = {"state": greedy_state(cfg, table, logits, context), "cache": cache}
 
     def burst():
         state = holder["state"]
@@ -342,26 +341,6 @@ def _prefill_row(model, floors: Floors, context: int, rounds: int) -> dict:
         "with_attention_ms": [t * 1e3 for t in floor_times["with_attention"]],
         "etjax_ms": [t * 1e3 for t in etjax_times],
     }
-
-
-def _state(cfg, table: np.ndarray, context: int) -> DecodeState:
-    rows, vocab = table.shape[0], cfg.vocab_size
-    params = pack_sampler_params([SamplerSettings()] * rows, rows)
-    return DecodeState(
-        logits=jnp.zeros((rows, vocab), jnp.float32),
-        lengths=jnp.full((rows,), context, jnp.int32),
-        page_table=jnp.asarray(table),
-        active=jnp.ones((rows,), bool),
-        num_generated=jnp.zeros((rows,), jnp.int32),
-        max_new_tokens=jnp.full((rows,), 10**6, jnp.int32),
-        stop_on_eos=jnp.zeros((rows,), bool),
-        eos_ids=jnp.asarray([-1], jnp.int32),
-        token_counts=jnp.zeros((rows, vocab), jnp.int32),
-        in_prompt=jnp.zeros((rows, vocab), bool),
-        sampler=params,
-        sampler_state=initial_sampler_state(params),
-        entropy=initial_entropy_state(jnp.zeros((rows,)), jnp.zeros((rows,))),
-    )
 
 
 def _markdown(raw: dict) -> str:
