@@ -184,13 +184,7 @@ def _fits(cfg, tokens: int) -> bool:
 
 def _timed(fn, rounds: int) -> list[float]:
     # Seconds per call of `fn` (which blocks on its result), the first call excluded.
-    fn()
-    times = []
-    for _ in range(rounds):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return times
+    return _interleaved({"fn": fn}, rounds)["fn"]
 
 
 def _interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:
@@ -206,41 +200,44 @@ def _interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def _decode_floors(floors: Floors, batch: int, context: int, rounds: int) -> dict:
-    # Seconds per step of both decode floors, over a contiguous cache of context + 1 keys.
+def _floor_times(floors: Floors, tokens, rows, kv_shape, attention, rounds: int) -> dict:
+    # Seconds per call of both floors: the products of `tokens` (logits of `rows`), and
+    # `attention(weights, tokens, keys, values)` over per-layer contiguous caches of `kv_shape`.
     cfg, weights = floors.cfg, floors.weights
-    tokens = jnp.asarray(np.arange(batch) % 1000 + 100, jnp.int32)
-    kv_shape = (batch, cfg.num_kv_heads, context + 1, cfg.head_dim)
     keys = [_synthetic(kv_shape, cfg.jnp_dtype, 2 * i) for i in range(cfg.num_layers)]
     values = [_synthetic(kv_shape, cfg.jnp_dtype, 2 * i + 1) for i in range(cfg.num_layers)]
-    lengths = jnp.full((batch,), context + 1, jnp.int32)
-    rows = jnp.arange(batch)
     return _interleaved(
         {
             "products": lambda: floors.products(weights, tokens, rows).block_until_ready(),
-            "with_attention": lambda: floors.decode_attention(
-                weights, tokens, keys, values, lengths
-            ).block_until_ready(),
+            "with_attention": lambda: attention(weights, tokens, keys, values).block_until_ready(),
         },
         rounds,
     )
 
 
+def _decode_floors(floors: Floors, batch: int, context: int, rounds: int) -> dict:
+    # One token per row over a contiguous cache of context + 1 keys.
+    cfg = floors.cfg
+    lengths = jnp.full((batch,), context + 1, jnp.int32)
+    return _floor_times(
+        floors,
+        jnp.asarray(np.arange(batch) % 1000 + 100, jnp.int32),
+        jnp.arange(batch),
+        (batch, cfg.num_kv_heads, context + 1, cfg.head_dim),
+        lambda w, t, k, v: floors.decode_attention(w, t, k, v, lengths),
+        rounds,
+    )
+
+
 def _prefill_floors(floors: Floors, context: int, rounds: int) -> dict:
-    # Seconds per chunk of both prefill floors: CHUNK tokens after `context` cached ones.
-    cfg, weights = floors.cfg, floors.weights
-    tokens = jnp.asarray(np.arange(CHUNK) % 1000 + 100, jnp.int32)
-    kv_shape = (cfg.num_kv_heads, context + CHUNK, cfg.head_dim)
-    keys = [_synthetic(kv_shape, cfg.jnp_dtype, 2 * i) for i in range(cfg.num_layers)]
-    values = [_synthetic(kv_shape, cfg.jnp_dtype, 2 * i + 1) for i in range(cfg.num_layers)]
-    last = jnp.asarray([CHUNK - 1])
-    return _interleaved(
-        {
-            "products": lambda: floors.products(weights, tokens, last).block_until_ready(),
-            "with_attention": lambda: floors.prefill_attention(
-                weights, tokens, keys, values, context
-            ).block_until_ready(),
-        },
+    # CHUNK tokens of one sequence after `context` cached ones.
+    cfg = floors.cfg
+    return _floor_times(
+        floors,
+        jnp.asarray(np.arange(CHUNK) % 1000 + 100, jnp.int32),
+        jnp.asarray([CHUNK - 1]),
+        (cfg.num_kv_heads, context + CHUNK, cfg.head_dim),
+        lambda w, t, k, v: floors.prefill_attention(w, t, k, v, context),
         rounds,
     )
 
