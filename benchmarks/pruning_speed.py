@@ -28,14 +28,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
 from benchmarks.pruning_settings import SETTINGS
-from etjax.attention import PlanSizes, kept_table_width, padded_batch_plan, plan_segments
+from etjax.attention import XLA, PlanSizes, kept_table_width, padded_batch_plan, plan_segments
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
 from etjax.pruning.budget import kept_block_count
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.state import DecodeState
-from etjax.runtime.steps import decode_steps, prefill_chunk
+from etjax.runtime.steps import StepStatics, decode_steps, prefill_chunk
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import SamplerSettings, pack_sampler_params
 from pallas_kernels.ragged_attention import Segment
@@ -112,7 +112,7 @@ def main() -> None:
                 max_kept = 0
                 if pruning.enabled:
                     needed = kept_block_count(budgets[name], reach, pruning, xp=np)
-                    max_kept = kept_table_width("xla", int(needed.max()), width)
+                    max_kept = kept_table_width(XLA, int(needed.max()), width)
                 state = state.replace(
                     entropy=state.entropy.replace(budget=jnp.asarray(budgets[name]))
                 )
@@ -128,6 +128,7 @@ def main() -> None:
                     sizes = PlanSizes.decode(BATCH, table.size + 1, PAGE)
                     plan = plan_segments(segments, BATCH, sizes)
                 # The batch is the whole store: rows 0..B-1, each row's full page table.
+                statics = StepStatics(cfg, cost, pruning.shape(), max_kept)
                 state, cache, out = decode_steps(
                     model.weights,
                     cache,
@@ -135,14 +136,10 @@ def main() -> None:
                     np.arange(BATCH, dtype=np.int32),
                     table,
                     np.zeros(BATCH, np.int32),
-                    cfg,
-                    cost,
-                    STEPS,
-                    pruning.shape(),
-                    pruning.thresholds(),
-                    max_kept,
-                    None,
                     plan,
+                    pruning.thresholds(),
+                    statics,
+                    STEPS,
                 )
                 jax.block_until_ready(out)
                 elapsed = time.perf_counter() - started

@@ -48,7 +48,7 @@ from etjax.entropy.cost import CostModel
 from etjax.model.families import family
 from etjax.model.layers import rms_norm
 from etjax.model.transformer import logits_from_hidden
-from etjax.runtime.steps import decode_steps, prefill_chunk
+from etjax.runtime.steps import StepStatics, decode_steps, prefill_chunk
 from etjax.sampling.sampler import first_argmax
 from pallas_kernels.ragged_attention import Segment
 
@@ -281,10 +281,10 @@ def _decode_row(model, floors: Floors, batch: int, context: int, rounds: int) ->
             np.arange(batch, dtype=np.int32),
             written,
             base,
-            cfg,
-            cost,
+            plan,
+            None,
+            StepStatics(cfg, cost),
             STEPS,
-            plan=plan,
         )
         holder["state"] = state
         jax.block_until_ready(out)

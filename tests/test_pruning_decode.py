@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.attention import resolve_backend
+from etjax.attention import AttentionBackend, resolve_backend
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.errors import RequestError
 from etjax.pruning.config import PruningConfig
@@ -104,10 +104,14 @@ def test_pruned_decode_runs_each_pallas_kernel_with_the_xla_outputs(tiny, backen
 
 
 def test_auto_backend_follows_the_platform():
-    assert resolve_backend("auto", "cpu") == "xla"
-    assert resolve_backend("auto", "tpu") == "pallas_tpu"
-    assert resolve_backend("auto", "gpu") == "pallas_gpu"
-    assert resolve_backend("pallas_gpu", "cpu") == "pallas_gpu"
+    assert resolve_backend("auto", "cpu") == AttentionBackend("xla", interpret=False)
+    assert resolve_backend("auto", "tpu") == AttentionBackend("pallas_tpu", interpret=False)
+    assert resolve_backend("auto", "gpu") == AttentionBackend("pallas_gpu", interpret=False)
+    assert resolve_backend("auto", "cuda") == AttentionBackend("pallas_gpu", interpret=False)
+    # A Pallas kernel asked for on a CPU runs interpreted; XLA never is.
+    assert resolve_backend("pallas_gpu", "cpu") == AttentionBackend("pallas_gpu", interpret=True)
+    assert resolve_backend("pallas_tpu", "cpu") == AttentionBackend("pallas_tpu", interpret=True)
+    assert resolve_backend("xla", "tpu") == AttentionBackend("xla", interpret=False)
     with pytest.raises(ValueError, match="attention_backend"):
         RuntimeOptions(attention_backend="triton")
 

@@ -3,7 +3,9 @@
 - `plan.py`: `AttentionPlan` (what a step's tokens attend to, as device arrays) and the host
   builders: `plan_segments` for a ragged batch of sequences, `padded_batch_plan` for a
   padded [rows, tokens] batch.
-- `seam.py`: `attend`, which runs a plan, and `resolve_backend`, the kernels by platform.
+- `backend.py`: `AttentionBackend`, the kernels a step runs, and `resolve_backend`, which
+  picks them by platform.
+- `seam.py`: `attend`, which runs a plan.
 - `pruned.py`: `pruned_decode_attention`, block selection by Quest bounds and the
   block-sparse kernel of the chosen backend; `kept_table_width`, the kept table's static
   width per backend.
@@ -12,6 +14,7 @@ The paged cache layout (etjax/cache/kv_cache.py) and the kernels (pallas_kernels
 the engine and the device programs (etjax/runtime/, etjax/engine/) above.
 """
 
+from etjax.attention.backend import BACKENDS, XLA, AttentionBackend, resolve_backend
 from etjax.attention.plan import (
     AttentionPlan,
     PlanSizes,
@@ -20,10 +23,12 @@ from etjax.attention.plan import (
     plan_segments,
 )
 from etjax.attention.pruned import kept_table_width, pruned_decode_attention
-from etjax.attention.seam import BACKENDS, attend, resolve_backend
+from etjax.attention.seam import attend
 
 __all__ = [
     "BACKENDS",
+    "XLA",
+    "AttentionBackend",
     "AttentionPlan",
     "PlanSizes",
     "attend",

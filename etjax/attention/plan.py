@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import flax.struct
 import numpy as np
 
+from etjax.attention.backend import XLA, AttentionBackend
 from pallas_kernels.ragged_attention.work_items import (
     Segment,
     TilePass,
@@ -110,8 +111,8 @@ class AttentionPlan:
 
     passes: tuple[TilePass, ...]
     chunk: int = flax.struct.field(pytree_node=False, default=CHUNK)
-    # The kernels that run it (etjax/attention/seam.py): "xla", "pallas_tpu" or "pallas_gpu".
-    backend: str = flax.struct.field(pytree_node=False, default="xla")
+    # The kernels that run it (etjax/attention/backend.py).
+    backend: AttentionBackend = flax.struct.field(pytree_node=False, default=XLA)
     local: tuple[TilePass, ...] | None = None
     window: int = flax.struct.field(pytree_node=False, default=0)
 
@@ -120,7 +121,7 @@ def plan_segments(
     segments: Sequence[Segment],
     num_tokens: int,
     sizes: PlanSizes,
-    backend: str = "xla",
+    backend: AttentionBackend = XLA,
     window: int = 0,
 ) -> AttentionPlan:
     """The plan of a flat batch of `num_tokens` tokens holding `segments` (host arrays), each
@@ -133,7 +134,7 @@ def plan_passes(
     groups: Sequence[Sequence[Segment]],
     num_tokens: int,
     sizes: PlanSizes,
-    backend: str = "xla",
+    backend: AttentionBackend = XLA,
     window: int = 0,
     local_groups: Sequence[Sequence[Segment]] | None = None,
 ) -> AttentionPlan:

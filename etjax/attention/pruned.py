@@ -10,16 +10,14 @@ is remembered for the next step's selection.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
+from etjax.attention.backend import XLA, AttentionBackend
 from etjax.cache.kv_cache import PagePool
 from etjax.pruning.block_scores import block_upper_bounds, remember_mass
 from etjax.pruning.config import PruningShape, PruningThresholds
 from etjax.pruning.selection import select_blocks
-from pallas_kernels.block_sparse import block_sparse_attention_xla
 
 # Pages scored per loop trip (see _score_pages).
 SCORE_PAGES = 32
@@ -35,15 +33,15 @@ def pruned_decode_attention(
     pruning: PruningShape,
     thresholds: PruningThresholds,
     max_kept: int,
-    backend: str = "xla",
+    backend: AttentionBackend = XLA,
 ) -> tuple[jax.Array, PagePool]:
     """q: [B, H, hd], one decode token per row at `position` [B] (its key already written);
     real: [B] bool rows whose token is real; page_table: [B, P] the rows' pages as pool pages
     (this layer's); budget_blocks: [B] int32
     blocks each row may read; pruning, thresholds: the static settings and the traced numbers
     of the selection (etjax/pruning/config.py); max_kept: static width of the kept table;
-    backend: "xla",
-    "pallas_tpu" or "pallas_gpu" (etjax/attention/seam.py). Returns [B, H, hd] and the pool
+    backend: whose block-sparse kernel reads the kept blocks (etjax/attention/backend.py).
+    Returns [B, H, hd] and the pool
     with the remembered block mass updated."""
     page_size = pool.k.shape[2]
     lengths = position + 1
@@ -53,7 +51,7 @@ def pruned_decode_attention(
     kept, counts = select_blocks(
         scores, num_blocks, budget_blocks, thresholds, max_kept, ranking_mass
     )
-    kernel = _block_sparse_kernel(backend)
+    kernel = backend.block_sparse()
     out, mass = kernel(q, pool.k, pool.v, page_table, kept, counts, lengths)
     if pruning.ranks_by_mass:
         physical = jnp.take_along_axis(page_table[:, None, :], kept, axis=2)
@@ -61,14 +59,14 @@ def pruned_decode_attention(
     return out, pool
 
 
-def kept_table_width(backend: str, needed: int, width: int) -> int:
+def kept_table_width(backend: AttentionBackend, needed: int, width: int) -> int:
     """Static width of the kept-block table for a page table `width` wide when the largest
     budget of the step keeps `needed` blocks. The XLA and Triton kernels loop up to the kept
     count (a traced value), so padding costs them nothing: the table is the page table's
     width and the step compiles once. The TPU kernel's grid is static and each step past the
     count still costs a grid step, so its table is rounded to an eighth of the width (at most
     eight programs per width)."""
-    if backend != "pallas_tpu":
+    if backend.name != "pallas_tpu":
         return width
     step = max(4, width // 8)
     return min(width, -(-max(needed, 1) // step) * step)
@@ -104,20 +102,3 @@ def _score_pages(
     trips = (jnp.max(num_blocks) + chunk - 1) // chunk
     scores, mass = jax.lax.fori_loop(0, trips, body, init)
     return scores[..., :p], mass[..., :p]
-
-
-def _block_sparse_kernel(backend: str):
-    # A Pallas kernel asked for on the CPU runs in interpret mode: slow, but the same program,
-    # which is how the tests drive the product path through every backend.
-    interpret = jax.default_backend() == "cpu"
-    if backend == "xla":
-        return block_sparse_attention_xla
-    if backend == "pallas_tpu":
-        from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
-
-        return functools.partial(block_sparse_attention_tpu, interpret=interpret)
-    if backend == "pallas_gpu":
-        from pallas_kernels.block_sparse.pallas_gpu import block_sparse_attention_gpu
-
-        return functools.partial(block_sparse_attention_gpu, interpret=interpret)
-    raise ValueError(f"attention backend {backend!r}; expected xla, pallas_tpu or pallas_gpu")

@@ -1,8 +1,8 @@
-"""`attend`: dense attention of a step's tokens over the paged cache, as its plan describes;
-and `resolve_backend`, the choice of kernels by platform.
+"""`attend`: dense attention of a step's tokens over the paged cache, as its plan describes.
 
-Dense attention runs the ragged kernel the plan names: `xla` (pallas_kernels/ragged_attention/
-xla.py, every platform) or `pallas_gpu` (pallas_gpu.py, Triton). On a TPU (`pallas_tpu`) dense
+Dense attention runs the ragged kernel of the plan's backend (backend.py): `xla`
+(pallas_kernels/ragged_attention/xla.py, every platform) or `pallas_gpu` (pallas_gpu.py,
+Triton). On a TPU (`pallas_tpu`) dense
 steps still run the XLA kernel: JAX's ragged paged attention kernel wants keys and values
 interleaved in one pool `[pages, page_size, 2 * KV heads, head_dim]`, while this cache keeps
 one contiguous `[page_size, head_dim]` tile per page and KV head, the block the pruned kernels
@@ -11,7 +11,7 @@ yet done: no TPU has been lent to this project, and the kernel cannot be checked
 as JAX 0.10.2's TPU interpret mode fails on it ("'ReshapeTransform' object has no attribute
 'indices'"), so neither the layout nor the kernel could be tested against the reference.
 Pruned decode attention (pruned.py) runs the project's block-sparse kernels: Pallas on TPU
-and GPU, XLA elsewhere. A Pallas kernel asked for on a CPU runs in interpret mode.
+and GPU, XLA elsewhere.
 
 Why a pruned step is not the upstream kernel over each row's compacted kept pages (which
 would be exact: keys are cached after RoPE, and a row's kept list ends with its last, partly
@@ -28,20 +28,6 @@ import jax
 import jax.numpy as jnp
 
 from etjax.attention.plan import AttentionPlan
-from pallas_kernels.ragged_attention import ragged_attention_xla
-
-BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
-
-
-def resolve_backend(name: str, platform: str | None = None) -> str:
-    """The kernels `name` selects on `platform` (default: JAX's default backend): "auto" is
-    "pallas_tpu" on a TPU, "pallas_gpu" on a GPU and "xla" elsewhere."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend={name!r}; must be one of {BACKENDS}")
-    if name != "auto":
-        return name
-    platform = platform or jax.default_backend()
-    return {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform, "xla")
 
 
 def attend(
@@ -63,11 +49,4 @@ def attend(
         passes = jax.tree.map(lambda a, b: jnp.where(local, a, b), plan.local, plan.passes)
         window = jnp.where(local, plan.window, 0).astype(jnp.int32)
     passes = tuple(p._replace(item_pages=p.item_pages + first_page) for p in passes)
-    if plan.backend == "pallas_gpu":
-        from pallas_kernels.ragged_attention.pallas_gpu import ragged_attention_gpu
-
-        interpret = jax.default_backend() == "cpu"
-        return ragged_attention_gpu(
-            q, k_pages, v_pages, positions, passes, plan.chunk, interpret=interpret, window=window
-        )
-    return ragged_attention_xla(q, k_pages, v_pages, positions, passes, plan.chunk, window)
+    return plan.backend.ragged(q, k_pages, v_pages, positions, passes, plan.chunk, window)

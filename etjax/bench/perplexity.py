@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from etjax.attention import PlanSizes, kept_table_width, padded_batch_plan, plan_segments
+from etjax.attention import XLA, PlanSizes, kept_table_width, padded_batch_plan, plan_segments
 from etjax.cache.kv_cache import KVCache, init_kv_cache, token_pages
 from etjax.entropy.cost import CostModel
 from etjax.entropy.estimators import exact_entropy
@@ -150,7 +150,7 @@ def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
         # Size the kept table for the largest budget the setting can grant, as the engine does.
         top = 1.0 if pruning.entropy_low < 99 else pruning.min_fraction
         needed = int(kept_block_count(jnp.asarray([top]), jnp.asarray([pages]), pruning)[0])
-        max_kept = kept_table_width("xla", needed, pages)
+        max_kept = kept_table_width(XLA, needed, pages)
     tokens = jnp.asarray([d[prefix:] for d in prefilled.docs], jnp.int32)
     rows, scored = tokens.shape
     table_host = np.asarray(table)

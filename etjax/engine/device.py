@@ -13,6 +13,7 @@ and each call gets just the arrays its plan needs (etjax/attention/plan.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,7 +46,14 @@ from etjax.runtime.buckets import (
 from etjax.runtime.footprint import check_fits
 from etjax.runtime.options import RuntimeOptions
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.runtime.steps import FlatBatch, decode_steps, mixed_step, put_rows, take_rows
+from etjax.runtime.steps import (
+    FlatBatch,
+    StepStatics,
+    decode_steps,
+    mixed_step,
+    put_rows,
+    take_rows,
+)
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import pack_sampler_params
 from pallas_kernels.ragged_attention import Segment
@@ -93,14 +101,21 @@ class DeviceBackend:
         self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self.prefill_rows = batch_bucket(options.max_prefill_rows)  # chunks per step, padded
         self._burst_buckets: set[int] = set()  # row buckets of the bursts run so far
-        # Pruning as the step programs take it: what shapes them (static), and the thresholds
-        # (traced, so engines that differ only in them share the programs), on the device once.
-        self.pruning = options.pruning.shape()
+        # The pruning's thresholds, traced (engines that differ only in them share the
+        # programs) and on the device once; its shape is in the statics.
         self.thresholds = jax.device_put(
             options.pruning.thresholds(),
             None if self.placement is None else self.placement.replicated,
         )
         self.attention_backend = resolve_backend(options.attention_backend)
+        # What shapes the step programs (static); each call adds its rows' kept-table width.
+        self.statics = StepStatics(
+            cfg=cfg,
+            cost=self.cost,
+            pruning=options.pruning.shape(),
+            placement=self.placement,
+            attention_backend=self.attention_backend,
+        )
         # The longest page list a sequence can have: the model's context or the pool.
         self.max_seq_pages = min(
             pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
@@ -209,14 +224,9 @@ class DeviceBackend:
             index,
             batch,
             plan,
-            cfg,
-            self.cost,
             table,
-            self.pruning,
             self.thresholds,
-            max_kept,
-            self.placement,
-            self.attention_backend,
+            dataclasses.replace(self.statics, max_kept=max_kept),
             spec.max_draft if spec.enabled else 0,
         )
         for j, job in enumerate(jobs):
@@ -377,15 +387,10 @@ class DeviceBackend:
             index,
             table,
             base,
-            self.cfg,
-            self.cost,
-            k,
-            self.pruning,
-            self.thresholds,
-            max_kept,
-            self.placement,
             plan,
-            self.attention_backend,
+            self.thresholds,
+            dataclasses.replace(self.statics, max_kept=max_kept),
+            k,
         )
         out, budget = jax.device_get((out, self.store.entropy.budget))
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)

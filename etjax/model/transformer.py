@@ -23,7 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from etjax.attention import AttentionPlan, attend, pruned_decode_attention
+from etjax.attention import XLA, AttentionBackend, AttentionPlan, attend, pruned_decode_attention
 from etjax.cache.kv_cache import NULL_PAGE, KVCache, PagePool, cache_from_pool, page_pool, write_kv
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
@@ -130,7 +130,7 @@ class SparsePlan:
     thresholds: PruningThresholds
     pruning: PruningShape = flax.struct.field(pytree_node=False)
     max_kept: int = flax.struct.field(pytree_node=False)  # static width of the kept table
-    backend: str = flax.struct.field(pytree_node=False, default="xla")  # the kernel
+    backend: AttentionBackend = flax.struct.field(pytree_node=False, default=XLA)
     # [B] int32 flat index of each row's token in a ragged step (out of range for padding
     # rows); None: the step's tokens are exactly the rows'.
     slots: jax.Array | None = None

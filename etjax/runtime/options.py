@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from etjax.attention.seam import BACKENDS as ATTENTION_BACKENDS
+from etjax.attention.backend import BACKENDS as ATTENTION_BACKENDS
 from etjax.distributed.mesh import MeshShape
 from etjax.drafting.config import SpeculationConfig
 from etjax.pruning.config import PruningConfig

@@ -19,6 +19,7 @@ compiles a bounded set of programs once.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import flax.struct
@@ -26,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.lax import with_sharding_constraint as constrain
 
-from etjax.attention import AttentionPlan
+from etjax.attention import XLA, AttentionBackend, AttentionPlan
 from etjax.cache.kv_cache import KVCache
 from etjax.distributed.mesh import DATA, MODEL
 from etjax.distributed.placement import Placement
@@ -42,6 +43,20 @@ from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.verify import accept_drafts
 
 DENSE = PruningConfig().shape()  # pruning disabled: every block of the context is read
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStatics:
+    """What shapes the step programs of an engine, in one hashable value (their static jit
+    argument): engines whose statics are equal share their compiled programs. Each program
+    takes one more static of its own: `mixed_step` its drafts, `decode_steps` its steps."""
+
+    cfg: ModelConfig
+    cost: CostModel
+    pruning: PruningShape = DENSE  # the pruning's shape; its thresholds are traced
+    max_kept: int = 0  # under pruning, the blocks a row's token may read per layer, at most
+    placement: Placement | None = None  # the mesh the arrays keep, or None on one device
+    attention_backend: AttentionBackend = XLA  # its kernels (etjax/attention/backend.py)
 
 
 @flax.struct.dataclass
@@ -60,17 +75,7 @@ class FlatBatch:
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "cfg",
-        "cost",
-        "pruning",
-        "max_kept",
-        "placement",
-        "attention_backend",
-        "max_draft",
-    ),
-    donate_argnames=("cache", "store"),
+    jax.jit, static_argnames=("statics", "max_draft"), donate_argnames=("cache", "store")
 )
 def mixed_step(
     weights: Weights,
@@ -79,14 +84,9 @@ def mixed_step(
     rows: jax.Array,
     batch: FlatBatch,
     plan: AttentionPlan,
-    cfg: ModelConfig,
-    cost: CostModel,
-    page_table: jax.Array | None = None,
-    pruning: PruningShape = DENSE,
-    thresholds: PruningThresholds | None = None,
-    max_kept: int = 0,
-    placement: Placement | None = None,
-    attention_backend: str = "xla",
+    page_table: jax.Array | None,
+    thresholds: PruningThresholds | None,
+    statics: StepStatics,
     max_draft: int = 0,
 ) -> tuple[DecodeState, KVCache, StepOutputs, jax.Array]:
     """One ragged step: every row in `rows` [Bm] (the store's pad row for padding) samples its
@@ -98,15 +98,16 @@ def mixed_step(
     Bm] (emitted where committed); the page bounds forget the rejected keys
     (etjax/runtime/rollback.py).
 
-    Dense, `plan` holds every token's attention work. With `pruning.enabled`, the rows'
-    tokens attend to the blocks their budgets keep under `thresholds` (traced: engines that
-    differ in thresholds share the program; as in `decode_steps`), scored over their
+    Dense, `plan` holds every token's attention work. With `statics.pruning.enabled`, the
+    rows' tokens attend to the blocks their budgets keep under `thresholds` (traced: engines
+    that differ in thresholds share the program; as in `decode_steps`), scored over their
     whole page tables `page_table` [Bm, W], and `plan` holds the chunks' work and that of
     the rows that verify drafts: those read their whole context, so their drafts are checked
     against the model itself, not against a pruned approximation of it.
     Returns the store, the cache, the rows' outputs [1, Bm] and float32 logits [Sp, V] after
     each prefill sequence's last token.
     """
+    cfg, placement = statics.cfg, statics.placement
     with _on_mesh(placement):
         state = take_rows(store, rows).replace(page_table=page_table)
         num_tokens = batch.tokens.shape[0]
@@ -116,10 +117,12 @@ def mixed_step(
         row_slots = jnp.where(
             offsets <= batch.draft_len[:, None], batch.decode_slot[:, None] + offsets, num_tokens
         )
-        prefill_hidden, draft_hidden, row_pages = [], [], []
         verifying = batch.draft_len > 0  # attend through the plan, also under pruning
 
         def run_model(tokens, runs, sparse):
+            # Returns the rows' hidden states [Bm, D], the cache, and what the step needs
+            # after sampling: the prefill sequences' last hidden states, the drafts' hidden
+            # states and the pages each row's tokens wrote.
             slot = batch.decode_slot
             if sparse is not None:
                 sparse = sparse.replace(slots=jnp.where(verifying, num_tokens, slot))
@@ -128,39 +131,29 @@ def mixed_step(
             # run).
             own = batch.write_pages.at[row_slots].get(mode="fill", fill_value=0)
             own = jnp.where(runs[:, None], own, 0)
-            row_pages.append(own)
             write_pages = batch.write_pages.at[row_slots].set(own, mode="drop")
             hidden, new_cache = forward(
                 weights, cache, flat, batch.positions, write_pages, cfg, plan=plan, sparse=sparse
             )
-            prefill_hidden.append(hidden[batch.last_index])
             rows_hidden = hidden.at[row_slots].get(mode="fill", fill_value=0)
-            draft_hidden.append(rows_hidden[:, 1:])
-            return rows_hidden[:, 0], new_cache
+            after = (hidden[batch.last_index], rows_hidden[:, 1:], own)
+            return rows_hidden[:, 0], new_cache, after
 
         start = state.lengths
-        state, cache, outputs = _decode_step(
-            weights,
-            state,
-            cfg,
-            cost,
-            pruning,
-            thresholds,
-            max_kept,
-            run_model,
-            attention_backend,
-            dense_rows=verifying,
+        state, cache, outputs, after = _decode_step(
+            weights, state, statics, thresholds, run_model, dense_rows=verifying
         )
+        prefill_hidden, draft_hidden, row_pages = after
         outputs = jax.tree.map(lambda x: x[None], outputs)
         if max_draft:
             drafts = batch.tokens.at[row_slots[:, 1:]].get(mode="fill", fill_value=0)
             state, verified = accept_drafts(
-                weights, state, drafts, batch.draft_len, draft_hidden[0], cost
+                weights, state, drafts, batch.draft_len, draft_hidden, statics.cost
             )
             outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outputs, verified)
-            written = jnp.sum(row_pages[0] != 0, axis=1)
-            cache = retract_rejected(cache, row_pages[0], start, written, state.lengths)
-        logits = logits_from_hidden(weights, prefill_hidden[0])
+            written = jnp.sum(row_pages != 0, axis=1)
+            cache = retract_rejected(cache, row_pages, start, written, state.lengths)
+        logits = logits_from_hidden(weights, prefill_hidden)
         store = put_rows(store, rows, state)
         if placement is not None:
             logits = constrain(logits, placement.sharding(logits.shape, {0: DATA, 1: MODEL}))
@@ -206,17 +199,7 @@ def _on_mesh(placement: Placement | None):
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "cfg",
-        "cost",
-        "num_steps",
-        "pruning",
-        "max_kept",
-        "placement",
-        "attention_backend",
-    ),
-    donate_argnames=("cache", "store"),
+    jax.jit, static_argnames=("statics", "num_steps"), donate_argnames=("cache", "store")
 )
 def decode_steps(
     weights: Weights,
@@ -225,15 +208,10 @@ def decode_steps(
     rows: jax.Array,
     page_table: jax.Array,
     page_base: jax.Array,
-    cfg: ModelConfig,
-    cost: CostModel,
+    plan: AttentionPlan | None,
+    thresholds: PruningThresholds | None,
+    statics: StepStatics,
     num_steps: int,
-    pruning: PruningShape = DENSE,
-    thresholds: PruningThresholds | None = None,
-    max_kept: int = 0,
-    placement: Placement | None = None,
-    plan: AttentionPlan | None = None,
-    attention_backend: str = "xla",
 ) -> tuple[DecodeState, KVCache, StepOutputs]:
     """Run `num_steps` steps of: sample from each row's logits, then run the model on it.
 
@@ -241,18 +219,18 @@ def decode_steps(
     each row from logical page `page_base` [B] on: under pruning the whole table (base 0), for
     the block selection; dense, just the pages the burst writes to. A row finishes when it
     samples an eos id (unless `stop_on_eos` is off) or reaches its `max_new_tokens`; a
-    finished row is not run again. With `pruning.enabled`, the forward pass of a token reads
-    at most `max_kept` blocks per layer (and KV head), and as many as `thresholds` and the
-    entropy of the
-    distribution the token was drawn from allows (the budget of step t comes from what step
-    t - 1 computed). `plan`: the dense attention work of the burst, one decode token per row
-    with items up to each row's length after the burst (etjax/attention); required unless
-    pruning, and under pruning on a model with sliding-window layers, whose local layers read
-    each row's window through its local passes. `attention_backend`: the block-sparse kernel
-    of pruned steps (etjax/attention).
-    With a `placement`, the store, cache and outputs keep its shardings (rows over
+    finished row is not run again. With `statics.pruning.enabled`, the forward pass of a
+    token reads at most `statics.max_kept` blocks per layer (and KV head), and as many as
+    `thresholds` and the entropy of the distribution the token was drawn from allows (the
+    budget of step t comes from what step t - 1 computed). `plan`: the dense attention work
+    of the burst, one decode token per row with items up to each row's length after the
+    burst (etjax/attention); required unless pruning, and under pruning on a model with
+    sliding-window layers, whose local layers read each row's window through its local
+    passes (None otherwise).
+    With a `statics.placement`, the store, cache and outputs keep its shardings (rows over
     `data`, logits over `model` too). Returns the store, the cache, and outputs [K, B].
     """
+    cfg, cost, placement = statics.cfg, statics.cost, statics.placement
     with _on_mesh(placement):
         state = take_rows(store, rows).replace(page_table=page_table)
 
@@ -265,7 +243,7 @@ def decode_steps(
                     state.page_table, jnp.clip(logical, 0, page_table.shape[1] - 1)[:, None], 1
                 )[:, 0]
                 write_pages = jnp.where(runs, pages, 0)
-                return forward(
+                hidden, cache_after = forward(
                     weights,
                     cache,
                     tokens,
@@ -275,18 +253,9 @@ def decode_steps(
                     plan=plan,
                     sparse=sparse,
                 )
+                return hidden, cache_after, None
 
-            state, cache, outputs = _decode_step(
-                weights,
-                state,
-                cfg,
-                cost,
-                pruning,
-                thresholds,
-                max_kept,
-                run_model,
-                attention_backend,
-            )
+            state, cache, outputs, _ = _decode_step(weights, state, statics, thresholds, run_model)
             return (state, cache), outputs
 
         (state, cache), outputs = jax.lax.scan(step, (state, cache), None, length=num_steps)
@@ -298,22 +267,13 @@ def decode_steps(
         return store, cache, outputs
 
 
-def _decode_step(
-    weights,
-    state,
-    cfg,
-    cost,
-    pruning,
-    thresholds,
-    max_kept,
-    run_model,
-    backend="xla",
-    dense_rows=None,
-):
+def _decode_step(weights, state, statics, thresholds, run_model, dense_rows=None):
     # One step of every row of `state`: sample from its logits, run the model on the token
-    # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache)`), account.
+    # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache, after)`), account.
+    # Returns the state, the cache, the outputs and `after`, what run_model passed on.
     # `dense_rows` [B] bool: rows that read every block even under pruning (a verifying row's
     # drafts attend through the plan, and so does its token).
+    cost, pruning, max_kept = statics.cost, statics.pruning, statics.max_kept
     active = state.active
     tokens, info, sampler_state = sample_rows(state)
     runs = active & ~finishes(state, tokens, active)
@@ -329,14 +289,14 @@ def _decode_step(
             thresholds=thresholds,
             pruning=pruning,
             max_kept=max_kept,
-            backend=backend,
+            backend=statics.attention_backend,
         )
         if dense_rows is not None:  # what they read, for the trace and the cost
             fraction = jnp.where(dense_rows, 1.0, fraction)
             kept = jnp.where(dense_rows, num_blocks, kept)
     else:
         fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
-    hidden, cache = run_model(tokens, runs, sparse)
+    hidden, cache, after = run_model(tokens, runs, sparse)
     flops, nbytes = cost.token_cost(
         (kept * cost.page_size).astype(jnp.float32),
         runs,
@@ -354,7 +314,7 @@ def _decode_step(
         flops,
         nbytes,
     )
-    return state, cache, outputs
+    return state, cache, outputs, after
 
 
 def take_rows(store: DecodeState, rows: jax.Array) -> DecodeState:
