@@ -23,7 +23,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    compile_level.apply()
     # One compilation cache for the whole run (session_cache.py): made fresh by the process
     # that starts the run, shared by its xdist workers and every subprocess a test starts.
     if not hasattr(config, "workerinput"):
@@ -159,6 +158,11 @@ def tiny_hf_dir(tmp_path_factory, hf_smollm2_tokenizer):
 def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     """max |ours - reference| over max |reference|: the scale-free error of a logit tensor."""
     return float(np.max(np.abs(ours - reference)) / np.max(np.abs(reference)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    compile_level.apply(item)  # before the test's fixtures compile anything
 
 
 @pytest.fixture(autouse=True)

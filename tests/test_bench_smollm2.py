@@ -14,6 +14,8 @@ import pytest
 
 from etjax.cli import main
 
+pytestmark = pytest.mark.real_model  # the bench runs SmolLM2
+
 
 def test_bench_timing_only_run_writes_its_files(tmp_path, capsys):
     # The default suite's run: two configs, two short requests, no quality or reference.

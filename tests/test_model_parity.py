@@ -69,6 +69,7 @@ def test_smollm2_gguf_logits_match_transformers(smollm2, hf_smollm2, lee):
     np.testing.assert_array_equal(ours.argmax(-1), reference.argmax(-1))
 
 
+@pytest.mark.real_model
 def test_bfloat16_smollm2_tracks_float32_reference(smollm2_path, hf_smollm2, lee):
     """bfloat16 keeps 8 mantissa bits, so logits drift by ~1e-2 of their scale through 30
     layers; the bound checks the bfloat16 path computes the same function, not bit equality."""

@@ -12,6 +12,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+import pytest
+
 from tests.subprocess_env import ROOT, subprocess_env
 
 BUILD = (
@@ -19,6 +21,7 @@ BUILD = (
 )
 
 
+@pytest.mark.real_model  # SmolLM2 in bfloat16, in the wheel's own process
 def test_a_wheel_runs_batch_with_the_shipped_config_and_preset(tmp_path):
     source = tmp_path / "source"
     source.mkdir()
