@@ -66,8 +66,8 @@ def export_ragged_step(cfg: ModelConfig, options: RuntimeOptions, platform: str)
     (*arrays, plan, page_table, thresholds, statics, max_draft) = args
     kernels = resolve_backend(options.attention_backend, platform)
     plan = plan.replace(backend=kernels)
-    max_kept = statics.max_kept
-    if max_kept:
+    max_kept = statics.max_kept  # the CPU engine's: the whole table (kept_table_width)
+    if max_kept:  # the platform's width for a step that keeps that many blocks
         max_kept = kept_table_width(kernels, max_kept, page_table.shape[1])
     statics = dataclasses.replace(statics, attention_backend=kernels, max_kept=max_kept)
     # Triton kernels carry no compatibility guarantee across jaxlib versions (Mosaic's do):

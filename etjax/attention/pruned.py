@@ -41,8 +41,7 @@ def pruned_decode_attention(
     blocks each row may read; pruning, thresholds: the static settings and the traced numbers
     of the selection (etjax/pruning/config.py); max_kept: static width of the kept table;
     backend: whose block-sparse kernel reads the kept blocks (etjax/attention/backend.py).
-    Returns [B, H, hd] and the pool
-    with the remembered block mass updated."""
+    Returns [B, H, hd] and the pool with the remembered block mass updated."""
     page_size = pool.k.shape[2]
     lengths = position + 1
     num_blocks = (lengths + page_size - 1) // page_size
