@@ -1,26 +1,38 @@
-"""How hard the suite's compilations optimize: not at all for tests of the engine's logic, as
-users compile for tests that run a real model.
+"""How hard the suite's compilations work: as little as XLA allows for tests of the engine's
+logic, as users compile for tests that run a real model.
 
-XLA:CPU compiles every fusion of a program into its own LLVM module, and optimizing those
-modules is half of a step program's compile time (a tiny model's decode step: 3.9 s as users
-compile, 1.95 s with LLVM's optimizations off, AMD EPYC, 2026-12-02). Most tests compile far
-more than they run, and for them the unoptimized program is the faster test. Tests that run
-SmolLM2 or Gemma 3 through etjax are the opposite (their programs ran 1.5-2.4x slower
-unoptimized: a 3K-token prefill, bf16 matrix products), so they compile as users do: those
-that take the `smollm2` or `gemma3_270m` fixture, and those marked `real_model`.
+XLA:CPU compiles every fusion of a program into its own kernel, and generating and optimizing
+those kernels is most of a step program's compile time. Two switches cut it, both read at each
+compilation, so the choice is made per test:
 
-JAX's `jax_disable_most_optimizations` (LLVM at -O0, no expensive passes) changes how fast the
-generated code runs, never what it computes: the HLO and XLA's optimizations of it are the
-same, and every LLVM level keeps float semantics (XLA does not enable fast math). It is read
-at each compilation, so the choice is made per test; subprocesses read it from the
-environment (`JAX_DISABLE_MOST_OPTIMIZATIONS`). Programs are cached with their compile options
-on disk; in memory, a program a test compiled one way could serve a later test that wanted
-the other, which costs time, never a result. `ETJAX_TEST_OPTIMIZE=all` compiles every test as
-users do.
+- LLVM's optimizations off (`jax_disable_most_optimizations`: -O0, no expensive passes). A tiny
+  model's decode step: 3.9 s as users compile, 1.95 s at -O0 (AMD EPYC, 2026-12-02).
+- XLA:CPU's loop emitters instead of its MLIR fusion emitters (the debug option
+  `xla_cpu_use_fusion_emitters=false`): they write each fusion's LLVM IR directly instead of
+  lowering it through MLIR's pipeline. On top of -O0, a tiny `decode()`'s step programs
+  compile in 2.3-2.4 s instead of 3.9-4.7 s (AMD EPYC Zen 5, 2026-12-02,
+  /tmp-script timing five alternating runs, cache off).
+
+Most tests compile far more than they run, and for them the cheaply compiled program is the
+faster test. Tests that run SmolLM2 or Gemma 3 through etjax are the opposite: their programs
+ran 1.5-2.4x slower at -O0 (a 3K-token prefill, bf16 matrix products) and 1.65x slower with the
+loop emitters (SmolLM2's 3K-token prefill, 8.7 s against 5.3 s), so they compile as users do:
+those that take the `smollm2` or `gemma3_270m` fixture, and those marked `real_model`.
+
+Neither switch changes what a program computes beyond float rounding: the HLO and XLA's
+passes over it are the same, and no emitter or LLVM level enables fast math (XLA does not).
+Subprocesses follow through the environment: `JAX_DISABLE_MOST_OPTIMIZATIONS`, and
+`XLA_FLAGS` from `tests/subprocess_env.py` (never this process's own `XLA_FLAGS`: XLA reads
+them once, and they would hold for every later test).
+Compile options are part of the persistent cache's key; in memory, a program a test compiled
+one way could serve a later test that wanted the other, which costs time, never a result.
+`ETJAX_TEST_OPTIMIZE=all` compiles every test as users do.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 import pytest
@@ -28,6 +40,9 @@ import pytest
 REAL_MODEL_FIXTURES = frozenset({"smollm2", "gemma3_270m"})
 MARKER = "real_model"
 ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+_cheap = [False]  # whether this process compiles the current test cheaply
 
 
 def optimized(item: pytest.Item) -> bool:
@@ -42,6 +57,30 @@ def apply(item: pytest.Item) -> None:
     """Set this process's compilations, and its subprocesses', for `item`."""
     import jax
 
-    off = not optimized(item)
-    jax.config.update("jax_disable_most_optimizations", off)
-    os.environ[ENV] = "1" if off else "0"
+    _install_emitter_choice()
+    cheap = not optimized(item)
+    _cheap[0] = cheap
+    jax.config.update("jax_disable_most_optimizations", cheap)
+    os.environ[ENV] = "1" if cheap else "0"  # for subprocesses (tests/subprocess_env.py)
+
+
+@functools.cache
+def _install_emitter_choice() -> None:
+    # JAX has no configuration for XLA's debug options per compilation, only `compiler_options`
+    # per jitted function; every compilation's options pass through this function, which
+    # takes such options as overrides. Where a JAX version has changed it, tests compile with
+    # the fusion emitters, as before: slower, never wrong.
+    from jax._src import compiler
+
+    original = compiler.get_compile_options
+    if "env_options_overrides" not in inspect.signature(original).parameters:
+        return
+
+    @functools.wraps(original)
+    def get_compile_options(*args, env_options_overrides=None, **kwargs):
+        if _cheap[0]:
+            name, value = LOOP_EMITTERS.removeprefix("--").split("=")
+            env_options_overrides = {name: value == "true", **(env_options_overrides or {})}
+        return original(*args, env_options_overrides=env_options_overrides, **kwargs)
+
+    compiler.get_compile_options = get_compile_options

@@ -1,5 +1,5 @@
-"""The environment of every subprocess a test starts: CPU only, this checkout importable, and
-the test run's compilation cache.
+"""The environment of every subprocess a test starts: CPU only, this checkout importable, the
+test run's compilation cache, and the test's compile level (tests/compile_level.py).
 
 The engine and the CLI turn on JAX's persistent compilation cache (`~/.cache/etjax/xla` unless
 JAX_COMPILATION_CACHE_DIR is set: etjax/compilation_cache.py). A test's subprocess must not
@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from tests import compile_level
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -23,8 +25,10 @@ def subprocess_env(forced_devices: int | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    flags = env.get("XLA_FLAGS", "").split()
     if forced_devices is not None:
-        flags = env.get("XLA_FLAGS", "")
-        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={forced_devices}"
-        env["XLA_FLAGS"] = env["XLA_FLAGS"].strip()
+        flags.append(f"--xla_force_host_platform_device_count={forced_devices}")
+    if env.get(compile_level.ENV) == "1":  # the test compiles cheaply, and so does its child
+        flags.append(compile_level.LOOP_EMITTERS)
+    env["XLA_FLAGS"] = " ".join(flags)
     return env
