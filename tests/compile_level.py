@@ -40,7 +40,8 @@ import pytest
 REAL_MODEL_FIXTURES = frozenset({"smollm2", "gemma3_270m"})
 MARKER = "real_model"
 ENV = "JAX_DISABLE_MOST_OPTIMIZATIONS"
-LOOP_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+FUSION_EMITTERS = "xla_cpu_use_fusion_emitters"  # XLA's debug option; false: loop emitters
+LOOP_EMITTERS = f"--{FUSION_EMITTERS}=false"  # the same, as an XLA_FLAGS entry
 
 _cheap = [False]  # whether this process compiles the current test cheaply
 
@@ -79,8 +80,7 @@ def _install_emitter_choice() -> None:
     @functools.wraps(original)
     def get_compile_options(*args, env_options_overrides=None, **kwargs):
         if _cheap[0]:
-            name, value = LOOP_EMITTERS.removeprefix("--").split("=")
-            env_options_overrides = {name: value == "true", **(env_options_overrides or {})}
+            env_options_overrides = {FUSION_EMITTERS: False, **(env_options_overrides or {})}
         return original(*args, env_options_overrides=env_options_overrides, **kwargs)
 
     compiler.get_compile_options = get_compile_options
