@@ -76,7 +76,9 @@ def test_a_failed_write_stops_with_the_file_named_and_a_rerun_completes(tiny_hf_
     # refuses them (ENOSPC): the job must stop, cut the half-written line and name the file.
     out = tmp_path / "out.jsonl"
     command, env = _job(tmp_path, tiny_hf_dir, out), subprocess_env()
-    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # cache entries exceed the limit too
+    # The run's cache is read but not written: an entry would exceed the limit too. The
+    # signal tests above compiled this job's programs into it.
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1e9"
     limit = 1500  # two or three result lines
     # A small launcher sets the limit and execs the job (no preexec_fn: forking this
     # multithreaded test process to run Python in the child can deadlock).
