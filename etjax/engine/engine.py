@@ -134,9 +134,10 @@ class Engine:
     ) -> RequestHandle:
         """Queue a tokenized prompt; `arrival_time` (engine clock) defaults to now.
 
-        A request the engine cannot serve (no tokens, an id outside the vocabulary, nothing to
-        generate, more pages than the pool) raises `RequestError` here, before it can reach a
-        round: the engine and every other request go on as if it had never been submitted."""
+        A request the engine cannot serve (no tokens, an id outside the vocabulary, more pages
+        than the pool) raises `RequestError` here, before it can reach a round: the engine and
+        every other request go on as if it had never been submitted. (`RequestSettings` checks
+        its own fields, max_new_tokens >= 1 among them, when it is made.)"""
         prompt = list(prompt)
         if not prompt:
             raise RequestError("the prompt has no tokens; a request needs at least one")
@@ -148,10 +149,6 @@ class Engine:
                 raise RequestError(
                     f"prompt token {i} is {token}; token ids must be in [0, {vocab})"
                 )
-        if settings.max_new_tokens < 1:
-            raise RequestError(
-                f"max_new_tokens={settings.max_new_tokens}; must be a positive integer"
-            )
         need = pages_needed(len(prompt) + settings.max_new_tokens, self.options.page_size)
         if need > self.allocator.num_pages - 1:
             raise RequestError(

@@ -1,4 +1,5 @@
-"""What a request asks for, how the engine is sized, and what a request produced."""
+"""How the engine is sized, what a request produced, and what it asks for (`RequestSettings`,
+described with every request field in etjax/request_fields.py)."""
 
 from __future__ import annotations
 
@@ -8,20 +9,10 @@ from etjax.attention.backend import BACKENDS as ATTENTION_BACKENDS
 from etjax.distributed.mesh import MeshShape
 from etjax.drafting.config import SpeculationConfig
 from etjax.pruning.config import PruningConfig
-from etjax.sampling.settings import SamplerSettings
+from etjax.request_fields import RequestSettings as RequestSettings  # where the engine reads it
 
 POLICIES = ("fcfs", "priority", "entropic")
 MAX_PAGE_SIZE = 1024
-
-
-@dataclass(frozen=True)
-class RequestSettings:
-    """How long one request runs, when it stops, and how it samples."""
-
-    max_new_tokens: int
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
-    sampler: SamplerSettings = field(default_factory=SamplerSettings)
 
 
 @dataclass(frozen=True)
