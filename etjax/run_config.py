@@ -178,8 +178,6 @@ def _build(path: Path, table: str, cls, values: object):
         _check_type(path, table, key, value, expected)
         if "float" in expected and isinstance(value, int) and not isinstance(value, bool):
             values[key] = float(value)  # TOML writes 1 for 1.0
-        if expected.startswith("tuple") and isinstance(value, list):
-            values[key] = tuple(value)
     try:
         return cls(**values)
     except (EtjaxError, ValueError, TypeError) as e:

@@ -121,6 +121,11 @@ class RuntimeOptions:
         return self.max_resident or 2 * self.max_batch_size
 
 
+# What ended a row at a token, by the code the step reports it with (`StepOutputs.finish`):
+# the device decides (etjax/runtime/commit.py), the host only reads it. A stop string, which
+# needs the text, is the host's.
+FINISH_REASONS = ("", "eos", "length")  # "": the row goes on
+
 # The per-token trace: each list of SequenceOutput (and of etjax.Result), and the StepOutputs
 # field the engine reads it from. Code that moves the trace loops over this, so a new field is
 # declared where it is computed and stored, and named here once.
