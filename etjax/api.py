@@ -11,7 +11,7 @@ from pathlib import Path
 
 from etjax.drafting import SpeculationConfig
 from etjax.engine.build import RuntimeOptions, generate_ids
-from etjax.errors import EtjaxError, RequestError
+from etjax.errors import RequestError
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
 from etjax.model.config import DTYPE_CHOICES, resolve_dtype
@@ -153,20 +153,15 @@ def decode(
             f"speculation={speculation!r}; must be True, False or a SpeculationConfig"
         )
     max_batch_size = positive_int("max_batch_size", max_batch_size)
-    try:
-        options = RuntimeOptions(
-            page_size=positive_int("page_size", page_size),
-            max_batch_size=max_batch_size,
-            # A step holds a token per decoding row before any prefill: grow the budget.
-            token_budget=max(RuntimeOptions.token_budget, 2 * max_batch_size),
-            pruning=pruning,
-            mesh=mesh,
-            speculation=speculation,
-        )
-    except EtjaxError:
-        raise
-    except ValueError as e:  # how the settings combine (max_draft and steps_per_sync)
-        raise RequestError(str(e)) from None
+    options = RuntimeOptions(  # FieldError for what they cannot take together
+        page_size=positive_int("page_size", page_size),
+        max_batch_size=max_batch_size,
+        # A step holds a token per decoding row before any prefill: grow the budget.
+        token_budget=max(RuntimeOptions.token_budget, 2 * max_batch_size),
+        pruning=pruning,
+        mesh=mesh,
+        speculation=speculation,
+    )
     model = _resolve_model(model, dtype)
     # Result k is sample k % n of prompt k // n, with its own seed.
     results = [Result(seed=s) for s in seeds]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from etjax.drafting.config import SpeculationConfig
-from etjax.errors import ConfigError, EtjaxError
+from etjax.errors import ConfigError, EtjaxError, FieldError
 from etjax.model.config import DTYPE_CHOICES
 from etjax.pruning.config import PruningConfig
 from etjax.request_fields import RequestDefaults
@@ -49,7 +49,7 @@ class ModelChoice:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype={self.dtype!r}; must be one of {DTYPE_CHOICES}")
+            raise FieldError("dtype", self.dtype, f"one of {DTYPE_CHOICES}")
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def load_run_config(name_or_path: str | Path, model: str | Path | None = None) -
         options = dataclasses.replace(
             built["engine"], pruning=built["pruning"], speculation=built["speculation"]
         )
-    except ValueError as e:
+    except FieldError as e:
         raise ConfigError(f"{path}: {e}") from None
     return RunConfig(
         name=path.stem,
@@ -180,5 +180,5 @@ def _build(path: Path, table: str, cls, values: object):
             values[key] = float(value)  # TOML writes 1 for 1.0
     try:
         return cls(**values)
-    except (EtjaxError, ValueError, TypeError) as e:
+    except (EtjaxError, TypeError) as e:
         raise ConfigError(f"{path}: [{table}] {e}") from None
