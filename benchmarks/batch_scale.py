@@ -88,7 +88,7 @@ def _child(records: int, workdir: Path) -> dict:
         )
         backend.decode_log = collections.deque(maxlen=1)  # the mock's test log, not needed
         policy = make_policy(options.policy, 1000.0, 1.0, options.max_batch_size, 16)
-        engines.append(Engine(backend, model.tokenizer, (-1,), options, policy))
+        engines.append(Engine(backend, model.tokenizer, options, policy))
         return engines[-1]
 
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS to the current RSS

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from etjax.drafting import SpeculationConfig
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
-from etjax.errors import EtjaxError, RequestError
+from etjax.engine.build import RuntimeOptions, generate_ids
+from etjax.errors import RequestError
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
 from etjax.model.config import DTYPE_CHOICES, resolve_dtype
@@ -20,11 +21,10 @@ from etjax.request_checks import (
     flag,
     positive_int,
     request_seeds,
-    sample_count,
     sampler_settings,
-    stop_strings,
     tokenize_prompt,
 )
+from etjax.request_fields import DECODE, FIELDS, build_request, open_at, read_fields
 from etjax.runtime.options import TRACE_FIELDS
 
 __all__ = ["Result", "decode", "load_model"]
@@ -102,24 +102,13 @@ def decode(
         SmolLM2-135M-Instruct). Names and paths are loaded once and cached.
       dtype: of the weights, activations and KV cache when `model` is a name or a path:
         "auto" (bfloat16 on a TPU or a GPU, float32 on a CPU), "float32" or "bfloat16".
-      max_new_tokens: tokens to generate at most (>= 1).
       temperature: 0 for greedy decoding, else the softmax temperature.
       seed: None (fresh random seeds), an integer (each request its own reproducible stream,
         derived from the seed and the request's place in the call), or a list with one seed
         per request, used as given. Every `Result` reports its `.seed`: pass `seed=[r.seed]`
         with the same prompt and settings to replay it, alone or in any batch.
-      n: samples per prompt; the results hold n consecutive `Result`s per prompt (prompt i's
-        are `results[i * n:(i + 1) * n]`), each sampled with its own seed. Each sample
-        prefills its prompt itself: KV pages are owned by one sequence (no shared prefixes).
       sampler: "standard", "mirostat_v2", "edt" or "entropic" (see `SamplerSettings`).
-      stop: strings that end generation; the text is cut before them.
-      ignore_eos: keep generating past end-of-sequence tokens (exactly `max_new_tokens`).
-      chat: wrap each prompt as a user turn in the model's chat template.
-      system_prompt: optional system turn when `chat` is set, or before a conversation that
-        has none.
-      trusted_chat: with `chat`, parse special-token text inside prompts (and the system
-        prompt) as special tokens. Off by default: a prompt holding `<|im_start|>system` is
-        tokenized as that text and cannot open a turn of its own.
+      <request fields>: each described once in etjax/request_fields.py; help(decode) lists them.
       raise_on_invalid: raise `RequestError` for an invalid prompt instead of returning a
         `Result` with `error` set (the other prompts are generated either way otherwise).
       pruning: True (default settings) or a `PruningConfig`: entropic attention pruning — each
@@ -139,18 +128,19 @@ def decode(
         t_min, t_max, gain, entropy_floor, mirostat_tau, edt_theta, ...).
 
     Returns:
-      n `Result`s per prompt, in order.
+      n `Result`s per prompt, in order: prompt i's are `results[i * n:(i + 1) * n]`.
     """
+    keywords = locals()  # the request fields are checked by their table, as given
     prompt_list = _prompt_list(prompts)
-    chat, raise_on_invalid = flag("chat", chat), flag("raise_on_invalid", raise_on_invalid)
-    trusted_chat = flag("trusted_chat", trusted_chat)
-    n = sample_count(n)
-    settings = RequestSettings(
-        max_new_tokens=positive_int("max_new_tokens", max_new_tokens),
-        ignore_eos=flag("ignore_eos", ignore_eos),
-        stop=stop_strings(stop),
-        sampler=sampler_settings(sampler, temperature, 0, sampler_options),
+    raise_on_invalid = flag("raise_on_invalid", raise_on_invalid)
+    given = {name: keywords[name] for name in open_at(DECODE)}
+    # A request field closed to decode() (a record's priority) is named as such, not taken
+    # for an unknown sampler option.
+    given |= {k: sampler_options.pop(k) for k in list(sampler_options) if k in FIELDS}
+    settings, asked = build_request(
+        read_fields(given, DECODE), sampler_settings(sampler, temperature, 0, sampler_options)
     )
+    n = asked.n
     seeds = request_seeds(seed, len(prompt_list) * n)
     if isinstance(pruning, bool):
         pruning = PruningConfig(enabled=pruning)
@@ -163,27 +153,28 @@ def decode(
             f"speculation={speculation!r}; must be True, False or a SpeculationConfig"
         )
     max_batch_size = positive_int("max_batch_size", max_batch_size)
-    try:
-        options = RuntimeOptions(
-            page_size=positive_int("page_size", page_size),
-            max_batch_size=max_batch_size,
-            # A step holds a token per decoding row before any prefill: grow the budget.
-            token_budget=max(RuntimeOptions.token_budget, 2 * max_batch_size),
-            pruning=pruning,
-            mesh=mesh,
-            speculation=speculation,
-        )
-    except EtjaxError:
-        raise
-    except ValueError as e:  # how the settings combine (max_draft and steps_per_sync)
-        raise RequestError(str(e)) from None
+    options = RuntimeOptions(  # FieldError for what they cannot take together
+        page_size=positive_int("page_size", page_size),
+        max_batch_size=max_batch_size,
+        # A step holds a token per decoding row before any prefill: grow the budget.
+        token_budget=max(RuntimeOptions.token_budget, 2 * max_batch_size),
+        pruning=pruning,
+        mesh=mesh,
+        speculation=speculation,
+    )
     model = _resolve_model(model, dtype)
     # Result k is sample k % n of prompt k // n, with its own seed.
     results = [Result(seed=s) for s in seeds]
     valid: list[int] = []
     for i, prompt in enumerate(prompt_list):
         ids, error = tokenize_prompt(
-            model, prompt, i, chat, system_prompt, settings.max_new_tokens, trusted_chat
+            model,
+            prompt,
+            i,
+            asked.chat,
+            asked.system_prompt,
+            settings.max_new_tokens,
+            asked.trusted_chat,
         )
         if error is not None and raise_on_invalid:
             raise RequestError(error)
@@ -219,6 +210,20 @@ def decode(
         for name in TRACE_FIELDS:
             setattr(r, name, getattr(out, name))
     return results
+
+
+def _with_request_fields(doc: str) -> str:
+    # decode()'s request keywords are described in their table; help(decode) shows them here.
+    lines = []
+    for name, row in open_at(DECODE).items():
+        lines += textwrap.wrap(
+            f"{name}: {row.help}.", 96, initial_indent="  " * 3, subsequent_indent="  " * 4
+        )
+    marker = next(line for line in doc.splitlines() if "<request fields>" in line)
+    return doc.replace(marker, "\n".join(lines))
+
+
+decode.__doc__ = _with_request_fields(decode.__doc__)
 
 
 @functools.lru_cache(maxsize=2)

@@ -58,25 +58,37 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-BATCH_FORMATS = """record (one JSON object per input line):
-  {"id": "q1", "prompt": "Explain entropy."}                      a string prompt
-  {"id": "q2", "messages": [{"role": "user", "content": "Hi"}]}    a conversation
-  optional: "max_new_tokens", "ignore_eos", "chat", "system_prompt", "stop", "priority",
-  and any sampler field ("sampler", "temperature", "seed", "top_p", "top_k", ...); missing
-  fields take the config's [request] and [sampler] defaults. Without an "id" a record is
-  known by its line number. Without a "seed" it samples from a stream derived from the
-  config's seed and its id.
+def batch_formats() -> str:
+    """The record and result formats `etjax batch --help` shows, the fields read from their
+    tables (etjax/request_fields.py, `SamplerSettings`, the OpenAI body names)."""
+    import textwrap
 
-OpenAI Batch API lines are read too, and answered in that format:
-  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
-   "body": {"messages": [...], "max_tokens": 64, "temperature": 0.7, "n": 2}}
-  ("/v1/completions" takes "prompt"); body fields: max_tokens or max_completion_tokens,
-  temperature, top_p, seed, stop, n, presence_penalty, frequency_penalty, model (echoed).
+    from etjax.jobs.openai_format import body_fields
+    from etjax.request_fields import RECORD, open_at
 
-result (one JSON line per record, in completion order; --ordered: in input order):
-  {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "metrics", "seed",
-   "error": null, "fingerprint"}, or {"id", "error": "line N: ...", "fingerprint"}
-"""
+    optional = ", ".join(f'"{name}"' for name in open_at(RECORD))
+    fields = (
+        f'optional: {optional}, and any sampler field ("sampler", "temperature", "seed", '
+        '"top_p", "top_k", ...); missing fields take the config\'s [request] and [sampler] '
+        'defaults. Without an "id" a record is known by its line number. Without a "seed" it '
+        "samples from a stream derived from the config's seed and its id."
+    )
+    body = f'("/v1/completions" takes "prompt"); body fields: {", ".join(body_fields())}, '
+    body += "model (echoed)."
+    fields, body = (textwrap.indent(textwrap.fill(t, 92), "  ") for t in (fields, body))
+    return (
+        "record (one JSON object per input line):\n"
+        '  {"id": "q1", "prompt": "Explain entropy."}                      a string prompt\n'
+        '  {"id": "q2", "messages": [{"role": "user", "content": "Hi"}]}    a conversation\n'
+        f"{fields}\n\n"
+        "OpenAI Batch API lines are read too, and answered in that format:\n"
+        '  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",\n'
+        '   "body": {"messages": [...], "max_tokens": 64, "temperature": 0.7, "n": 2}}\n'
+        f"{body}\n\n"
+        "result (one JSON line per record, in completion order; --ordered: in input order):\n"
+        '  {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "metrics", "seed",\n'
+        '   "error": null, "fingerprint"}, or {"id", "error": "line N: ...", "fingerprint"}\n'
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -96,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
         help="run a JSONL file of prompts; rerun the same command to resume",
         description="Run a JSONL file of requests into a JSONL file of results. Rerun the "
         "same command to resume: finished ids are skipped, error lines retried.",
-        epilog=BATCH_FORMATS,
+        epilog=batch_formats(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     batch.add_argument("--input", type=Path, required=True, help="JSONL, one request per line")

@@ -23,6 +23,17 @@ class RequestError(EtjaxError):
     """A prompt or a generation setting is invalid."""
 
 
+class FieldError(RequestError):
+    """A setting holds a value it cannot take, whichever way it came in (a `decode()` keyword,
+    a batch record, an OpenAI line, a config key, a flag). `field`, `value` and `allowed` say
+    which, what it was and what it may be; the message reads `field=value; must be allowed`.
+    A config file reports it as a `ConfigError` that adds the file and the table."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        super().__init__(f"{field}={value!r}; must be {allowed}")
+        self.field, self.value, self.allowed = field, value, allowed
+
+
 class ConfigError(EtjaxError):
     """A config file is missing, malformed, or has an unknown key or a bad value."""
 

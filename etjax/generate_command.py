@@ -1,6 +1,7 @@
 """`etjax generate`: one prompt from the command line, streamed, with every decode option.
 
-Each `SamplerSettings` field is a flag of its own (`--top-p`, `--mirostat-tau`, ...). `--config`
+Each request field open to the command line (etjax/request_fields.py) and each
+`SamplerSettings` field is a flag of its own (`--max-new-tokens`, `--top-p`, ...). `--config`
 takes a run config's [model], [sampler], [request], pruning and speculation settings as the
 defaults; flags given on the command line win. Everything is checked before the model loads,
 so a bad value fails in a second.
@@ -14,6 +15,7 @@ import logging
 import sys
 import time
 
+from etjax.request_fields import CLI, DECODE, open_at, read_fields
 from etjax.sampling.settings import SAMPLERS, SamplerSettings
 
 log = logging.getLogger("etjax")
@@ -31,16 +33,21 @@ def add_generate(commands) -> None:
     gen.add_argument("--model", default=None, help="name, path or hub id (default: embedded)")
     gen.add_argument("--config", default=None, help="a run config whose settings are defaults")
     gen.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
-    gen.add_argument("--max-new-tokens", type=int, default=None, help="(default 128)")
-    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true", default=None)
-    gen.add_argument("--chat", action="store_true", default=None, help="use the chat template")
-    gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--pruning", action="store_true", default=None, help="entropic pruning")
     gen.add_argument(
         "--speculation", action="store_true", default=None, help="draft and verify tokens"
     )
-    gen.add_argument("-n", type=int, default=1, help="samples of the prompt")
+    request = gen.add_argument_group("request (etjax/request_fields.py)")
+    for name, row in open_at(CLI).items():
+        # None: the flag was not given, so --config's [request] value (or the table's) holds.
+        kwargs = {"dest": name, "default": None, "help": f"{row.help} (default {row.default})"}
+        if row.type == "bool":  # a switch: --name / --no-name
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif row.type.startswith("tuple"):  # a list: the flag repeats
+            kwargs |= {"action": "append", "help": f"{row.help} (repeatable)"}
+        else:
+            kwargs["type"] = _TYPES[row.type.removesuffix(" | None")]
+        request.add_argument(*row.flags, **kwargs)
     gen.add_argument("--seed", type=int, default=None, help="(default: a fresh seed)")
     sampler = gen.add_argument_group("sampler (etjax.sampling.SamplerSettings)")
     for f in dataclasses.fields(SamplerSettings):
@@ -63,7 +70,7 @@ def add_generate(commands) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from etjax.api import decode
     from etjax.loaders.resolve import load_model
-    from etjax.request_checks import positive_int, sample_count, sampler_settings, stop_strings
+    from etjax.request_checks import sampler_settings
     from etjax.run_config import RunConfig, load_run_config
 
     config = load_run_config(args.config) if args.config else RunConfig("built-in defaults")
@@ -75,20 +82,21 @@ def run_generate(args: argparse.Namespace) -> int:
             sampler[name] = flag_value
     seed = args.seed  # None: a fresh one, reported below
     sampler.pop("seed")
-    request = config.request
-    max_new = given(args.max_new_tokens, request.max_new_tokens)
-    stop = given(args.stop, list(request.stop) or None)
-    pruning = True if args.pruning else config.options.pruning
-    speculation = True if args.speculation else config.options.speculation
+    flags = {name: getattr(args, name) for name in open_at(CLI)}
     # The settings first: a bad value fails in a second, not after the model has loaded.
-    positive_int("max_new_tokens", max_new)
-    sample_count(args.n)
-    stop_strings(stop)
+    request = read_fields(
+        {name: value for name, value in flags.items() if value is not None},
+        CLI,
+        dataclasses.asdict(config.request),
+    )
     options = {k: v for k, v in sampler.items() if k not in ("sampler", "temperature")}
     sampler_settings(sampler["sampler"], sampler["temperature"], 0, dict(options))
+    pruning = True if args.pruning else config.options.pruning
+    speculation = True if args.speculation else config.options.speculation
     started = time.perf_counter()
     model = load_model(args.model or config.model.name, dtype=given(args.dtype, config.model.dtype))
     log.info("%r loaded in %.1fs", model, time.perf_counter() - started)
+    n = request["n"]
 
     def stream(_: int, piece: str) -> None:
         sys.stdout.write(piece)
@@ -98,25 +106,20 @@ def run_generate(args: argparse.Namespace) -> int:
     results = decode(
         args.prompt,
         model=model,
-        max_new_tokens=max_new,
-        stop=stop,
-        ignore_eos=given(args.ignore_eos, request.ignore_eos),
-        chat=given(args.chat, request.chat),
-        system_prompt=given(args.system, request.system_prompt),
         pruning=pruning,
         speculation=speculation,
         seed=seed,
-        n=args.n,
         sampler=sampler["sampler"],
         temperature=sampler["temperature"],
         raise_on_invalid=True,
-        on_text=stream if args.n == 1 else None,
+        on_text=stream if n == 1 else None,
+        **{name: request[name] for name in open_at(DECODE)},
         **options,
     )
     elapsed = time.perf_counter() - started
     for j, result in enumerate(results):
-        if args.n > 1:
-            print(f"--- sample {j + 1} of {args.n} (seed {result.seed}) ---")
+        if n > 1:
+            print(f"--- sample {j + 1} of {n} (seed {result.seed}) ---")
             print(result.text, end="")
         print()
         _report(result, elapsed, model.tokenizer, args.show_entropy)

@@ -1,7 +1,8 @@
-"""Validation of request fields, shared by `etjax.decode()` and batch-job records.
+"""The checks of a request beyond its fields' own (etjax/request_fields.py), shared by
+`etjax.decode()` and batch-job records: sampler settings, seeds, and the prompt.
 
-Every check raises `RequestError` naming the field, the value and what is allowed, or (for a
-prompt) returns the reason it cannot be served.
+A bad setting raises `FieldError` naming the field, the value and what is allowed; a prompt
+that cannot be served gets the reason, so that the other prompts still run.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from collections.abc import Sequence
 
-from etjax.errors import RequestError
+from etjax import request_fields
+from etjax.errors import FieldError, RequestError
 from etjax.loaders.loaded_model import Model
+from etjax.request_fields import checked, switch
 from etjax.sampling.settings import SamplerSettings
 
 
@@ -119,38 +121,26 @@ def _tokenize_messages(
 
 
 def flag(name: str, value: object) -> bool:
-    """A yes/no setting: a bool, nothing else ("no" is a non-empty string, hence truthy)."""
-    if not isinstance(value, bool):
-        raise RequestError(f"{name}={value!r}; must be True or False")
-    return value
+    """A yes/no setting of `decode()` that is no request field (raise_on_invalid, progress)."""
+    return checked(name, value, switch)
 
 
 def positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise RequestError(f"{name}={value!r}; must be a positive integer")
-    return value
+    """An engine size `decode()` takes (max_batch_size, page_size)."""
+    return checked(name, value, request_fields.positive_int)
 
 
 def temperature_value(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(f"temperature={value!r}; must be a number >= 0 (0 = greedy)")
+        raise FieldError("temperature", value, "a number >= 0 (0 = greedy)")
     if not math.isfinite(value) or value < 0:
-        raise RequestError(f"temperature={value!r}; must be a finite number >= 0 (0 = greedy)")
+        raise FieldError("temperature", value, "a finite number >= 0 (0 = greedy)")
     return float(value)
 
 
 def seed_value(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
-        raise RequestError(f"seed={value!r}; must be an integer in [0, 2**32)")
-    return value
-
-
-MAX_SAMPLES = 128  # samples of one prompt (`n`), as the OpenAI API allows
-
-
-def sample_count(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SAMPLES:
-        raise RequestError(f"n={value!r}; must be an integer from 1 to {MAX_SAMPLES}")
+        raise FieldError("seed", value, "an integer in [0, 2**32)")
     return value
 
 
@@ -172,15 +162,3 @@ def request_seeds(seed: object, count: int) -> list[int]:
             raise RequestError(f"seed is a list of {len(seed)}; one per request needs {count}")
         return [seed_value(s) for s in seed]
     return [derived_seed(seed_value(seed), i) for i in range(count)]
-
-
-def stop_strings(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if not isinstance(stop, str | list | tuple):
-        raise RequestError(f"stop={stop!r}; must be a string or a list of strings")
-    items = [stop] if isinstance(stop, str) else list(stop)
-    for s in items:
-        if not isinstance(s, str) or not s:
-            raise RequestError(f"stop={stop!r}; each stop sequence must be a non-empty string")
-    return tuple(items)

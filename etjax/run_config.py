@@ -9,7 +9,8 @@ A file has up to six tables, each optional:
     [pruning]  any `PruningConfig` field (enabled, min_fraction, entropy_low, ...)
     [speculation]  any `SpeculationConfig` field (enabled, max_draft, entropy_max, ...)
     [sampler]  any `SamplerSettings` field: the default for requests that do not set it
-    [request]  max_new_tokens, ignore_eos, chat, system_prompt, stop: request defaults
+    [request]  any request field open to configs (etjax/request_fields.py: max_new_tokens,
+               stop, chat, ...): the default for requests that do not set it
 
 A model preset (`etjax/configs/models/NAME.toml`) holds only [model] and [engine]: it says which
 weights to run and, where a model needs them, engine sizes. `load_run_config(config,
@@ -29,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from etjax.drafting.config import SpeculationConfig
-from etjax.errors import ConfigError, EtjaxError
+from etjax.errors import ConfigError, EtjaxError, FieldError
 from etjax.model.config import DTYPE_CHOICES
 from etjax.pruning.config import PruningConfig
+from etjax.request_fields import RequestDefaults
 from etjax.runtime.options import RuntimeOptions
 from etjax.sampling.settings import SamplerSettings
 
@@ -41,32 +43,13 @@ MODEL_PRESET_DIR = CONFIG_DIR / "models"
 
 
 @dataclass(frozen=True)
-class RequestDefaults:
-    max_new_tokens: int = 128
-    ignore_eos: bool = False
-    chat: bool = False
-    # With chat, parse special-token text inside prompts as special tokens. A property of
-    # where the job's input comes from, so a config key and never a record field: a record
-    # cannot vouch for itself.
-    trusted_chat: bool = False
-    system_prompt: str | None = None
-    stop: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise ValueError(f"max_new_tokens={self.max_new_tokens!r}; must be an integer")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens}; must be positive")
-
-
-@dataclass(frozen=True)
 class ModelChoice:
     name: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"  # bfloat16 on a TPU or a GPU, float32 on a CPU
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
-            raise ValueError(f"dtype={self.dtype!r}; must be one of {DTYPE_CHOICES}")
+            raise FieldError("dtype", self.dtype, f"one of {DTYPE_CHOICES}")
 
 
 @dataclass(frozen=True)
@@ -125,7 +108,7 @@ def load_run_config(name_or_path: str | Path, model: str | Path | None = None) -
         options = dataclasses.replace(
             built["engine"], pruning=built["pruning"], speculation=built["speculation"]
         )
-    except ValueError as e:
+    except FieldError as e:
         raise ConfigError(f"{path}: {e}") from None
     return RunConfig(
         name=path.stem,
@@ -195,9 +178,7 @@ def _build(path: Path, table: str, cls, values: object):
         _check_type(path, table, key, value, expected)
         if "float" in expected and isinstance(value, int) and not isinstance(value, bool):
             values[key] = float(value)  # TOML writes 1 for 1.0
-        if key == "stop" and isinstance(value, list):
-            values[key] = tuple(value)
     try:
         return cls(**values)
-    except (EtjaxError, ValueError, TypeError) as e:
+    except (EtjaxError, TypeError) as e:
         raise ConfigError(f"{path}: [{table}] {e}") from None

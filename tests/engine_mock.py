@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from etjax.engine.backend import PrefillJob, RowInit
-from etjax.runtime.options import TRACE_FIELDS
+from etjax.runtime.options import FINISH_REASONS, TRACE_FIELDS
 from etjax.runtime.state import StepOutputs
 
 EOS = 2
@@ -126,6 +126,7 @@ class MockBackend:
         }
         tokens = np.zeros((k, n), np.int32)
         emitted = np.zeros((k, n), bool)
+        finish = np.zeros((k, n), np.int8)
         self.decode_log.append([self.rows[r].request_id for r in rows])
         for j, (row, row_pages, length) in enumerate(zip(rows, pages, lengths, strict=True)):
             state = self.rows[row]
@@ -141,11 +142,16 @@ class MockBackend:
                 arrays["model_entropy"][step, j] = self.entropy_of(state.request_id, i)
                 emitted[step, j] = True
                 state.generated += 1
-                # As on the device: a finishing token is not run through the model.
-                if (eos and state.stop_on_eos) or state.generated >= state.max_new:
+                # As on the device: a finishing token is not run through the model, and the
+                # step says what it ended.
+                if eos and state.stop_on_eos:
+                    finish[step, j] = FINISH_REASONS.index("eos")
+                elif state.generated >= state.max_new:
+                    finish[step, j] = FINISH_REASONS.index("length")
+                if finish[step, j]:
                     break
                 state.length += 1
         return (
-            StepOutputs(tokens=tokens, emitted=emitted, **arrays),
+            StepOutputs(tokens=tokens, emitted=emitted, finish=finish, **arrays),
             np.ones(n, np.float32),
         )

@@ -325,7 +325,7 @@ def test_the_engine_is_fed_from_a_bounded_window_and_results_are_the_mock_s(tiny
             pages, options.steps_per_sync, options.page_size, vocab_size=tiny.config.vocab_size
         )
         policy = make_policy(options.policy, 1000.0, 1.0, options.max_batch_size, 16)
-        engine = Engine(backend, tiny.tokenizer, (-1,), options, policy)
+        engine = Engine(backend, tiny.tokenizer, options, policy)
         step = engine.step
 
         def checked_step():

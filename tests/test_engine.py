@@ -38,7 +38,6 @@ def _engine(policy="fcfs", batch=2, resident=None, pages=256, rounds=4, prefill_
     engine = Engine(
         backend,
         None,
-        (2,),
         options,
         make_policy(policy, 1000.0, 1.0, batch, PAGE),
         clock=lambda: float(next(tick)),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from etjax.errors import FieldError
+
 # Largest verification width: a row's token and its drafts share one query tile of the
 # attention plan (etjax/engine/device.py), sized 1 + max_draft rounded up to a power of two.
 MAX_DRAFT_LIMIT = 15
@@ -57,27 +59,29 @@ class SpeculationConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
-            raise ValueError(f"enabled={self.enabled!r}; must be true or false")
+            raise FieldError("enabled", self.enabled, "true or false")
         for name in ("max_draft", "ngram_max", "ngram_min", "draft_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r}; must be a positive integer")
+                raise FieldError(name, value, "a positive integer")
         if self.max_draft > MAX_DRAFT_LIMIT:
-            raise ValueError(f"max_draft={self.max_draft}; must be at most {MAX_DRAFT_LIMIT}")
+            raise FieldError("max_draft", self.max_draft, f"at most {MAX_DRAFT_LIMIT}")
         if self.ngram_min > self.ngram_max:
-            raise ValueError(
-                f"ngram_min={self.ngram_min} > ngram_max={self.ngram_max}; the shortest "
-                "matched tail cannot exceed the longest"
+            raise FieldError(
+                "ngram_min",
+                self.ngram_min,
+                f"<= ngram_max={self.ngram_max}: the shortest matched tail cannot exceed the "
+                "longest",
             )
         for name in ("pass_fixed_tokens", "verify_row_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise ValueError(f"{name}={value!r}; must be a number >= 0 (token computes)")
+                raise FieldError(name, value, "a number >= 0 (token computes)")
         if not self.entropy_max > 0:
-            raise ValueError(f"entropy_max={self.entropy_max}; must be positive (nats)")
+            raise FieldError("entropy_max", self.entropy_max, "positive (nats)")
         for name in ("acceptance_prior", "min_survival"):
             value = getattr(self, name)
             if not 0 < value < 1:
-                raise ValueError(f"{name}={value}; must be in (0, 1)")
+                raise FieldError(name, value, "in (0, 1)")
         if not 0 <= self.acceptance_memory < 1:
-            raise ValueError(f"acceptance_memory={self.acceptance_memory}; must be in [0, 1)")
+            raise FieldError("acceptance_memory", self.acceptance_memory, "in [0, 1)")

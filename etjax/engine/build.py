@@ -59,7 +59,7 @@ def build_engine(
         options.page_size,
     )
     kwargs = {} if clock is None else {"clock": clock}
-    return Engine(backend, tokenizer, eos, options, policy, **kwargs)
+    return Engine(backend, tokenizer, options, policy, **kwargs)
 
 
 def request_pages(prompt_tokens: int, settings: RequestSettings, options: RuntimeOptions) -> int:

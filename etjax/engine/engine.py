@@ -43,7 +43,13 @@ from etjax.engine.grouping import split_by_width
 from etjax.engine.policies import Policy
 from etjax.engine.sequence import Sequence, Status
 from etjax.errors import RequestError
-from etjax.runtime.options import TRACE_FIELDS, RequestSettings, RuntimeOptions, SequenceOutput
+from etjax.runtime.options import (
+    FINISH_REASONS,
+    TRACE_FIELDS,
+    RequestSettings,
+    RuntimeOptions,
+    SequenceOutput,
+)
 from etjax.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FEED_PER_ROW = 4  # see Engine.feed_window
@@ -101,7 +107,6 @@ class Engine:
         self,
         backend: Backend,
         tokenizer: Tokenizer | None,
-        eos_ids: tuple[int, ...],
         options: RuntimeOptions,
         policy: Policy,
         clock: Callable[[], float] = time.perf_counter,
@@ -109,7 +114,7 @@ class Engine:
         scheduler.check_starvation_bound(
             options.resident_rows, options.max_batch_size, options.min_advance_rounds
         )
-        self.backend, self.tokenizer, self.eos_ids = backend, tokenizer, tuple(eos_ids)
+        self.backend, self.tokenizer = backend, tokenizer
         self.options, self.policy, self.clock = options, policy, clock
         self.allocator = PageAllocator(backend.num_pages)
         self.free_rows = list(range(options.resident_rows - 1, -1, -1))
@@ -134,9 +139,10 @@ class Engine:
     ) -> RequestHandle:
         """Queue a tokenized prompt; `arrival_time` (engine clock) defaults to now.
 
-        A request the engine cannot serve (no tokens, an id outside the vocabulary, nothing to
-        generate, more pages than the pool) raises `RequestError` here, before it can reach a
-        round: the engine and every other request go on as if it had never been submitted."""
+        A request the engine cannot serve (no tokens, an id outside the vocabulary, more pages
+        than the pool) raises `RequestError` here, before it can reach a round: the engine and
+        every other request go on as if it had never been submitted. (`RequestSettings` checks
+        its own fields, max_new_tokens >= 1 among them, when it is made.)"""
         prompt = list(prompt)
         if not prompt:
             raise RequestError("the prompt has no tokens; a request needs at least one")
@@ -148,10 +154,6 @@ class Engine:
                 raise RequestError(
                     f"prompt token {i} is {token}; token ids must be in [0, {vocab})"
                 )
-        if settings.max_new_tokens < 1:
-            raise RequestError(
-                f"max_new_tokens={settings.max_new_tokens}; must be a positive integer"
-            )
         need = pages_needed(len(prompt) + settings.max_new_tokens, self.options.page_size)
         if need > self.allocator.num_pages - 1:
             raise RequestError(
@@ -467,7 +469,8 @@ class Engine:
                 seq.token_times.append(now)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                if not seq.accept(int(out.tokens[k, j]), trace, self.eos_ids):
+                finish = FINISH_REASONS[out.finish[k, j]]
+                if not seq.accept(int(out.tokens[k, j]), trace, finish):
                     break
             self.policy.observe(seq, produced)
             if seq.output.finish_reason:

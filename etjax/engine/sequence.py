@@ -70,21 +70,22 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def accept(self, token: int, trace: tuple[float, ...], eos_ids: tuple[int, ...]) -> bool:
-        """Record a sampled token and its trace (values in TRACE_FIELDS order); return whether
-        the sequence continues."""
-        out, s = self.output, self.settings
+    def accept(self, token: int, trace: tuple[float, ...], finish: str = "") -> bool:
+        """Record a sampled token and its trace (values in TRACE_FIELDS order) and what the
+        device says it ended ("eos", "length" or "": FINISH_REASONS); return whether the
+        sequence continues. The text's stop strings are the host's to find."""
+        out = self.output
         out.token_ids.append(token)
         for name, value in zip(TRACE_FIELDS, trace, strict=True):
             getattr(out, name).append(value)
-        if not s.ignore_eos and token in eos_ids:
-            out.finish_reason = "eos"
+        if finish == "eos":  # its text is not the output's
+            out.finish_reason = finish
             return False
         # Without a tokenizer (host-logic tests) there is no text, only token ids.
         if self.detokenizer is not None and self.emit(self.detokenizer.push(token)):
             return False
-        if len(out.token_ids) >= s.max_new_tokens:
-            out.finish_reason = "length"
+        if finish:
+            out.finish_reason = finish
             return False
         return True
 

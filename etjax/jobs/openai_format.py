@@ -6,8 +6,9 @@ Input lines (what vLLM's `run-batch` and many pipelines produce):
      "body": {"model": "...", "messages": [...], "max_tokens": 64, "temperature": 0.7}}
 
 `url` is "/v1/chat/completions" (`body.messages`) or "/v1/completions" (`body.prompt`, a
-string). `body` may hold `max_tokens` or `max_completion_tokens`, `temperature`, `top_p`,
-`seed`, `stop`, `n`, `presence_penalty`, `frequency_penalty`; `model` names the model the
+string). `body` may hold the OpenAI names of request fields (`max_tokens` or
+`max_completion_tokens`, `stop`, `n`: etjax/request_fields.py) and `temperature`, `top_p`,
+`seed`, `presence_penalty`, `frequency_penalty`; `model` names the model the
 caller meant and is echoed back (etjax runs the one it loaded). Anything else is an error that
 names the field. `to_record` turns such a line into etjax's own record fields, so validation is
 shared; the result is written back as an OpenAI output line (`output_line`, `error_line`): the
@@ -21,23 +22,26 @@ import time
 import uuid
 
 from etjax.errors import RequestError
+from etjax.request_fields import FIELDS
 from etjax.runtime.options import SequenceOutput
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+# Body names of request fields (etjax/request_fields.py, their `openai` names) and of sampler
+# settings, each with the etjax record field it becomes; "model" is only echoed back.
 _BODY_FIELDS = {
     "model": None,
     "messages": "messages",
     "prompt": "prompt",
-    "max_tokens": "max_new_tokens",
-    "max_completion_tokens": "max_new_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "seed": "seed",
-    "stop": "stop",
-    "n": "n",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
+    **{body: name for name, row in FIELDS.items() for body in row.openai},
+    **{k: k for k in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")},
 }
+
+
+def body_fields() -> list[str]:
+    """The body names a line may set, besides messages or prompt and the echoed model."""
+    return [
+        name for name, field in _BODY_FIELDS.items() if field not in (None, "messages", "prompt")
+    ]
 
 
 def is_openai(raw: object) -> bool:
@@ -59,8 +63,10 @@ def to_record(raw: dict) -> dict:
     unknown = sorted(set(body) - set(_BODY_FIELDS))
     if unknown:
         raise RequestError(f"body.{unknown[0]} is not supported; allowed: {sorted(_BODY_FIELDS)}")
-    if "max_tokens" in body and "max_completion_tokens" in body:
-        raise RequestError("body.max_tokens and body.max_completion_tokens are both given")
+    for row in FIELDS.values():
+        both = [name for name in row.openai if name in body]
+        if len(both) > 1:
+            raise RequestError(f"body.{both[0]} and body.{both[1]} are both given")
     needed = "messages" if url == CHAT else "prompt"
     if needed not in body:
         raise RequestError(f"body.{needed} is required for {url}")

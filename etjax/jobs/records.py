@@ -3,9 +3,10 @@
 Fields: "prompt" (a string) or "messages" (a list of {"role", "content"} objects, rendered
 by the model's chat template); optional "id" (a non-empty string or an integer,
 written back as a string; without one, a record is known by its line number, written back as
-a JSON number, so a generated id never equals a given one), "max_new_tokens", "ignore_eos",
-"chat", "system_prompt", "stop", "priority", and any `SamplerSettings` field ("sampler",
-"temperature", "seed", "top_p", ...). Missing fields take the run config's defaults, but for
+a JSON number, so a generated id never equals a given one), every request field open to
+records (etjax/request_fields.py: "max_new_tokens", "stop", ...), and any `SamplerSettings`
+field ("sampler", "temperature", "seed", "top_p", ...). Missing fields take the run config's
+defaults ([request] and [sampler]), but for
 "seed": a record without one samples from a stream of its own, derived from the config's seed
 and its id, and its result says which seed that was. A record
 that fails validation becomes an error result; it never stops the job. Each record carries a
@@ -22,21 +23,22 @@ from dataclasses import dataclass
 from etjax.errors import EtjaxError, RequestError
 from etjax.jobs import openai_format
 from etjax.loaders.loaded_model import Model
-from etjax.request_checks import (
-    derived_seed,
-    positive_int,
-    sample_count,
-    sampler_settings,
-    seed_value,
-    stop_strings,
-    tokenize_prompt,
+from etjax.request_checks import derived_seed, sampler_settings, seed_value, tokenize_prompt
+from etjax.request_fields import (
+    FIELDS,
+    RECORD,
+    SETTINGS_SINCE_0_1,
+    PromptSettings,
+    RequestSettings,
+    build_request,
+    open_at,
+    read_fields,
 )
 from etjax.run_config import RunConfig
-from etjax.runtime.options import RequestSettings
 from etjax.sampling.settings import SamplerSettings
 
-REQUEST_FIELDS = {"id", "prompt", "messages", "max_new_tokens", "ignore_eos", "chat"}
-REQUEST_FIELDS |= {"system_prompt", "stop", "priority", "n"}
+# A record's own fields, then the request fields open to records (etjax/request_fields.py).
+REQUEST_FIELDS = {"id", "prompt", "messages", *open_at(RECORD)}
 
 
 RecordId = str | int  # a given id (always a string) or a line number (always an int)
@@ -86,7 +88,7 @@ def record_id(raw: object, line: int) -> tuple[RecordId, str | None]:
 # turn every stored result into a "changed" record (a field whose default itself changes later
 # would go unnoticed; change a default by adding a field instead).
 FINGERPRINTED_SINCE_0_1 = {
-    RequestSettings: ("max_new_tokens", "ignore_eos", "stop", "sampler"),
+    RequestSettings: SETTINGS_SINCE_0_1,
     SamplerSettings: (
         "sampler", "temperature", "top_k", "top_p", "min_p", "typical_p", "repetition_penalty",
         "presence_penalty", "frequency_penalty", "seed", "mirostat_tau", "mirostat_eta", "edt_t0",
@@ -159,12 +161,8 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
             rec.openai_url, body = str(raw.get("url", "")), raw.get("body")
             raw = openai_format.to_record(raw)
             rec.openai_model = body.get("model") if isinstance(body, dict) else None
-        rec.settings, chat, system = _settings(raw, config, key)
-        rec.n = sample_count(raw.get("n", 1))
-        priority = raw.get("priority", 0.0)
-        if isinstance(priority, bool) or not isinstance(priority, int | float):
-            raise RequestError(f"priority={priority!r}; must be a number")
-        rec.priority = float(priority)
+        rec.settings, asked = _request(raw, config, key)
+        rec.n, rec.priority = asked.n, asked.priority
         if "prompt" not in raw and "messages" not in raw:
             raise RequestError('missing "prompt" (a string) or "messages" (a list)')
         if "prompt" in raw and "messages" in raw:
@@ -178,10 +176,10 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
             model,
             prompt,
             line,
-            chat,
-            system,
+            asked.chat,
+            asked.system_prompt,
             rec.settings.max_new_tokens,
-            config.request.trusted_chat,
+            asked.trusted_chat,
         )
         if error is not None:
             raise RequestError(error)
@@ -192,10 +190,7 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
     return rec
 
 
-def _settings(
-    raw: dict, config: RunConfig, key: RecordId
-) -> tuple[RequestSettings, bool, str | None]:
-    d = config.request
+def _request(raw: dict, config: RunConfig, key: RecordId) -> tuple[RequestSettings, PromptSettings]:
     sampler_fields = {f.name for f in dataclasses.fields(config.sampler)}
     unknown = sorted(set(raw) - REQUEST_FIELDS - sampler_fields)
     if unknown:
@@ -209,18 +204,6 @@ def _settings(
         # seed and the record's id (identical prompts do not sample identical texts).
         base["seed"] = derived_seed(seed_value(config.sampler.seed), key)
     sampler = sampler_settings(base.pop("sampler"), base.pop("temperature"), base.pop("seed"), base)
-    chat = raw.get("chat", d.chat)
-    ignore_eos = raw.get("ignore_eos", d.ignore_eos)
-    for name, value in (("chat", chat), ("ignore_eos", ignore_eos)):
-        if not isinstance(value, bool):
-            raise RequestError(f"{name}={value!r}; must be true or false")
-    system = raw.get("system_prompt", d.system_prompt)
-    if system is not None and not isinstance(system, str):
-        raise RequestError(f"system_prompt={system!r}; must be a string")
-    settings = RequestSettings(
-        max_new_tokens=positive_int("max_new_tokens", raw.get("max_new_tokens", d.max_new_tokens)),
-        ignore_eos=ignore_eos,
-        stop=stop_strings(raw.get("stop", list(d.stop) or None)),
-        sampler=sampler,
-    )
-    return settings, chat, system
+    given = {k: v for k, v in raw.items() if k in FIELDS}
+    defaults = dataclasses.asdict(config.request)
+    return build_request(read_fields(given, RECORD, defaults), sampler)

@@ -13,6 +13,8 @@ import flax.struct
 import jax
 import numpy as np
 
+from etjax.errors import FieldError
+
 SIGNALS = ("exact", "upper_bound")
 
 
@@ -63,20 +65,20 @@ class PruningConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.min_fraction <= 1:
-            raise ValueError(f"min_fraction={self.min_fraction}; must be in (0, 1]")
+            raise FieldError("min_fraction", self.min_fraction, "in (0, 1]")
         if not 0 <= self.entropy_low < self.entropy_high:
-            raise ValueError(
-                f"entropy_low={self.entropy_low}, entropy_high={self.entropy_high}; need "
-                "0 <= entropy_low < entropy_high"
+            raise FieldError(
+                "entropy_low", self.entropy_low, f"in [0, entropy_high={self.entropy_high})"
             )
         for name in ("sink_blocks", "recent_blocks", "min_blocks", "estimator_k"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < (1 if name == "estimator_k" else 0):
-                raise ValueError(f"{name}={value!r}; must be a non-negative integer")
+            least = 1 if name == "estimator_k" else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise FieldError(name, value, f"an integer >= {least}")
         if self.signal not in SIGNALS:
-            raise ValueError(f"signal={self.signal!r}; must be one of {SIGNALS}")
+            raise FieldError("signal", self.signal, f"one of {SIGNALS}")
         if not 0 <= self.mass_threshold <= 1:
-            raise ValueError(f"mass_threshold={self.mass_threshold}; must be in [0, 1]")
+            raise FieldError("mass_threshold", self.mass_threshold, "in [0, 1]")
 
     @property
     def ranks_by_mass(self) -> bool:

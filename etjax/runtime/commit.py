@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from etjax.entropy.state import advance_tau
+from etjax.runtime.options import FINISH_REASONS
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.sampling.sampler import SampleInfo, SamplerState, sample_next
 
@@ -29,11 +30,22 @@ def sample_rows(state: DecodeState) -> tuple[jax.Array, SampleInfo, SamplerState
     )
 
 
+_EOS, _LENGTH = FINISH_REASONS.index("eos"), FINISH_REASONS.index("length")
+
+
+def finish_code(state: DecodeState, tokens: jax.Array, take: jax.Array) -> jax.Array:
+    """[B] int8, what the committed token `tokens` [B] of each row in `take` ends the row
+    by (an index into FINISH_REASONS): an eos id, unless the row stops on none; else its
+    last allowed token; 0 for neither. The one place the rule lives: the host reads it."""
+    hit_eos = take & state.stop_on_eos & jnp.any(tokens[:, None] == state.eos_ids, axis=-1)
+    last = take & (state.num_generated + take >= state.max_new_tokens)
+    return jnp.where(hit_eos, _EOS, jnp.where(last, _LENGTH, 0)).astype(jnp.int8)
+
+
 def finishes(state: DecodeState, tokens: jax.Array, take: jax.Array) -> jax.Array:
-    """[B] bool: rows in `take` whose committed token `tokens` [B] ends them (an eos id,
-    unless eos is ignored, or their last allowed token), so the token is not run."""
-    hit_eos = state.stop_on_eos & jnp.any(tokens[:, None] == state.eos_ids, axis=-1)
-    return take & (hit_eos | (state.num_generated + take >= state.max_new_tokens))
+    """[B] bool: rows in `take` whose committed token `tokens` [B] ends them, so the token
+    is not run."""
+    return finish_code(state, tokens, take) > 0
 
 
 def commit_tokens(
@@ -55,7 +67,8 @@ def commit_tokens(
     fraction, kept: the attention budget the token's pass used; flops, nbytes: its cost.
     Returns the state and the step's outputs (emitted = take).
     """
-    runs = take & ~finishes(state, tokens, take)
+    finish = finish_code(state, tokens, take)
+    runs = take & (finish == 0)
     entropy = advance_tau(state.entropy, info.model_entropy, take)
     entropy = entropy.replace(
         budget=jnp.where(take, fraction, entropy.budget),
@@ -87,5 +100,6 @@ def commit_tokens(
         cost_bytes=entropy.cost_bytes,
         kept_blocks=jnp.where(runs, kept, 0).astype(jnp.int32),
         emitted=take,
+        finish=finish,
     )
     return state, outputs

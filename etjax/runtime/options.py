@@ -1,4 +1,5 @@
-"""What a request asks for, how the engine is sized, and what a request produced."""
+"""How the engine is sized, what a request produced, and what it asks for (`RequestSettings`,
+described with every request field in etjax/request_fields.py)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,12 @@ from dataclasses import dataclass, field
 from etjax.attention.backend import BACKENDS as ATTENTION_BACKENDS
 from etjax.distributed.mesh import MeshShape
 from etjax.drafting.config import SpeculationConfig
+from etjax.errors import FieldError
 from etjax.pruning.config import PruningConfig
-from etjax.sampling.settings import SamplerSettings
+from etjax.request_fields import RequestSettings as RequestSettings  # where the engine reads it
 
 POLICIES = ("fcfs", "priority", "entropic")
 MAX_PAGE_SIZE = 1024
-
-
-@dataclass(frozen=True)
-class RequestSettings:
-    """How long one request runs, when it stops, and how it samples."""
-
-    max_new_tokens: int
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
-    sampler: SamplerSettings = field(default_factory=SamplerSettings)
 
 
 @dataclass(frozen=True)
@@ -76,7 +68,7 @@ class RuntimeOptions:
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
-            raise ValueError(f"policy={self.policy!r}; must be one of {POLICIES}")
+            raise FieldError("policy", self.policy, f"one of {POLICIES}")
         for name in (
             "page_size",
             "max_batch_size",
@@ -89,36 +81,44 @@ class RuntimeOptions:
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}={value!r}; must be a positive integer")
+                raise FieldError(name, value, "a positive integer")
         for name in ("max_resident", "num_pages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name}={value!r}; must be a positive integer or omitted")
+                raise FieldError(name, value, "a positive integer or omitted")
         MeshShape.parse(self.mesh)  # raises ConfigError naming the value
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend={self.attention_backend!r}; must be one of {ATTENTION_BACKENDS}"
+            raise FieldError(
+                "attention_backend", self.attention_backend, f"one of {ATTENTION_BACKENDS}"
             )
         if self.page_size > MAX_PAGE_SIZE:
-            raise ValueError(
-                f"page_size={self.page_size}; must be at most {MAX_PAGE_SIZE} tokens (a page is "
-                "one attention tile: every step gathers whole pages)"
+            raise FieldError(
+                "page_size",
+                self.page_size,
+                f"at most {MAX_PAGE_SIZE} tokens (a page is one attention tile: every step "
+                "gathers whole pages)",
             )
         if self.token_budget <= self.max_batch_size:
-            raise ValueError(
-                f"token_budget={self.token_budget} must exceed max_batch_size="
-                f"{self.max_batch_size}: a step holds a token per decoding row and prefill"
+            raise FieldError(
+                "token_budget",
+                self.token_budget,
+                f"more than max_batch_size={self.max_batch_size}: a step holds a token per "
+                "decoding row and prefill",
             )
         if self.speculation.enabled and self.speculation.max_draft + 1 > self.steps_per_sync:
-            raise ValueError(
-                f"speculation.max_draft={self.speculation.max_draft} needs steps_per_sync >= "
-                f"{self.speculation.max_draft + 1} (a round reserves pages for steps_per_sync "
-                f"tokens); steps_per_sync={self.steps_per_sync}"
+            need = self.speculation.max_draft + 1
+            raise FieldError(
+                "steps_per_sync",
+                self.steps_per_sync,
+                f">= {need}: speculation.max_draft={need - 1} needs steps_per_sync >= {need} "
+                "(a round reserves pages for steps_per_sync tokens)",
             )
         if self.max_resident is not None and self.max_resident < self.max_batch_size:
-            raise ValueError(
-                f"max_resident={self.max_resident} < max_batch_size={self.max_batch_size}; "
-                "every batch slot needs a resident sequence"
+            raise FieldError(
+                "max_resident",
+                self.max_resident,
+                f">= max_batch_size={self.max_batch_size}: every batch slot needs a resident "
+                "sequence",
             )
 
     @property
@@ -129,6 +129,11 @@ class RuntimeOptions:
     def resident_rows(self) -> int:
         return self.max_resident or 2 * self.max_batch_size
 
+
+# What ended a row at a token, by the code the step reports it with (`StepOutputs.finish`):
+# the device decides (etjax/runtime/commit.py), the host only reads it. A stop string, which
+# needs the text, is the host's.
+FINISH_REASONS = ("", "eos", "length")  # "": the row goes on
 
 # The per-token trace: each list of SequenceOutput (and of etjax.Result), and the StepOutputs
 # field the engine reads it from. Code that moves the trace loops over this, so a new field is

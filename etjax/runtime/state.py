@@ -49,3 +49,4 @@ class StepOutputs:
     cost_bytes: jax.Array  # float32 cumulative bytes after the step
     kept_blocks: jax.Array  # int32 blocks per layer and KV head the token's forward pass read
     emitted: jax.Array  # bool the row was active, so tokens[k, b] is real output
+    finish: jax.Array  # int8 what the token ended: an index into FINISH_REASONS (0: nothing)

@@ -120,4 +120,5 @@ def _nothing(state: DecodeState) -> StepOutputs:
         cost_bytes=state.entropy.cost_bytes,
         kept_blocks=jnp.zeros_like(state.lengths),
         emitted=jnp.zeros_like(state.active),
+        finish=jnp.zeros(state.active.shape, jnp.int8),
     )

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from etjax.entropy.controller import ControllerParams
-from etjax.errors import RequestError
+from etjax.errors import FieldError
 
 # The order is the integer code each row carries on device.
 SAMPLERS = ("standard", "mirostat_v2", "edt", "entropic")
@@ -69,9 +69,9 @@ class SamplerSettings:
                 _check(isinstance(value, bool), f.name, value, "true or false")
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float):
-                raise RequestError(f"{f.name}={value!r}; must be a number")
+                raise FieldError(f.name, value, "a number")
             if isinstance(value, float) and not math.isfinite(value):
-                raise RequestError(f"{f.name}={value!r}; must be finite")
+                raise FieldError(f.name, value, "finite")
         _check(self.temperature >= 0, "temperature", self.temperature, ">= 0 (0 = greedy)")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "an int >= 0")
         _check(0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
@@ -102,7 +102,7 @@ class SamplerSettings:
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
-        raise RequestError(f"{name}={value!r}; must be {allowed}")
+        raise FieldError(name, value, allowed)
 
 
 @flax.struct.dataclass
