@@ -27,7 +27,8 @@ def add_generate(commands) -> None:
         "generate",
         help="generate a completion and stream it",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        # Each flag's help names its own default (None here means "not given").
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--model", default=None, help="name, path or hub id (default: embedded)")

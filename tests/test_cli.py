@@ -168,3 +168,14 @@ def test_a_switch_among_the_sampler_settings_is_a_flag_pair(monkeypatch):
     assert WithSwitch(greedy_fallback=True).greedy_fallback is True
     with pytest.raises(RequestError, match="greedy_fallback=1; must be true or false"):
         WithSwitch(greedy_fallback=1)
+
+
+def test_generate_help_names_each_default_once(capsys):
+    # Flags default to None ("not given": a config may set them), so argparse's own default
+    # suffix would print "(default: None)" beside the real default the help already names.
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text
+    assert "(default 128)" in text  # max_new_tokens, from the request-field table
+    assert text.count("(default 128)") == 1
