@@ -139,6 +139,8 @@ class MockBackend:
                 eos = state.eos_at == i
                 tokens[step, j] = EOS if eos else token_of(state.request_id, i)
                 arrays["model_entropy"][step, j] = self.entropy_of(state.request_id, i)
+                # Uncalibrated, as the device without a calibration: the signal is the entropy.
+                arrays["calibrated_entropy"][step, j] = arrays["model_entropy"][step, j]
                 emitted[step, j] = True
                 state.generated += 1
                 # As on the device: a finishing token is not run through the model.

@@ -45,9 +45,3 @@ def calibrated_entropy(logits: jax.Array, raw: jax.Array, params: CalibrationPar
     t = params.temperature
     calibrated = jax.lax.cond(jnp.any(t != 1.0), lambda: exact_entropy(logits, t), lambda: raw)
     return jnp.where(t == 1.0, raw, calibrated)
-
-
-def calibrated_logits(logits: jax.Array, params: CalibrationParams) -> jax.Array:
-    """logits [B, V] / T: the distribution whose entropy the signal is (for estimators that
-    read logits, as the pruning budget's tail-corrected bound). x / 1 is x exactly."""
-    return logits / params.temperature.astype(logits.dtype)[:, None]
