@@ -213,42 +213,59 @@ def evaluate(
 def calibrate(
     model: Model,
     texts: str | Sequence[str],
+    held_out: str | Sequence[str] | None = None,
     window: int = WINDOW,
     max_tokens: int = MAX_TOKENS,
 ) -> Calibration:
     """Fit the temperature of `model`'s entropy signal to `texts` (a string or a list of
     them), minimising the next-token NLL of their first `max_tokens` scored positions.
+
     Returns a `Calibration` (save it with `etjax.calibration.file.save_calibration`, load it
-    with `etjax.load_model(..., calibration=PATH)`), its `fit` recording the NLL and the
-    top-token ECE on this text before and after."""
-    if isinstance(texts, str):
-        texts = [texts]
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise CalibrationError("texts: pass a string or a non-empty list of strings")
+    with `etjax.load_model(..., calibration=PATH)`), its `fit` recording the NLL, the
+    top-token ECE and the mean entropy - surprisal gap before and after, on this text and,
+    with `held_out` (other text, up to `max_tokens` positions), on that text: a fit is judged
+    on text it did not see.
+    """
+    texts = _text_list(texts, "texts")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise CalibrationError(f"max_tokens={max_tokens!r}; must be a positive integer")
     logits, targets = teacher_forced(model, texts, window, max_tokens)
     fit = fit_temperature(logits, targets)
-    before, after = (
-        summarise(
-            {k: np.asarray(v) for k, v in token_statistics(logits, targets, jnp.float32(t)).items()}
-        )
-        for t in (1.0, fit.temperature)
-    )
+    temperatures = (1.0, fit.temperature)
+    figures = {"fit": [_summary(logits, targets, t) for t in temperatures]}
+    del logits
+    if held_out is not None:
+        held = _text_list(held_out, "held_out")
+        figures["held_out"] = evaluate(model, held, temperatures, window, max_tokens)
+    record: dict = {
+        "tokens": int(targets.size),
+        "window": window,
+        "optimizer": "optax.lbfgs",
+        "iterations": fit.iterations,
+    }
+    for where, (before, after) in figures.items():
+        prefix = "" if where == "fit" else "held_out_"
+        if where == "held_out":
+            record["held_out_tokens"] = before["tokens"]
+        for name in ("nll", "ece", "entropy_gap", "entropy_gap_binned"):
+            record[f"{prefix}{name}_before"] = before[name]
+            record[f"{prefix}{name}_after"] = after[name]
     return Calibration(
         temperature=fit.temperature,
         model=model.name,
         vocab_size=model.config.vocab_size,
-        fit={
-            "tokens": int(targets.size),
-            "window": window,
-            "optimizer": "optax.lbfgs",
-            "iterations": fit.iterations,
-            "nll_before": before["nll"],
-            "nll_after": after["nll"],
-            "ece_before": before["ece"],
-            "ece_after": after["ece"],
-            "entropy_gap_before": before["entropy_gap"],
-            "entropy_gap_after": after["entropy_gap"],
-        },
+        fit=record,
     )
+
+
+def _summary(logits: np.ndarray, targets: np.ndarray, temperature: float) -> dict[str, float]:
+    stats = token_statistics(jnp.asarray(logits), jnp.asarray(targets), jnp.float32(temperature))
+    return summarise({k: np.asarray(v) for k, v in stats.items()})
+
+
+def _text_list(texts: str | Sequence[str], name: str) -> list[str]:
+    if isinstance(texts, str):
+        texts = [texts]
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise CalibrationError(f"{name}: pass a string or a non-empty list of strings")
+    return list(texts)
