@@ -195,6 +195,18 @@ def evaluate(
 ) -> list[dict[str, float]]:
     """Calibration figures of `model` on `texts` at each temperature (metrics.summarise),
     streamed window by window (no logits held beyond one window)."""
+    return [summarise(s) for s in text_statistics(model, texts, temperatures, window, max_tokens)]
+
+
+def text_statistics(
+    model: Model,
+    texts: Sequence[str],
+    temperatures: Sequence[float],
+    window: int = WINDOW,
+    max_tokens: int | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """`token_statistics` of every scored position of `texts` (the first `max_tokens`), at
+    each temperature: one dict of [N] arrays per temperature."""
     stats: list[dict[str, list]] = [{} for _ in temperatures]
     total = 0
     for logits, targets in window_logits(model, text_windows(model, texts, window), window):
@@ -207,7 +219,7 @@ def evaluate(
                 acc.setdefault(key, []).append(np.asarray(value))
         if max_tokens is not None and total >= max_tokens:
             break
-    return [summarise({k: np.concatenate(v) for k, v in acc.items()}) for acc in stats]
+    return [{k: np.concatenate(v) for k, v in acc.items()} for acc in stats]
 
 
 def calibrate(
