@@ -55,6 +55,16 @@ def isotonic(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return knots_x, np.array(means)
 
 
+def _shifted(delta: float):
+    # The default pruning with its entropy ramp moved by delta nats.
+    from etjax.pruning.config import PruningConfig
+
+    d = PruningConfig()
+    return PruningConfig(
+        enabled=True, entropy_low=d.entropy_low + delta, entropy_high=d.entropy_high + delta
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m")
@@ -62,6 +72,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--pruning-docs", type=int, default=2, help="0 skips pruning")
     parser.add_argument("--pruning-length", type=int, default=2048)
+    parser.add_argument("--bisection-steps", type=int, default=5)
     args = parser.parse_args()
 
     import etjax
@@ -116,6 +127,25 @@ def main() -> None:
                 r = perplexity(model, prefilled, PruningConfig(enabled=True), temperature)
                 r["ratio"] = (np.array(r["ppl"]) / np.array(dense["ppl"])).tolist()
                 pruning[label] = r
+            # Equal kept fraction: the raw signal under a ramp shifted down by delta nats
+            # (bisection), so it keeps what the calibrated one keeps; then the two differ only
+            # in which steps get the blocks.
+            target = pruning["calibrated"]["kept_fraction"]
+            low, high, best = -4.0, 0.0, None
+            for _ in range(args.bisection_steps):
+                delta = (low + high) / 2
+                shifted = perplexity(model, prefilled, _shifted(delta))
+                shifted["shift"] = delta
+                if best is None or abs(shifted["kept_fraction"] - target) < abs(
+                    best["kept_fraction"] - target
+                ):
+                    best = shifted
+                if shifted["kept_fraction"] > target:
+                    low = delta
+                else:
+                    high = delta
+            best["ratio"] = (np.array(best["ppl"]) / np.array(dense["ppl"])).tolist()
+            pruning["raw_equal_kept"] = best
             row["pruning"] = {"dense": dense, **pruning}
             print(name, row["pruning"], flush=True)
         results[name] = row
@@ -158,16 +188,21 @@ def _report(results: dict, args) -> None:
             f"Pruning at the default setting (`PruningConfig(enabled=True)`), budgets from the "
             f"raw or the calibrated entropy: teacher-forced perplexity of the last 512 tokens "
             f"of {args.pruning_docs} documents of {args.pruning_length} tokens, pruned over "
-            "dense (mean over documents), and the fraction of the pruned layers' blocks read.",
+            "dense (mean over documents), and the fraction of the pruned layers' blocks read. "
+            "The calibrated signal is higher (T > 1), so it keeps more; `raw, equal kept` moves "
+            "the raw signal's ramp down by the shift given (bisection) until it keeps as much, "
+            "the comparison at equal kept fraction.",
             "",
-            "| model | ppl ratio raw | kept raw | ppl ratio calibrated | kept calibrated |",
-            "|---|---|---|---|---|",
+            "| model | raw: ppl ratio (kept) | calibrated: ppl ratio (kept) | "
+            "raw, equal kept: ppl ratio (kept, shift) |",
+            "|---|---|---|---|",
         ]
         for name, p in pruned.items():
+            r, c, e = p["raw"], p["calibrated"], p["raw_equal_kept"]
             lines.append(
-                f"| {name} | {np.mean(p['raw']['ratio']):.4f} | "
-                f"{p['raw']['kept_fraction']:.1%} | {np.mean(p['calibrated']['ratio']):.4f} | "
-                f"{p['calibrated']['kept_fraction']:.1%} |"
+                f"| {name} | {np.mean(r['ratio']):.4f} ({r['kept_fraction']:.1%}) | "
+                f"{np.mean(c['ratio']):.4f} ({c['kept_fraction']:.1%}) | "
+                f"{np.mean(e['ratio']):.4f} ({e['kept_fraction']:.1%}, {e['shift']:+.2f} nats) |"
             )
     write_section("calibration", "\n".join(lines), raw)
     print("\n".join(lines))
