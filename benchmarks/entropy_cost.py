@@ -174,7 +174,13 @@ def _bare_stage(logits, params, state, counts, in_prompt, token_index):
     from etjax.sampling.sampler import SampleInfo, first_argmax
 
     zeros = jnp.zeros(logits.shape[0], jnp.float32)
-    info = SampleInfo(model_entropy=zeros, logprob=zeros, sampled_entropy=zeros, temperature=zeros)
+    info = SampleInfo(
+        model_entropy=zeros,
+        logprob=zeros,
+        sampled_entropy=zeros,
+        temperature=zeros,
+        calibrated_entropy=zeros,
+    )
     return first_argmax(logits), info, state
 
 

@@ -30,6 +30,7 @@ from benchmarks.perf_report import machine_line, write_section
 from benchmarks.pruning_settings import SETTINGS
 from etjax.attention import XLA, PlanSizes, kept_table_width, padded_batch_plan, plan_segments
 from etjax.cache.kv_cache import init_kv_cache
+from etjax.calibration.signal import identity_params
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
 from etjax.pruning.budget import kept_block_count
@@ -223,6 +224,7 @@ def greedy_state(cfg, table, logits, context) -> DecodeState:
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(jnp.zeros((rows,)), jnp.zeros((rows,))),
+        calibration=identity_params(rows),
     )
 
 

@@ -39,6 +39,9 @@ class Result:
     log-probability under that distribution; `sampled_entropy[i]` the
     entropy of the distribution actually sampled (after penalties, temperature and filters; 0
     when greedy); `temperature[i]` the temperature used; `tau[i]` entropic time so far;
+    `calibrated_entropy[i]` the entropy signal pruning, the scheduler and drafting read: the
+    entropy under the model's calibration (`load_model(..., calibration=PATH)`), equal to
+    `entropy[i]` without one;
     `cost_flops[i]` and `cost_bytes[i]` the cumulative cost, prompt included
     (`etjax.entropy.cost`); `kept_blocks[i]` the KV blocks per layer and KV head the model read
     after drawing token i (all of them unless `pruning` is on). `finish_reason` is "eos",
@@ -50,6 +53,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    calibrated_entropy: list[float] = field(default_factory=list)
     logprob: list[float] = field(default_factory=list)
     sampled_entropy: list[float] = field(default_factory=list)
     temperature: list[float] = field(default_factory=list)
@@ -163,6 +167,7 @@ def decode(
         speculation=speculation,
     )
     model = _resolve_model(model, dtype)
+    options = dataclasses.replace(options, calibration=model.calibration)
     # Result k is sample k % n of prompt k // n, with its own seed.
     results = [Result(seed=s) for s in seeds]
     valid: list[int] = []

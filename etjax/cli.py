@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from etjax.calibration.command import add_calibrate
 from etjax.compilation_cache import use_persistent_cache
 from etjax.errors import EtjaxError, JobInterrupted
 from etjax.generate_command import add_generate
@@ -167,6 +168,7 @@ def _parser() -> argparse.ArgumentParser:
     batch.set_defaults(run=_batch)
 
     _add_bench(commands)
+    add_calibrate(commands)
 
     conv = commands.add_parser("convert", help="convert a model to an etjax (orbax) checkpoint")
     conv.add_argument("source", help="a .gguf file, a Hugging Face directory or a model name")

@@ -49,3 +49,7 @@ class JobInterrupted(JobError):
     def __init__(self, message: str, signal_number: int) -> None:
         super().__init__(message)
         self.signal_number = signal_number
+
+
+class CalibrationError(EtjaxError):
+    """A calibration file is missing, malformed, or does not fit the model it is loaded with."""

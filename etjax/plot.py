@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 # field -> (axis label, unit)
 TRACE_FIELDS = {
     "entropy": ("model entropy (T = 1)", "nats"),
+    "calibrated_entropy": ("calibrated entropy (the engine's signal)", "nats"),
     "sampled_entropy": ("sampled entropy", "nats"),
     "temperature": ("temperature", ""),
     "tau": ("entropic time tau", "nats"),

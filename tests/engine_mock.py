@@ -41,6 +41,9 @@ class MockBackend:
     steps_per_sync: int
     page_size: int
     entropy: dict[int, tuple[float, float]] = field(default_factory=dict)  # id -> (start, slope)
+    # id -> (start, slope) of the calibrated entropy, the signal the host steers by; without
+    # one, that of `entropy` (a device without a calibration).
+    calibrated: dict[int, tuple[float, float]] = field(default_factory=dict)
     eos_at: dict[int, int] = field(default_factory=dict)  # id -> step that samples EOS
     # What a burst costs beyond its rows (burst_bytes); so large by default that splitting a
     # batch never pays, which keeps one burst per round unless a test lowers it.
@@ -55,6 +58,12 @@ class MockBackend:
 
     def entropy_of(self, request_id: int, step: int) -> float:
         start, slope = self.entropy.get(request_id, (3.0, 0.0))
+        return max(start - slope * step, 0.0)
+
+    def calibrated_of(self, request_id: int, step: int) -> float:
+        if request_id not in self.calibrated:
+            return self.entropy_of(request_id, step)
+        start, slope = self.calibrated[request_id]
         return max(start - slope * step, 0.0)
 
     def _claim(self, row: int, pages: list[int]) -> None:
@@ -140,6 +149,7 @@ class MockBackend:
                 eos = state.eos_at == i
                 tokens[step, j] = EOS if eos else token_of(state.request_id, i)
                 arrays["model_entropy"][step, j] = self.entropy_of(state.request_id, i)
+                arrays["calibrated_entropy"][step, j] = self.calibrated_of(state.request_id, i)
                 emitted[step, j] = True
                 state.generated += 1
                 # As on the device: a finishing token is not run through the model, and the

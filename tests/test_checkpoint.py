@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import chex
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,6 +23,8 @@ def test_convert_roundtrip_gives_identical_logits_and_tokenizer(tiny_hf_dir, tmp
     original = etjax.load_model(source)
     restored = etjax.load_model(destination)
     assert restored.config == original.config
+    # Every weight leaf restored exactly, in the same tree, shape and dtype; and so the logits.
+    chex.assert_trees_all_equal(restored.weights, original.weights, strict=True)
     ids = np.random.default_rng(0).integers(0, original.config.vocab_size, (2, 40), np.int32)
     np.testing.assert_array_equal(
         full_logits(restored.weights, restored.config, ids),
@@ -39,9 +43,13 @@ def test_restore_in_another_dtype(tiny_hf_dir, tmp_path):
     destination = tmp_path / "converted"
     assert main(["convert", str(tiny_hf_dir("llama")), str(destination)]) == 0
     restored = etjax.load_model(destination, dtype="bfloat16")
+    original = etjax.load_model(tiny_hf_dir("llama"))
     assert restored.config.dtype == "bfloat16"
-    assert str(restored.weights.layers[0].wqkv.dtype) == "bfloat16"
-    assert str(restored.weights.layers[0].attn_norm.dtype) == "float32"
+    # The same tree and shapes; products in bfloat16, norms kept in float32.
+    chex.assert_trees_all_equal_shapes(restored.weights, original.weights)
+    layer = restored.weights.layers[0]
+    chex.assert_type([restored.weights.embed, layer.wqkv, layer.w_down], jnp.bfloat16)
+    chex.assert_type([restored.weights.final_norm, layer.attn_norm], jnp.float32)
 
 
 def test_convert_refuses_non_empty_destination(tiny_hf_dir, tmp_path):

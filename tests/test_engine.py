@@ -103,6 +103,52 @@ def test_entropic_policy_runs_the_sequence_whose_entropy_falls(policy, first):
     ]
 
 
+def test_entropic_policy_steers_by_the_calibrated_entropy():
+    # The raw entropies of the test above, with calibrated signals that say the opposite:
+    # request 1's calibrated entropy falls, request 2's is flat. The scheduler reads the
+    # calibrated signal, so 1 gets the slot and finishes first; the tokens are unchanged.
+    engine, _ = _engine(
+        "entropic",
+        batch=1,
+        resident=2,
+        rounds=4,
+        entropy={1: (3.0, 0.0), 2: (8.0, 0.25)},
+        calibrated={1: (8.0, 0.25), 2: (3.0, 0.0)},
+    )
+    seqs = _generate(engine, [_prompt(1, 8), _prompt(2, 8)], [RequestSettings(24)] * 2)
+    assert _finish_order(seqs)[0] == 1
+    assert seqs[1].output.entropy[:3] == [8.0, 7.75, 7.5]  # the trace keeps the raw entropy
+    assert seqs[1].output.calibrated_entropy[:3] == [3.0, 3.0, 3.0]
+    assert [s.output.token_ids for s in seqs] == [
+        [token_of(r, i) for i in range(24)] for r in (1, 2)
+    ]
+
+
+def test_drafting_reads_the_calibrated_entropy(monkeypatch):
+    # The draft rule is handed the calibrated entropy of each row's last token, not the raw.
+    import etjax.engine.engine as engine_module
+    from etjax.drafting import SpeculationConfig
+
+    seen = []
+
+    def record(entropies, histories, cfg, budget):
+        seen.append(list(entropies))
+        return [0] * len(entropies)  # draft nothing: the rounds stay plain bursts
+
+    monkeypatch.setattr(engine_module, "draft_lengths", record)
+    options = RuntimeOptions(
+        page_size=PAGE,
+        max_batch_size=1,
+        steps_per_sync=K,
+        speculation=SpeculationConfig(enabled=True, max_draft=1),
+    )
+    backend = MockBackend(256, K, PAGE, entropy={1: (5.0, 0.0)}, calibrated={1: (2.0, 0.0)})
+    engine = Engine(backend, None, options, make_policy("fcfs", 1000.0, 1.0, 1, PAGE))
+    engine.generate([_prompt(1, 5)], [RequestSettings(6)])
+    assert [None] in seen and [2.0] in seen
+    assert all(h in (None, 2.0) for step in seen for h in step)
+
+
 def test_fcfs_with_one_slot_alternates_only_when_overdue():
     # FCFS ranks by arrival: request 1 keeps the slot; 2 runs only when overdue, that is in
     # the third round after its last run (R = 3). Both prompts are prefilled before the first

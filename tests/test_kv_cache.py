@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import chex
 import numpy as np
 import pytest
 
@@ -80,7 +81,12 @@ def test_sequence_alone_equals_batched_with_other_lengths(tiny):
             tiny.weights, tiny.config, tiny.tokenizer, [prompt], settings[:1], options
         )
         assert alone.token_ids == together.token_ids
-        np.testing.assert_allclose(alone.entropy, together.entropy, rtol=1e-5, atol=1e-6)
+        chex.assert_trees_all_close(
+            (alone.entropy, alone.logprob, alone.tau),
+            (together.entropy, together.logprob, together.tau),
+            rtol=1e-5,
+            atol=1e-6,
+        )
 
 
 def test_sampled_sequence_is_the_same_alone_and_batched(tiny):

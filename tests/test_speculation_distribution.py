@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from etjax.calibration.signal import identity_params
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
 from etjax.model.weights import Weights
@@ -65,6 +66,7 @@ def _rows(sampler: SamplerSettings, first_seed: int) -> DecodeState:
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(zeros, zeros + 0.0),
+        calibration=identity_params(ROWS),
     )
 
 

@@ -35,9 +35,12 @@ PREFILL_ROWS = 2
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "pruning", "max_kept"))
-def _teacher_forced(weights, cache, logits, tokens, start, table, plan, cfg, pruning, max_kept):
+def _teacher_forced(
+    weights, cache, logits, tokens, start, table, plan, temperature, cfg, pruning, max_kept
+):
     # Feed tokens[:, :-1] from position `start` [B]; score every token of `tokens` [B, T] (the
     # first by the prefill's logits). Returns per-token NLL, blocks read and blocks available.
+    # `temperature` [B]: the entropy signal's calibration (etjax/calibration; 1 = raw).
     def step(carry, xs):
         cache, logits = carry
         target, offset = xs  # [B], scalar
@@ -48,7 +51,9 @@ def _teacher_forced(weights, cache, logits, tokens, start, table, plan, cfg, pru
         )
         blocks = (position + PAGE) // PAGE
         if pruning.enabled:
-            signal = budget_entropy(logits, exact_entropy(logits), pruning)
+            signal = budget_entropy(
+                logits, exact_entropy(logits, temperature), pruning, temperature
+            )
             kept = jnp.minimum(
                 kept_block_count(kept_fraction(signal, pruning), blocks, pruning), max_kept
             )
@@ -138,11 +143,14 @@ def prefill_documents(model, docs: list[list[int]]) -> Prefilled:
     return Prefilled(docs, cache, jnp.asarray(logits), jnp.asarray(table), prefix)
 
 
-def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
+def perplexity(
+    model, prefilled: Prefilled, pruning: PruningConfig, calibration_temperature: float = 1.0
+) -> dict:
     """Perplexity of every document's last tokens under `pruning`, and the fraction of blocks
     read: {"ppl": [per document], "kept_fraction": mean over tokens and documents of the
     pruned layers' blocks, "read_fraction": of every layer's key reads against the dense
-    model's (a sliding-window layer reads its window, pruned or not)}."""
+    model's (a sliding-window layer reads its window, pruned or not)}. The budgets follow the
+    entropy at `calibration_temperature` (the calibrated signal; 1 = the model's own)."""
     table, prefix = prefilled.table, prefilled.prefix
     pages = table.shape[1]
     max_kept = 0
@@ -172,6 +180,7 @@ def perplexity(model, prefilled: Prefilled, pruning: PruningConfig) -> dict:
         jnp.full((len(prefilled.docs),), prefix, jnp.int32),
         table,
         plan,
+        jnp.full((rows,), calibration_temperature, jnp.float32),
         model.config,
         pruning,
         max_kept,

@@ -29,6 +29,7 @@ from etjax.attention import (
 )
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
+from etjax.calibration.signal import identity_params, row_params
 from etjax.distributed.mesh import make_mesh
 from etjax.distributed.placement import Placement
 from etjax.engine.backend import PrefillJob, RowInit
@@ -97,6 +98,10 @@ class DeviceBackend:
             self.store = jax.device_put(
                 self.store, self.placement.state(self.store, cfg.vocab_size)
             )
+        # The entropy signal's calibration each inserted row gets (a traced [1] value: engines
+        # with and without one share programs; etjax/calibration/signal.py).
+        calibration = options.calibration
+        self.calibration = row_params(1.0 if calibration is None else calibration.temperature)
         # Rows whose context is done: the logits of their last step [Sp, V] and their index.
         self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self.prefill_rows = batch_bucket(options.max_prefill_rows)  # chunks per step, padded
@@ -290,6 +295,7 @@ class DeviceBackend:
                 in_prompt,
                 np.float32(init.prefill_flops),
                 np.float32(init.prefill_bytes),
+                self.calibration,
             )
         else:
             self.store = _restore_row(
@@ -425,7 +431,18 @@ class DeviceBackend:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _insert_new_row(
-    store, row, logits, index, length, params, max_new_tokens, stop_on_eos, in_prompt, flops, nbytes
+    store,
+    row,
+    logits,
+    index,
+    length,
+    params,
+    max_new_tokens,
+    stop_on_eos,
+    in_prompt,
+    flops,
+    nbytes,
+    calibration,
 ) -> DecodeState:
     # A fresh row: the request's sampler, no output yet, the prefill's cost counted. logits:
     # [Sp, V] of the step that finished its context, row `index` its own.
@@ -443,6 +460,7 @@ def _insert_new_row(
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(flops[None], nbytes[None]),
+        calibration=calibration,
     )
     return put_rows(store, row[None], one)
 
@@ -486,4 +504,5 @@ def _empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> Decod
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(jnp.asarray(zeros), jnp.asarray(zeros.copy())),
+        calibration=identity_params(rows),
     )

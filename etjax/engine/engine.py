@@ -310,7 +310,9 @@ class Engine:
         for seq in batch:
             if seq.drafts is None:
                 seq.drafts = DraftHistory(spec.acceptance_prior)
-        entropies = [s.output.entropy[-1] if s.output.entropy else None for s in batch]
+        # The signal: the calibrated entropy (the model's own without a calibration).
+        signal = [s.output.calibrated_entropy for s in batch]
+        entropies = [h[-1] if h else None for h in signal]
         lengths = draft_lengths(entropies, [s.drafts for s in batch], spec, budget)
         # The lookup continues the committed text, so its first token predicts the one the
         # device samples this step; the drafts are what follows that prediction.

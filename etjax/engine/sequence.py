@@ -117,8 +117,10 @@ class Sequence:
         self.status = Status.FINISHED
 
     def recent_entropy_drop(self, window: int) -> float | None:
-        """Mean dH+ = max(0, H_{t-1} - H_t) over the last `window` tokens; None before two."""
-        h = self.output.entropy[-(window + 1) :]
+        """Mean dH+ = max(0, H_{t-1} - H_t) over the last `window` tokens of the entropy
+        signal (the calibrated entropy, the model's own without a calibration); None before
+        two."""
+        h = self.output.calibrated_entropy[-(window + 1) :]
         if len(h) < 2:
             return None
         return float(np.mean(np.maximum(np.diff(h) * -1.0, 0.0)))

@@ -87,8 +87,10 @@ def run_batch(
     path_checks.output_file(output_path, input_path)
     output = shard_path(output_path, process_index, process_count)
     if make_engine is None:
+        # The model's entropy calibration, if it was loaded with one, is an engine setting.
+        options = dataclasses.replace(config.options, calibration=model.calibration)
         make_engine = lambda pages: build_engine(  # noqa: E731
-            model.weights, model.config, model.tokenizer, config.options, pages
+            model.weights, model.config, model.tokenizer, options, pages
         )
     job = _Job(input_path, output, config, model, process_index, process_count)
     with output_lock(output), StopSignals() as job.stop:

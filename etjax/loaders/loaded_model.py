@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from etjax.calibration.file import Calibration
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.tokenizer import Tokenizer
@@ -19,6 +20,8 @@ class Model:
     tokenizer: Tokenizer
     name: str
     source: Path
+    # The entropy signal's calibration (etjax/calibration), from `load_model(calibration=)`.
+    calibration: Calibration | None = None
 
     def __repr__(self) -> str:
         c = self.config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from etjax.calibration.file import load_calibration
 from etjax.distributed.mesh import MeshShape, make_mesh
 from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
@@ -38,6 +39,7 @@ def load_model(
     dtype: str = "auto",
     mesh: str = "1x1",
     revision: str | None = None,
+    calibration: str | Path | None = None,
 ) -> Model:
     """Load a model by name or path.
 
@@ -50,12 +52,21 @@ def load_model(
     straight into its shards; other formats are read on the host, then placed. A Hugging Face
     hub id ("owner/name", or "owner/name@revision", or `revision=`) that is not a local path is
     fetched into the standard Hugging Face cache (loaders/hub.py), safetensors only.
+    `calibration`: a file written by `etjax calibrate` (etjax/calibration/file.py), checked
+    before the weights load; with it, pruning, the scheduler and drafting read the calibrated
+    entropy of this model (sampling is unchanged).
     """
+    checked = None
+    if calibration is not None:  # a bad file fails in a millisecond, not after the load
+        checked = load_calibration(calibration)
     shape = MeshShape.parse(mesh)
     placement = None if shape.size == 1 else Placement(make_mesh(shape))
     model = _load(name_or_path, dtype, placement, revision)
     if placement is not None and not checkpoint.is_etjax_checkpoint(model.source):
         model = dataclasses.replace(model, weights=placement.place_weights(model.weights))
+    if checked is not None:
+        checked = load_calibration(calibration, vocab_size=model.config.vocab_size)
+        model = dataclasses.replace(model, calibration=checked)
     return model
 
 

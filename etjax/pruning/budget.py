@@ -10,11 +10,17 @@ from etjax.pruning.config import PruningConfig, PruningShape, PruningThresholds
 
 
 def budget_entropy(
-    logits: jax.Array, exact: jax.Array, cfg: PruningConfig | PruningShape
+    logits: jax.Array,
+    exact: jax.Array,
+    cfg: PruningConfig | PruningShape,
+    temperature: jax.Array | None = None,
 ) -> jax.Array:
-    """The entropy [B] the budget follows: `exact` [B] as given, or the tail upper bound."""
+    """The entropy [B] the budget follows: `exact` [B] as given, or the tail upper bound of
+    softmax(logits [B, V] / temperature [B]) (the entropy signal's calibration; None = 1)."""
     if cfg.signal == "exact":
         return exact
+    if temperature is not None:
+        logits = logits / temperature.astype(logits.dtype)[:, None]  # x / 1 is x exactly
     return tail_bounds(logits, cfg.estimator_k)[1]
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from etjax.calibration.signal import calibrated_entropy
 from etjax.entropy.state import advance_tau
 from etjax.runtime.options import FINISH_REASONS
 from etjax.runtime.state import DecodeState, StepOutputs
@@ -19,8 +20,10 @@ from etjax.sampling.sampler import SampleInfo, SamplerState, sample_next
 
 def sample_rows(state: DecodeState) -> tuple[jax.Array, SampleInfo, SamplerState]:
     """Each row's next token drawn from its logits with its sampler, keyed by the token's
-    index in the row's output (what makes a draw the same in any step that makes it)."""
-    return sample_next(
+    index in the row's output (what makes a draw the same in any step that makes it), and
+    the entropy signal of the distribution under the row's calibration (the draw reads the
+    raw logits: calibration changes what the engine steers by, not what is sampled)."""
+    tokens, info, sampler_state = sample_next(
         state.logits,
         state.sampler,
         state.sampler_state,
@@ -28,6 +31,8 @@ def sample_rows(state: DecodeState) -> tuple[jax.Array, SampleInfo, SamplerState
         state.in_prompt,
         state.num_generated,
     )
+    signal = calibrated_entropy(state.logits, info.model_entropy, state.calibration)
+    return tokens, info.replace(calibrated_entropy=signal), sampler_state
 
 
 _EOS, _LENGTH = FINISH_REASONS.index("eos"), FINISH_REASONS.index("length")
@@ -92,6 +97,7 @@ def commit_tokens(
     outputs = StepOutputs(
         tokens=tokens,
         model_entropy=info.model_entropy,
+        calibrated_entropy=info.calibrated_entropy,
         logprob=info.logprob,
         sampled_entropy=info.sampled_entropy,
         temperature=info.temperature,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from etjax.attention.backend import BACKENDS as ATTENTION_BACKENDS
+from etjax.calibration.file import Calibration
 from etjax.distributed.mesh import MeshShape
 from etjax.drafting.config import SpeculationConfig
 from etjax.errors import FieldError
@@ -47,6 +48,10 @@ class RuntimeOptions:
     speculation: drafting and verification of tokens (etjax/drafting, off by default); needs
       1 + max_draft <= steps_per_sync (the pages a round reserves). Under pruning, a row
       that verifies drafts reads its whole context that step; the others stay pruned.
+    calibration: the model's entropy calibration (etjax/calibration; `load_model(...,
+      calibration=PATH)` attaches one): pruning, the scheduler and drafting then read the
+      calibrated entropy, and the trace has it beside the raw one. None: they read the raw
+      model entropy (and the trace's calibrated entropy equals it).
     """
 
     page_size: int = 16
@@ -65,6 +70,7 @@ class RuntimeOptions:
     mesh: str = "1x1"
     compilation_cache: bool = True
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    calibration: Calibration | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -140,6 +146,7 @@ FINISH_REASONS = ("", "eos", "length")  # "": the row goes on
 # declared where it is computed and stored, and named here once.
 TRACE_FIELDS: dict[str, str] = {
     "entropy": "model_entropy",
+    "calibrated_entropy": "calibrated_entropy",
     "logprob": "logprob",
     "sampled_entropy": "sampled_entropy",
     "temperature": "temperature",
@@ -156,6 +163,8 @@ class SequenceOutput:
 
     token_ids: list[int] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)  # model entropy, T = 1, nats
+    # the signal the engine read: the calibrated entropy (= entropy without a calibration)
+    calibrated_entropy: list[float] = field(default_factory=list)
     logprob: list[float] = field(default_factory=list)  # of the token under the model, T = 1
     sampled_entropy: list[float] = field(default_factory=list)  # of the distribution sampled
     temperature: list[float] = field(default_factory=list)  # 0 = greedy

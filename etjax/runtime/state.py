@@ -5,6 +5,7 @@ from __future__ import annotations
 import flax.struct
 import jax
 
+from etjax.calibration.signal import CalibrationParams
 from etjax.entropy.state import EntropyState
 from etjax.sampling.sampler import SamplerState
 from etjax.sampling.settings import SamplerParams
@@ -33,6 +34,7 @@ class DecodeState:
     sampler: SamplerParams
     sampler_state: SamplerState  # the adaptive samplers' state (controller, Mirostat)
     entropy: EntropyState
+    calibration: CalibrationParams  # the entropy signal's calibration (T = 1: none)
 
 
 @flax.struct.dataclass
@@ -41,6 +43,9 @@ class StepOutputs:
 
     tokens: jax.Array  # int32 sampled tokens
     model_entropy: jax.Array  # float32 entropy at T = 1 of the distribution sampled from
+    # float32 the signal pruning, the scheduler and drafting read: model_entropy, or its
+    # calibration (etjax/calibration/signal.py) where one is loaded
+    calibrated_entropy: jax.Array
     logprob: jax.Array  # float32 log-probability of the token under the model (T = 1)
     sampled_entropy: jax.Array  # float32 entropy of the distribution actually sampled
     temperature: jax.Array  # float32 temperature used (0 = greedy)

@@ -280,7 +280,10 @@ def _decode_step(weights, state, statics, thresholds, run_model, dense_rows=None
 
     num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
     if pruning.enabled:
-        signal = budget_entropy(state.logits, info.model_entropy, pruning)
+        # The calibrated signal (the model entropy itself without a calibration).
+        signal = budget_entropy(
+            state.logits, info.calibrated_entropy, pruning, state.calibration.temperature
+        )
         fraction = kept_fraction(signal, thresholds)
         kept = jnp.minimum(kept_block_count(fraction, num_blocks, thresholds), max_kept)
         sparse = SparsePlan(

@@ -38,6 +38,9 @@ class SampleInfo:
     logprob: jax.Array  # [B] log-probability of the drawn token under softmax(logits), T = 1
     sampled_entropy: jax.Array  # [B] H of the distribution the token was drawn from (0: greedy)
     temperature: jax.Array  # [B] temperature used (0 = greedy)
+    # [B] the entropy signal the engine's levels read (pruning, scheduler, drafting): the
+    # model entropy here; its calibration where one is loaded (etjax/runtime/commit.py).
+    calibrated_entropy: jax.Array
 
 
 def initial_sampler_state(p: SamplerParams) -> SamplerState:
@@ -126,6 +129,7 @@ def sample_next(
         logprob=model_logprob,
         sampled_entropy=sampled_entropy,
         temperature=jnp.where(greedy, 0.0, temperature),
+        calibrated_entropy=model_entropy,
     )
     return tokens, info, new_state
 

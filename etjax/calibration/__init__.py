@@ -1,0 +1,3 @@
+"""Calibration of the entropy signal: how well a model's probabilities match what happens
+(`metrics.py`), a temperature fitted to text with optax (`fit.py`), the small JSON file that
+holds it (`file.py`), and the calibrated entropy the engine's levels read (`signal.py`)."""
