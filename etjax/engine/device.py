@@ -287,6 +287,7 @@ class DeviceBackend:
                 pack_sampler_params([init.settings.sampler], 1, xp=np),
                 np.int32(init.settings.max_new_tokens),
                 np.bool_(not init.settings.ignore_eos),
+                np.int32(init.settings.logprobs),
                 in_prompt,
                 np.float32(init.prefill_flops),
                 np.float32(init.prefill_bytes),
@@ -425,7 +426,18 @@ class DeviceBackend:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _insert_new_row(
-    store, row, logits, index, length, params, max_new_tokens, stop_on_eos, in_prompt, flops, nbytes
+    store,
+    row,
+    logits,
+    index,
+    length,
+    params,
+    max_new_tokens,
+    stop_on_eos,
+    logprobs,
+    in_prompt,
+    flops,
+    nbytes,
 ) -> DecodeState:
     # A fresh row: the request's sampler, no output yet, the prefill's cost counted. logits:
     # [Sp, V] of the step that finished its context, row `index` its own.
@@ -440,6 +452,7 @@ def _insert_new_row(
         eos_ids=None,
         token_counts=jnp.zeros((1, store.token_counts.shape[1]), jnp.int32),
         in_prompt=in_prompt,
+        logprobs=logprobs[None],
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(flops[None], nbytes[None]),
@@ -483,6 +496,7 @@ def _empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> Decod
         eos_ids=jnp.asarray(eos_ids, jnp.int32),
         token_counts=jnp.zeros((rows, cfg.vocab_size), jnp.int32),
         in_prompt=jnp.zeros((rows, cfg.vocab_size), bool),
+        logprobs=jnp.zeros(rows, jnp.int32),
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(jnp.asarray(zeros), jnp.asarray(zeros.copy())),
