@@ -37,7 +37,7 @@ def test_top_logprobs_match_transformers_log_softmax(smollm2, hf_smollm2, lee):
     # The top-k at each greedy token against log_softmax of transformers' logits over the same
     # tokens (one teacher-forced pass over prompt + output).
     k, new_tokens = 5, 8
-    prompts = _prompts(lee)[:2]
+    prompts = _prompts(lee)[:1]
     results = etjax.decode(
         prompts, model=smollm2, max_new_tokens=new_tokens, ignore_eos=True, logprobs=k
     )
