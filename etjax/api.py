@@ -44,7 +44,10 @@ class Result:
     `entropy[i]` without one;
     `cost_flops[i]` and `cost_bytes[i]` the cumulative cost, prompt included
     (`etjax.entropy.cost`); `kept_blocks[i]` the KV blocks per layer and KV head the model read
-    after drawing token i (all of them unless `pruning` is on). `finish_reason` is "eos",
+    after drawing token i (all of them unless `pruning` is on). With `logprobs=k`,
+    `top_logprobs[i]` holds the k most likely `(token_id, logprob)` pairs at token i, most
+    likely first, of the same distribution as `logprob[i]`: the model's at temperature 1,
+    before penalties, temperature and filters (None when not asked). `finish_reason` is "eos",
     "stop", "length", or None when the prompt was rejected, in which case `error` says why and
     nothing was generated.
     """
@@ -61,6 +64,7 @@ class Result:
     cost_flops: list[float] = field(default_factory=list)
     cost_bytes: list[float] = field(default_factory=list)
     kept_blocks: list[int] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     finish_reason: str | None = None
     error: str | None = None
     seed: int = 0  # the sampling seed it used: `decode(..., seed=[r.seed])` replays it
@@ -82,6 +86,7 @@ def decode(
     sampler: str = "standard",
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
+    logprobs: int = 0,
     chat: bool = False,
     system_prompt: str | None = None,
     trusted_chat: bool = False,
@@ -214,6 +219,7 @@ def decode(
         r.text, r.token_ids, r.finish_reason = out.text, out.token_ids, out.finish_reason
         for name in TRACE_FIELDS:
             setattr(r, name, getattr(out, name))
+        r.top_logprobs = out.top_logprobs
     return results
 
 

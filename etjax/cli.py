@@ -88,7 +88,8 @@ def batch_formats() -> str:
         f"{body}\n\n"
         "result (one JSON line per record, in completion order; --ordered: in input order):\n"
         '  {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "metrics", "seed",\n'
-        '   "error": null, "fingerprint"}, or {"id", "error": "line N: ...", "fingerprint"}\n'
+        '   "error": null, "fingerprint"}, or {"id", "error": "line N: ...", "fingerprint"};\n'
+        '  with "logprobs": k also "top_logprobs": per token k [token_id, logprob] pairs\n'
     )
 
 

@@ -156,6 +156,15 @@ def sample_count(value: object) -> int:
     return value
 
 
+MAX_LOGPROBS = 20  # top log-probabilities per generated token, as the OpenAI API allows
+
+
+def logprob_count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise Refused(f"an integer from 0 to {MAX_LOGPROBS}")
+    return value
+
+
 def finite_number(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise Refused("a finite number")
@@ -180,6 +189,13 @@ class RequestSettings:
         stop_strings,
         "strings that end generation; the text is cut before them",
         openai=("stop",),
+    )
+    logprobs: int = request_field(
+        0,
+        logprob_count,
+        f"the k most likely (token id, log-probability) pairs at each generated token, "
+        f"at temperature 1 before penalties (0 to {MAX_LOGPROBS}; 0: none)",
+        doors=(DECODE, RECORD, TOML),
     )
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
 

@@ -5,9 +5,9 @@ subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8:
 
     python -m tests.mesh_worker MODEL --meshes 1x1,2x4 --new 12 [--temperatures 0,0.8]
 
-Prints {"devices": n, "outputs": {temperature: {mesh: [token ids per prompt]}}} on its last
-line. Temperatures are request settings, not part of a program: each mesh compiles once for
-all of them.
+Prints {"devices": n, "outputs": {temperature: {mesh: [token ids per prompt, then the
+second prompt's top-3 ids per token]}}} on its last line. Temperatures are request settings,
+not part of a program: each mesh compiles once for all of them.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def main() -> None:
                 RequestSettings(
                     args.new,
                     ignore_eos=True,
+                    logprobs=3 if i == 1 else 0,  # the top-k under a vocabulary split too
                     sampler=SamplerSettings(temperature=float(temperature), seed=i),
                 )
                 for i in range(len(prompts))
@@ -53,7 +54,8 @@ def main() -> None:
             outs = generate_ids(
                 model.weights, model.config, model.tokenizer, prompts, settings, options
             )
-            outputs.setdefault(temperature, {})[mesh] = [o.token_ids for o in outs]
+            top_ids = [[t for t, _ in top] for top in outs[1].top_logprobs]
+            outputs.setdefault(temperature, {})[mesh] = [o.token_ids for o in outs] + [top_ids]
     print(json.dumps({"devices": jax.device_count(), "outputs": outputs}))
 
 

@@ -31,3 +31,28 @@ def test_greedy_continuations_match_transformers(smollm2, hf_smollm2, lee):
         assert result.token_ids == reference, prompt
         assert result.text == smollm2.tokenizer.decode(reference)
         assert result.finish_reason == "length"
+
+
+def test_top_logprobs_match_transformers_log_softmax(smollm2, hf_smollm2, lee):
+    # The top-k at each greedy token against log_softmax of transformers' logits over the same
+    # tokens (one teacher-forced pass over prompt + output).
+    k, new_tokens = 5, 8
+    prompts = _prompts(lee)[:1]
+    results = etjax.decode(
+        prompts, model=smollm2, max_new_tokens=new_tokens, ignore_eos=True, logprobs=k
+    )
+    for result in results:
+        ids = torch.tensor([result.prompt_token_ids + result.token_ids])
+        with torch.no_grad():
+            logits = hf_smollm2(ids).logits[0].float()
+        start = len(result.prompt_token_ids) - 1
+        reference = torch.log_softmax(logits[start : start + new_tokens], dim=-1)
+        top_values, top_ids = torch.topk(reference, k, dim=-1)
+        assert len(result.top_logprobs) == new_tokens
+        for i, pairs in enumerate(result.top_logprobs):
+            ours_ids = [t for t, _ in pairs]
+            ours = torch.tensor([v for _, v in pairs])
+            assert ours_ids[0] == result.token_ids[i]  # greedy: the drawn token is the first
+            torch.testing.assert_close(ours, top_values[i], atol=1e-4, rtol=0)
+            torch.testing.assert_close(ours, reference[i, ours_ids], atol=1e-4, rtol=0)
+            assert ours_ids == top_ids[i].tolist()

@@ -32,6 +32,7 @@ DOORS = {
     "trusted_chat": {"decode", "toml"},  # a record cannot vouch for itself
     "n": {"decode", "record", "cli"},
     "priority": {"record"},
+    "logprobs": {"decode", "record", "toml"},
 }
 OPENAI = {"max_new_tokens": ("max_tokens", "max_completion_tokens"), "stop": ("stop",), "n": ("n",)}
 # A good value of each field, as JSON writes it, and as the request holds it.
@@ -44,6 +45,7 @@ GOOD = {
     "trusted_chat": (True, True),
     "n": (2, 2),
     "priority": (2, 2.0),
+    "logprobs": (3, 3),
 }
 FLAGS = {
     "max_new_tokens": (["--max-new-tokens", "3"], 3),
@@ -110,7 +112,13 @@ def test_a_field_is_taken_by_its_doors_and_refused_by_name_at_the_others(tiny, t
         rec = _openai(tiny, config, **{body_name: written})
         assert rec.error is None, rec.error
         assert (rec.n if name == "n" else getattr(rec.settings, name)) == held
-    if name not in ("n", "stop"):  # the fields whose OpenAI name is their own
+    if name == "logprobs":  # OpenAI's logprobs is a switch; the k is its top_logprobs
+        rec = _openai(tiny, config, logprobs=True, top_logprobs=written)
+        assert rec.error is None, rec.error
+        assert rec.settings.logprobs == held
+        rec = _openai(tiny, config, logprobs=written)
+        assert rec.error == f"line 1: body.logprobs={written!r}; must be true or false"
+    elif name not in ("n", "stop"):  # the fields whose OpenAI name is their own
         rec = _openai(tiny, config, **{name: written})
         assert rec.error.startswith(f"line 1: body.{name} is not supported; allowed: ")
     # A run config's [request] table.
@@ -153,10 +161,13 @@ BAD = [
     ),
     ("priority", "high", None, "priority='high'; must be a finite number"),
     ("system_prompt", 5, None, "system_prompt=5; must be a string or None"),
+    ("logprobs", 21, None, "logprobs=21; must be an integer from 0 to 20"),
+    ("logprobs", -1, None, "logprobs=-1; must be an integer from 0 to 20"),
+    ("logprobs", "x", None, "logprobs='x'; must be an integer from 0 to 20"),
 ]
 
 
-@pytest.mark.parametrize("name, value, flags, message", BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize("name, value, flags, message", BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
 def test_a_bad_value_is_one_error_naming_the_field_at_every_door(
     tiny, tmp_path, capsys, name, value, flags, message
 ):

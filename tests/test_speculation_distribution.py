@@ -63,6 +63,7 @@ def _rows(sampler: SamplerSettings, first_seed: int) -> DecodeState:
         eos_ids=jnp.zeros(1, jnp.int32),
         token_counts=jnp.zeros((ROWS, VOCAB), jnp.int32),
         in_prompt=jnp.zeros((ROWS, VOCAB), bool),
+        logprobs=jnp.zeros(ROWS, jnp.int32),
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(zeros, zeros + 0.0),

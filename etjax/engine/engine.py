@@ -472,6 +472,16 @@ class Engine:
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                 finish = FINISH_REASONS[out.finish[k, j]]
+                if seq.settings.logprobs:
+                    width = seq.settings.logprobs
+                    pairs = zip(
+                        out.top_ids[k, j, :width].tolist(),
+                        out.top_logprobs[k, j, :width].tolist(),
+                        strict=True,
+                    )
+                    if seq.output.top_logprobs is None:
+                        seq.output.top_logprobs = []
+                    seq.output.top_logprobs.append(list(pairs))
                 if not seq.accept(int(out.tokens[k, j]), trace, finish):
                     break
             self.policy.observe(seq, produced)

@@ -256,8 +256,15 @@ class _Job:
     def _result_record(self, rec: ParsedRecord, outs: list[SequenceOutput]) -> dict:
         if rec.openai_url is not None:
             model = rec.openai_model or self.model.name
+            tokenizer = self.model.tokenizer
             return openai_format.output_line(
-                rec.id, rec.openai_url, model, outs, len(rec.prompt_ids), rec.fingerprint
+                rec.id,
+                rec.openai_url,
+                model,
+                outs,
+                len(rec.prompt_ids),
+                rec.fingerprint,
+                (lambda t: tokenizer.decode([t])) if rec.openai_logprobs else None,
             )
         samples = [_sample(out, seed) for out, seed in zip(outs, rec.sample_seeds(), strict=True)]
         line = {"id": rec.id} | samples[0] | {"prompt_tokens": len(rec.prompt_ids)}
@@ -301,7 +308,7 @@ def _sample(out: SequenceOutput, seed: int) -> dict:
         "token_ids": out.token_ids,
         "metrics": out.metrics | {"mean_entropy": float(np.mean(out.entropy)) if n else 0.0},
         "seed": seed,
-    }
+    } | ({} if out.top_logprobs is None else {"top_logprobs": out.top_logprobs})
 
 
 def _error_record(rec: ParsedRecord) -> dict:

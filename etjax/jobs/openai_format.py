@@ -8,7 +8,12 @@ Input lines (what vLLM's `run-batch` and many pipelines produce):
 `url` is "/v1/chat/completions" (`body.messages`) or "/v1/completions" (`body.prompt`, a
 string). `body` may hold the OpenAI names of request fields (`max_tokens` or
 `max_completion_tokens`, `stop`, `n`: etjax/request_fields.py) and `temperature`, `top_p`,
-`seed`, `presence_penalty`, `frequency_penalty`; `model` names the model the
+`seed`, `presence_penalty`, `frequency_penalty`, and `logprobs` (true or false) with
+`top_logprobs` (0 to 20, with logprobs only) on chat completions, answered as OpenAI answers
+them: per choice,
+`logprobs.content` holds each generated token's `{token, logprob, bytes, top_logprobs}`, the
+alternatives as `{token, logprob, bytes}` (log-probabilities at temperature 1, before
+penalties: etjax.Result). `model` names the model the
 caller meant and is echoed back (etjax runs the one it loaded). Anything else is an error that
 names the field. `to_record` turns such a line into etjax's own record fields, so validation is
 shared; the result is written back as an OpenAI output line (`output_line`, `error_line`): the
@@ -20,9 +25,10 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
-from etjax.errors import RequestError
-from etjax.request_fields import FIELDS
+from etjax.errors import FieldError, RequestError
+from etjax.request_fields import FIELDS, MAX_LOGPROBS
 from etjax.runtime.options import SequenceOutput
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -34,6 +40,9 @@ _BODY_FIELDS = {
     "prompt": "prompt",
     **{body: name for name, row in FIELDS.items() for body in row.openai},
     **{k: k for k in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")},
+    # Both read by `_logprobs` into the record's `logprobs` (k).
+    "logprobs": "logprobs",
+    "top_logprobs": "logprobs",
 }
 
 
@@ -73,7 +82,36 @@ def to_record(raw: dict) -> dict:
     wrong = "prompt" if url == CHAT else "messages"
     if wrong in body:
         raise RequestError(f"body.{wrong} does not belong to {url}; use body.{needed}")
-    return {_BODY_FIELDS[k]: v for k, v in body.items() if _BODY_FIELDS[k] is not None}
+    record = {
+        _BODY_FIELDS[k]: v
+        for k, v in body.items()
+        if _BODY_FIELDS[k] is not None and k not in ("logprobs", "top_logprobs")
+    }
+    if wants_logprobs(body, url):
+        record["logprobs"] = body.get("top_logprobs", 0)
+    return record
+
+
+def wants_logprobs(body: dict, url: str = CHAT) -> bool:
+    """Whether an OpenAI body asks for log-probabilities (`logprobs: true`), checked with its
+    `top_logprobs` (RequestError naming the body field). Chat completions only: the legacy
+    completions shape (an integer `logprobs`) is not answered."""
+    if url != CHAT and ("logprobs" in body or "top_logprobs" in body):
+        raise RequestError(f"body.logprobs is not supported for {url}, only for {CHAT}")
+    asked = body.get("logprobs", False)
+    if not isinstance(asked, bool):
+        raise RequestError(f"body.logprobs={asked!r}; must be true or false")
+    if "top_logprobs" in body:
+        top = body["top_logprobs"]
+        try:
+            FIELDS["logprobs"].read(top, "record")
+        except FieldError:
+            raise RequestError(
+                f"body.top_logprobs={top!r}; must be an integer from 0 to {MAX_LOGPROBS}"
+            ) from None
+        if not asked:
+            raise RequestError("body.top_logprobs needs body.logprobs: true")
+    return asked
 
 
 def output_line(
@@ -83,13 +121,17 @@ def output_line(
     outputs: list[SequenceOutput],
     prompt_tokens: int,
     fingerprint: str,
+    token_text: Callable[[int], str] | None = None,
 ) -> dict:
-    """The OpenAI output line of a finished request (one choice per sample)."""
+    """The OpenAI output line of a finished request (one choice per sample). With
+    `token_text` (a token id's text), the request asked for log-probabilities: each choice
+    carries them in OpenAI's chat-completion shape."""
     if raw_url == CHAT:
         choices = [
             {
                 "index": i,
                 "message": {"role": "assistant", "content": out.text},
+                "logprobs": None if token_text is None else _logprobs(out, token_text),
                 "finish_reason": _finish(out),
             }
             for i, out in enumerate(outputs)
@@ -134,6 +176,21 @@ def error_line(custom_id: str | int, message: str, fingerprint: str) -> dict:
         "error": {"code": "invalid_request", "message": message},
         "fingerprint": fingerprint,
     }
+
+
+def _logprobs(out: SequenceOutput, token_text: Callable[[int], str]) -> dict:
+    # {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}: a
+    # token's bytes are its text's UTF-8 (a token ending inside a character reads U+FFFD).
+    def entry(token: int, logprob: float) -> dict:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    tops = out.top_logprobs or [[] for _ in out.token_ids]
+    content = [
+        entry(token, logprob) | {"top_logprobs": [entry(t, v) for t, v in top]}
+        for token, logprob, top in zip(out.token_ids, out.logprob, tops, strict=True)
+    ]
+    return {"content": content}
 
 
 def _finish(out: SequenceOutput) -> str:

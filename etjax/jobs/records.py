@@ -56,6 +56,7 @@ class ParsedRecord:
     n: int = 1  # samples of the prompt, each with its own seed (`sample_seeds`)
     openai_url: str | None = None  # an OpenAI batch line: answered in that format
     openai_model: str | None = None  # the model its body named, echoed back
+    openai_logprobs: bool = False  # its body asked for logprobs: the answer carries them
 
     def sample_seeds(self) -> list[int]:
         """The seed of each sample: the record's own for one, one stream each for several."""
@@ -161,6 +162,7 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
             rec.openai_url, body = str(raw.get("url", "")), raw.get("body")
             raw = openai_format.to_record(raw)
             rec.openai_model = body.get("model") if isinstance(body, dict) else None
+            rec.openai_logprobs = openai_format.wants_logprobs(body)
         rec.settings, asked = _request(raw, config, key)
         rec.n, rec.priority = asked.n, asked.priority
         if "prompt" not in raw and "messages" not in raw:
@@ -184,7 +186,11 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
         if error is not None:
             raise RequestError(error)
         rec.prompt_ids = ids
-        rec.fingerprint = request_fingerprint(ids, rec.settings, rec.n, rec.openai_url)
+        # logprobs: true shapes the answer even with top_logprobs 0 (k = 0 in the settings).
+        form = rec.openai_url
+        if rec.openai_logprobs:
+            form = f"{form}+logprobs"
+        rec.fingerprint = request_fingerprint(ids, rec.settings, rec.n, form)
     except EtjaxError as e:
         rec.error = f"line {line}: {e}"
     return rec

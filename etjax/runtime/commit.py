@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from etjax.calibration.signal import calibrated_entropy
+from etjax.distributed.topk import top_k
 from etjax.entropy.state import advance_tau
+from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.options import FINISH_REASONS
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.sampling.sampler import SampleInfo, SamplerState, sample_next
@@ -74,6 +76,7 @@ def commit_tokens(
     """
     finish = finish_code(state, tokens, take)
     runs = take & (finish == 0)
+    top_ids, top_logprobs = top_logprobs_of(state, take)
     entropy = advance_tau(state.entropy, info.model_entropy, take)
     entropy = entropy.replace(
         budget=jnp.where(take, fraction, entropy.budget),
@@ -107,5 +110,28 @@ def commit_tokens(
         kept_blocks=jnp.where(runs, kept, 0).astype(jnp.int32),
         emitted=take,
         finish=finish,
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
     )
     return state, outputs
+
+
+def top_logprobs_of(state: DecodeState, take: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The MAX_LOGPROBS most likely tokens [B, MAX_LOGPROBS] int32 of each row's logits (the
+    distribution the committed token was drawn from, at T = 1 before penalties), most likely
+    first, and their log-probabilities float32. Computed only when a row in `take` asks
+    (`state.logprobs` > 0): a batch without logprobs skips the top-k at run time, without a
+    program of its own; zeros then."""
+    b, v = state.logits.shape
+    k = min(MAX_LOGPROBS, v)
+
+    def compute() -> tuple[jax.Array, jax.Array]:
+        logits = state.logits.astype(jnp.float32)
+        values, ids = top_k(logits, k)
+        normaliser = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        return ids.astype(jnp.int32), values - normaliser
+
+    def skip() -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
+
+    return jax.lax.cond(jnp.any(take & (state.logprobs > 0)), compute, skip)

@@ -172,6 +172,9 @@ class SequenceOutput:
     cost_flops: list[float] = field(default_factory=list)  # cumulative, prefill included
     cost_bytes: list[float] = field(default_factory=list)  # cumulative, prefill included
     kept_blocks: list[int] = field(default_factory=list)  # blocks read per layer and KV head
+    # With logprobs=k: per token, its k most likely (token id, log-probability) pairs at
+    # T = 1 before penalties, most likely first; None when not asked.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     text: str = ""
     finish_reason: str = ""  # "eos", "stop" (a stop string), "length" or "cancelled"
     metrics: dict[str, float] = field(default_factory=dict)  # latencies (s), see engine.py

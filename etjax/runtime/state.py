@@ -31,6 +31,9 @@ class DecodeState:
     eos_ids: jax.Array  # [E] int32, shared by all rows
     token_counts: jax.Array  # [B, V] int32 occurrences of each token in the output
     in_prompt: jax.Array  # [B, V] bool token occurs in the prompt (repetition penalty)
+    # [B] int32 top log-probabilities the row reports per token (0: none). An array, not a
+    # static: any mix of k shares one program, which computes MAX_LOGPROBS and the host keeps k.
+    logprobs: jax.Array
     sampler: SamplerParams
     sampler_state: SamplerState  # the adaptive samplers' state (controller, Mirostat)
     entropy: EntropyState
@@ -55,3 +58,8 @@ class StepOutputs:
     kept_blocks: jax.Array  # int32 blocks per layer and KV head the token's forward pass read
     emitted: jax.Array  # bool the row was active, so tokens[k, b] is real output
     finish: jax.Array  # int8 what the token ended: an index into FINISH_REASONS (0: nothing)
+    # [K, B, MAX_LOGPROBS] the most likely tokens at T = 1 before penalties, most likely
+    # first, and their log-probabilities; zeros in steps where no row asked (commit.py). None
+    # only from test doubles whose requests never ask.
+    top_ids: jax.Array | None = None  # int32
+    top_logprobs: jax.Array | None = None  # float32

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from etjax.entropy.cost import CostModel
 from etjax.model.transformer import logits_from_hidden
 from etjax.model.weights import Weights
+from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.commit import commit_tokens, sample_rows
 from etjax.runtime.state import DecodeState, StepOutputs
 
@@ -109,6 +110,7 @@ def accept_drafts(
 def _nothing(state: DecodeState) -> StepOutputs:
     # The outputs of a check no row needed: nothing emitted.
     zeros = jnp.zeros_like(state.entropy.tau)
+    top_shape = (state.logits.shape[0], min(MAX_LOGPROBS, state.logits.shape[1]))
     return StepOutputs(
         tokens=jnp.zeros_like(state.lengths),
         model_entropy=zeros,
@@ -122,4 +124,6 @@ def _nothing(state: DecodeState) -> StepOutputs:
         kept_blocks=jnp.zeros_like(state.lengths),
         emitted=jnp.zeros_like(state.active),
         finish=jnp.zeros(state.active.shape, jnp.int8),
+        top_ids=jnp.zeros(top_shape, jnp.int32),
+        top_logprobs=jnp.zeros(top_shape, jnp.float32),
     )
