@@ -277,11 +277,11 @@ def test_calibrate_command_fits_on_one_text_and_reports_on_another(tiny_hf_dir, 
     held_text.write_text(" ".join(lee[100:102]))
     out = tmp_path / "cal.json"
     args = ["calibrate", "--model", str(tiny_hf_dir("llama")), "--text", str(fit_text)]
-    args += ["--held-out", str(held_text), "--window", "64", "--max-tokens", "256"]
+    args += ["--held-out", str(held_text), "--window", "64", "--max-tokens", "128"]
     assert main([*args, "--output", str(out)]) == 0
     cal = load_calibration(out, vocab_size=49152)
     fit = cal.fit
-    assert fit["tokens"] == 256 and fit["held_out_tokens"] > 0
+    assert fit["tokens"] == 128 and fit["held_out_tokens"] > 0
     assert fit["nll_after"] <= fit["nll_before"] and fit["optimizer"] == "optax.lbfgs"
     # A random model is far too sure of itself: the fit raises T and closes most of the gap
     # between its entropy and the surprisal, on the text it saw and on the other.
