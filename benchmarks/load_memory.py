@@ -206,7 +206,7 @@ def _make_sources(scratch: Path, formats: list[str]) -> dict[str, str]:
 
 
 def _write_hf_dir(model, directory: Path, dtype: str) -> Path:
-    # Undo etjax's fusing and input-major layout: Hugging Face stores each projection [out, in].
+    # Undo etjax's fusing: Hugging Face stores each projection [out, in], as etjax does.
     import ml_dtypes
     import numpy as np
     from safetensors.numpy import save_file
@@ -222,18 +222,18 @@ def _write_hf_dir(model, directory: Path, dtype: str) -> Path:
     tensors = {"model.embed_tokens.weight": host(model.weights.embed)}
     for i, layer in enumerate(model.weights.layers):
         p = f"model.layers.{i}."
-        qkv = np.asarray(layer.wqkv).T
-        gate_up = np.asarray(layer.w_gate_up).T
+        qkv = np.asarray(layer.wqkv)
+        gate_up = np.asarray(layer.w_gate_up)
         tensors |= {
             p + "input_layernorm.weight": host(layer.attn_norm),
             p + "self_attn.q_proj.weight": host(qkv[:q]),
             p + "self_attn.k_proj.weight": host(qkv[q : q + kv]),
             p + "self_attn.v_proj.weight": host(qkv[q + kv :]),
-            p + "self_attn.o_proj.weight": host(np.asarray(layer.wo).T),
+            p + "self_attn.o_proj.weight": host(layer.wo),
             p + "post_attention_layernorm.weight": host(layer.mlp_norm),
             p + "mlp.gate_proj.weight": host(gate_up[: cfg.intermediate_size]),
             p + "mlp.up_proj.weight": host(gate_up[cfg.intermediate_size :]),
-            p + "mlp.down_proj.weight": host(np.asarray(layer.w_down).T),
+            p + "mlp.down_proj.weight": host(layer.w_down),
         }
     tensors["model.norm.weight"] = host(model.weights.final_norm)
     directory.mkdir(parents=True)

@@ -221,6 +221,7 @@ def greedy_state(cfg, table, logits, context) -> DecodeState:
         eos_ids=jnp.asarray([-1], jnp.int32),
         token_counts=jnp.zeros((rows, vocab), jnp.int32),
         in_prompt=jnp.zeros((rows, vocab), bool),
+        logprobs=jnp.zeros((rows,), jnp.int32),
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(jnp.zeros((rows,)), jnp.zeros((rows,))),

@@ -98,10 +98,10 @@ def test_checkpoint_restores_straight_into_the_sharded_layout(tiny_hf_dir, tmp_p
     checkpoint = tmp_path / "ckpt"
     assert main(["convert", str(tiny_hf_dir("llama")), str(checkpoint)]) == 0
     weights = _run_worker("tests.restore_worker", str(checkpoint))["weights"]
-    # Tiny llama: vocab 49152, hidden 64, q|k|v 128 columns, MLP 128; model axis of 4.
+    # Tiny llama: vocab 49152, hidden 64, q|k|v 128 rows, MLP 128; model axis of 4.
     assert weights["embed"]["shards"] == [[49152 // 4, 64]]
-    assert weights["wqkv"]["shards"] == [[64, 128 // 4]]
-    assert weights["w_down"]["shards"] == [[128 // 4, 64]]
+    assert weights["wqkv"]["shards"] == [[128 // 4, 64]]
+    assert weights["w_down"]["shards"] == [[64, 128 // 4]]
     assert weights["attn_norm"]["shards"] == [[64]]  # replicated
     for name, w in weights.items():
         assert w["devices"] == 8 and w["equal"], name

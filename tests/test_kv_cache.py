@@ -81,11 +81,14 @@ def test_sequence_alone_equals_batched_with_other_lengths(tiny):
             tiny.weights, tiny.config, tiny.tokenizer, [prompt], settings[:1], options
         )
         assert alone.token_ids == together.token_ids
+        # Alone, a row's products have one row; batched, four: XLA:CPU runs them with other
+        # kernels, which sum in another order, so traces agree to float32 rounding of the
+        # logits (3.8e-6 on a tau of 0.155 with [out, in] weights), not bit for bit.
         chex.assert_trees_all_close(
             (alone.entropy, alone.logprob, alone.tau),
             (together.entropy, together.logprob, together.tau),
             rtol=1e-5,
-            atol=1e-6,
+            atol=1e-5,
         )
 
 

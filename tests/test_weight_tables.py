@@ -14,7 +14,7 @@ import etjax
 from etjax.errors import ModelLoadError
 from etjax.loaders.hf_config import read_hf_config
 from etjax.model.families import FAMILIES, family
-from etjax.model.leaves import INPUT_MAJOR
+from etjax.model.leaves import OUTPUT_MAJOR
 from etjax.model.weights import MODEL_LEAVES
 
 
@@ -42,8 +42,8 @@ def test_hf_names_and_shapes_are_transformers(kind, tiny_hf_dir):
     read = set()
     for name, leaf, layer in _leaves(cfg):
         shapes = [state[part.hf_name(layer)] for part in leaf.parts]
-        if leaf.layout == INPUT_MAJOR:  # parts [out_i, in] -> [in, sum(out_i)]
-            built = (*shapes[0][1:], sum(s[0] for s in shapes))
+        if leaf.layout == OUTPUT_MAJOR:  # parts [out_i, in] -> [sum(out_i), in]
+            built = (sum(s[0] for s in shapes), *shapes[0][1:])
         else:
             built = shapes[0]
         assert built == leaf.shape(cfg), (name, layer)
@@ -74,5 +74,5 @@ def test_a_tensor_of_the_wrong_shape_is_named(tiny_hf_dir, tmp_path):
     name = "model.layers.1.self_attn.k_proj.weight"
     tensors[name] = np.ascontiguousarray(tensors[name][:-16])
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match=r"layer 1 wqkv .*k_proj.* config gives \(64, 128\)"):
+    with pytest.raises(ModelLoadError, match=r"layer 1 wqkv .*k_proj.* config gives \(128, 64\)"):
         etjax.load_model(directory)

@@ -6,7 +6,7 @@ this module maps names to mesh axes (`SPLITS`) and knows no field, so weights of
 layout or architecture place themselves by naming their dimensions. The resulting layout:
 
 - **Weights** are split along the `model` axis the Megatron way: the fused q|k|v and gate|up
-  projections by output column, the attention output and down projections by input row, the
+  projections by output unit, the attention output and down projections by input unit, the
   embedding table and LM head by vocabulary; norms are replicated. Each data group holds a
   full copy.
 - **KV pages** are split by KV head over `model` when the head count divides, else by head

@@ -5,7 +5,7 @@ tensors each leaf is built from and how; a loader only finds a tensor by its for
 describes it as a `SourceTensor`: its shape in Hugging Face layout and a way to read its rows
 as float32. Nothing is read until the leaf that needs it is built, and
 each leaf is written chunk by chunk straight into one host buffer already in its final dtype and
-layout (q|k|v and gate|up fused, projections input-major), which JAX then adopts as the array's
+layout (q|k|v and gate|up fused, projections `[out, in]`), which JAX then adopts as the array's
 memory on CPU, or copies to an accelerator and lets go. So at any moment the host holds the
 finished leaves plus one chunk of float32: never a float32 copy of the whole model, nor the parts
 of a fused matrix beside the matrix. The float32 to bfloat16 cast is the one numpy (ml_dtypes)
@@ -80,7 +80,7 @@ def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights
                 f"gives {want}"
             )
         dtype = leaf.dtype(cfg)
-        return as_stored(parts[0], dtype) if leaf.layout == STORED else input_major(parts, dtype)
+        return as_stored(parts[0], dtype) if leaf.layout == STORED else output_major(parts, dtype)
 
     layers = tuple(
         fam.layer_type(**{name: build(name, leaf, i) for name, leaf in fam.layer.items()})
@@ -91,14 +91,14 @@ def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights
 
 
 def _built_shape(leaf: Leaf, parts: Sequence[SourceTensor]) -> tuple[int, ...] | None:
-    # The shape `as_stored` or `input_major` would build from `parts`; None where the parts'
+    # The shape `as_stored` or `output_major` would build from `parts`; None where the parts'
     # input dimensions disagree and cannot be concatenated at all.
     if leaf.layout == STORED:
         return parts[0].shape
     inner = parts[0].shape[1:]
     if any(p.shape[1:] != inner for p in parts):
         return None
-    return (*inner, sum(p.shape[0] for p in parts))
+    return (sum(p.shape[0] for p in parts), *inner)
 
 
 def as_stored(tensor: SourceTensor, dtype: np.dtype) -> jax.Array:
@@ -112,20 +112,20 @@ def as_stored(tensor: SourceTensor, dtype: np.dtype) -> jax.Array:
     return jax.device_put(out)
 
 
-def input_major(parts: Sequence[SourceTensor], dtype: np.dtype) -> jax.Array:
-    """`parts` concatenated along their first axis and transposed, cast to `dtype`.
+def output_major(parts: Sequence[SourceTensor], dtype: np.dtype) -> jax.Array:
+    """`parts` concatenated along their first (output) axis, cast to `dtype`.
 
-    `[out_i, in]` parts give `[in, sum(out_i)]`; 1-D parts (biases) give `[sum(out_i)]`.
+    `[out_i, in]` parts give `[sum(out_i), in]`; 1-D parts (biases) give `[sum(out_i)]`.
     """
     inner = parts[0].shape[1:]
-    out = _empty_aligned((*inner, sum(p.shape[0] for p in parts)), dtype)
-    column = 0
+    out = _empty_aligned((sum(p.shape[0] for p in parts), *inner), dtype)
+    row = 0
     for part in parts:
-        first = column
+        first = row
         for rows in part.read_rows(_rows_per_chunk(part)):
-            out[..., column : column + len(rows)] = rows.T
-            column += len(rows)
-        _check_rows_read(column - first, part)
+            out[row : row + len(rows)] = rows
+            row += len(rows)
+        _check_rows_read(row - first, part)
     return jax.device_put(out)
 
 

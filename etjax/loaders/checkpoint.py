@@ -27,7 +27,9 @@ from etjax.model.config import Llama3RopeScaling, ModelConfig
 from etjax.model.weights import Weights, abstract_weights
 from etjax.tokenizer import Tokenizer
 
-FORMAT_VERSION = 1
+# 2: projections stored output-major, [out, in] (etjax/model/leaves.py); version 1 held them
+# input-major, and its arrays would restore with the wrong shapes.
+FORMAT_VERSION = 2
 _MANIFEST = "etjax_model.json"
 
 

@@ -56,7 +56,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotated.astype(x.dtype)
 
 
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [..., in] times a projection stored output-major, w [out, in] -> [..., out] (what
+    `x @ w.T` computes, without transposing w; etjax/model/leaves.py says why this layout)."""
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
 def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate|up fused in one product."""
-    gate, up = jnp.split(x @ w_gate_up, 2, axis=-1)
-    return (jax.nn.silu(gate) * up) @ w_down
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)) with gate|up fused in one product
+    (w_gate_up [2F, D], w_down [D, F])."""
+    gate, up = jnp.split(linear(x, w_gate_up), 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, w_down)

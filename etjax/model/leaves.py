@@ -33,8 +33,8 @@ class Dim:
 HIDDEN = Dim(lambda c: c.hidden_size, None)  # D
 VOCAB = Dim(lambda c: c.vocab_size, "vocab")  # V
 HEAD_DIM = Dim(lambda c: c.head_dim, None)  # per-head norms (Gemma's q_norm, k_norm)
-# Tensor parallelism splits q|k|v and gate|up by output column, the attention output and down
-# projections by input row: attention heads and MLP units never mix across devices until the
+# Tensor parallelism splits q|k|v and gate|up by output unit, the attention output and down
+# projections by input unit: attention heads and MLP units never mix across devices until the
 # output projections' sums.
 QKV = Dim(lambda c: c.qkv_size, "heads")  # Q = (heads + 2 kv_heads) * head_dim
 ATTENTION = Dim(lambda c: c.num_heads * c.head_dim, "heads")  # A
@@ -65,10 +65,14 @@ class Part:
         return self.gguf.format(i=layer)
 
 
-# Layouts. Products are stored input-major (`x @ w`), their parts concatenated along the output
-# axis (q|k|v, gate|up) so a layer runs two large products instead of five small ones; biases
-# concatenate the same way. Norm scales and the embedding table are stored as the file has them.
-INPUT_MAJOR = "input_major"
+# Layouts. Products are stored output-major, `[out, in]` as Hugging Face and GGUF files keep
+# them, and applied as `linear(x, w)` (etjax/model/layers.py); their parts are concatenated
+# along the output axis (q|k|v, gate|up) so a layer runs two large products instead of five
+# small ones; biases concatenate the same way. Why output-major: on XLA:CPU a product of a few
+# rows runs faster against `[out, in]` weights (SmolLM2's products at 8 rows 10% faster, at 32
+# rows 22%, no slower at 1 or 512; docs/PERF.md, "step_floor"). Norm scales and the embedding
+# table are stored as the file has them.
+OUTPUT_MAJOR = "output_major"
 STORED = "stored"
 
 
@@ -82,19 +86,19 @@ class Leaf:
 
     `float32`: kept in float32 whatever the model dtype (norm scales: tiny, and RMSNorm runs in
     float32). `present(cfg)`: whether the model has the leaf; an absent leaf is None in the
-    pytree. `layout`: INPUT_MAJOR (parts `[out_i, in]` give `[in, sum(out_i)]`; 1-D parts give
-    `[sum(out_i)]`) or STORED (one part, as it is).
+    pytree. `layout`: OUTPUT_MAJOR (parts `[out_i, in]` give `[sum(out_i), in]`; 1-D parts
+    give `[sum(out_i)]`) or STORED (one part, as it is).
     """
 
     dims: tuple[Dim, ...]
     parts: tuple[Part, ...]
-    layout: str = INPUT_MAJOR
+    layout: str = OUTPUT_MAJOR
     float32: bool = False
     present: Callable[[ModelConfig], bool] = always
 
     def __post_init__(self) -> None:
-        if self.layout not in (INPUT_MAJOR, STORED):
-            raise ValueError(f"Leaf.layout={self.layout!r}; allowed: {INPUT_MAJOR}, {STORED}")
+        if self.layout not in (OUTPUT_MAJOR, STORED):
+            raise ValueError(f"Leaf.layout={self.layout!r}; allowed: {OUTPUT_MAJOR}, {STORED}")
         if self.layout == STORED and len(self.parts) != 1:
             raise ValueError("a STORED leaf is built from exactly one part")
 

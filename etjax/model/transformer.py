@@ -137,13 +137,10 @@ class SparsePlan:
 
 
 def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
-    """Project hidden states [..., D] to float32 logits [..., V] (tied or untied head)."""
-    if weights.lm_head is None:
-        # Contract with the embedding's model axis directly: no transposed copy of the table.
-        return jnp.einsum(
-            "...d,vd->...v", hidden, weights.embed, preferred_element_type=jnp.float32
-        )
-    return jnp.einsum("...d,dv->...v", hidden, weights.lm_head, preferred_element_type=jnp.float32)
+    """Project hidden states [..., D] to float32 logits [..., V] (tied or untied head, both
+    [V, D])."""
+    table = weights.embed if weights.lm_head is None else weights.lm_head
+    return jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
 
 
 def _attention(

@@ -5,8 +5,9 @@ a stacked array, static or indexed by a scan, is materialised as a copy before e
 product on XLA:CPU, doubling the bytes read per step. The forward pass still loops over layers
 with a `lax.scan`, choosing each layer's buffers with `lax.switch` (etjax/model/transformer.py).
 
-Projections are stored input-major (`x @ w`) and fused where they share an input: q|k|v in one
-matrix and gate|up in another, so each layer runs two large products instead of five small ones.
+Projections are stored output-major (`[out, in]`, applied by `linear`) and fused where they
+share an input: q|k|v in one matrix and gate|up in another, so each layer runs two large
+products instead of five small ones.
 Each leaf is described once, in a table (etjax/model/leaves.py): the model's own leaves below,
 a layer's in its family's table (etjax/model/families/), whose pytree class is made from it.
 """
@@ -37,7 +38,7 @@ MODEL_LEAVES: Table = {
         (HIDDEN,), (Part("model.norm.weight", "output_norm.weight"),), STORED, float32=True
     ),
     # Absent when tied: the logits then contract with `embed` (transformer.logits_from_hidden).
-    "lm_head": Leaf((HIDDEN, VOCAB), (Part("lm_head.weight", "output.weight"),), present=_untied),
+    "lm_head": Leaf((VOCAB, HIDDEN), (Part("lm_head.weight", "output.weight"),), present=_untied),
 }
 
 
@@ -49,7 +50,7 @@ class Weights:
     embed: jax.Array  # [V, D]
     layers: tuple[Any, ...]
     final_norm: jax.Array  # [D] float32
-    lm_head: jax.Array | None  # [D, V], or None when tied to `embed`
+    lm_head: jax.Array | None  # [V, D], or None when tied to `embed`
 
     # Each array's dimensions by name, for the mesh placement (etjax/distributed/placement.py);
     # `layers` hold their own.

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from etjax.model.config import ModelConfig
 from etjax.model.families.family import Family
+from etjax.model.layers import linear
 from etjax.model.leaves import (
     ATTENTION,
     FFN,
@@ -38,8 +39,8 @@ def _norm(hf: str, gguf: str, dim=HIDDEN) -> Leaf:
 
 LAYER: Table = {
     "attn_norm": _norm("input_layernorm.weight", "attn_norm.weight"),
-    "wqkv": Leaf(  # columns: q heads | k heads | v heads (llama.cpp keeps Gemma's row order)
-        (HIDDEN, QKV),
+    "wqkv": Leaf(  # rows: q heads | k heads | v heads (llama.cpp keeps Gemma's row order)
+        (QKV, HIDDEN),
         (
             layer_part("self_attn.q_proj.weight", "attn_q.weight"),
             layer_part("self_attn.k_proj.weight", "attn_k.weight"),
@@ -48,17 +49,17 @@ LAYER: Table = {
     ),
     "q_norm": _norm("self_attn.q_norm.weight", "attn_q_norm.weight", HEAD_DIM),
     "k_norm": _norm("self_attn.k_norm.weight", "attn_k_norm.weight", HEAD_DIM),
-    "wo": Leaf((ATTENTION, HIDDEN), (layer_part("self_attn.o_proj.weight", "attn_output.weight"),)),
+    "wo": Leaf((HIDDEN, ATTENTION), (layer_part("self_attn.o_proj.weight", "attn_output.weight"),)),
     "post_attn_norm": _norm("post_attention_layernorm.weight", "post_attention_norm.weight"),
     "mlp_norm": _norm("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
-    "w_gate_up": Leaf(  # columns: gate | up
-        (HIDDEN, GATE_UP),
+    "w_gate_up": Leaf(  # rows: gate | up
+        (GATE_UP, HIDDEN),
         (
             layer_part("mlp.gate_proj.weight", "ffn_gate.weight"),
             layer_part("mlp.up_proj.weight", "ffn_up.weight"),
         ),
     ),
-    "w_down": Leaf((FFN, HIDDEN), (layer_part("mlp.down_proj.weight", "ffn_down.weight"),)),
+    "w_down": Leaf((HIDDEN, FFN), (layer_part("mlp.down_proj.weight", "ffn_down.weight"),)),
     "post_mlp_norm": _norm("post_feedforward_layernorm.weight", "post_ffw_norm.weight"),
 }
 
@@ -74,7 +75,7 @@ MODEL: Table = {
         float32=True,
     ),
     "lm_head": Leaf(
-        (HIDDEN, VOCAB),
+        (VOCAB, HIDDEN),
         (Part("lm_head.weight", "output.weight"),),
         present=lambda cfg: not cfg.tie_word_embeddings,
     ),
@@ -93,7 +94,7 @@ def qkv_projection(layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     normed (before RoPE). Queries are rescaled so that the kernels' head_dim ** -0.5 comes to
     query_pre_attn_scalar ** -0.5 (RoPE is linear, so scaling before it is the same)."""
     t, hd = x.shape[0], cfg.head_dim
-    qkv = gemma_norm(x, layer.attn_norm, cfg.rms_norm_eps) @ layer.wqkv
+    qkv = linear(gemma_norm(x, layer.attn_norm, cfg.rms_norm_eps), layer.wqkv)
     q_width, kv_width = cfg.num_heads * hd, cfg.num_kv_heads * hd
     q = gemma_norm(qkv[:, :q_width].reshape(t, cfg.num_heads, hd), layer.q_norm, cfg.rms_norm_eps)
     k = qkv[:, q_width : q_width + kv_width].reshape(t, cfg.num_kv_heads, hd)
@@ -109,10 +110,10 @@ def output_and_mlp(layer, x: jax.Array, heads: jax.Array, cfg: ModelConfig) -> j
     """x [T, D], heads [T, A] -> x [T, D]: the attention output normed into the residual, then
     the GeGLU MLP between its pre- and post-norms."""
     eps = cfg.rms_norm_eps
-    x = x + gemma_norm(heads @ layer.wo, layer.post_attn_norm, eps)
+    x = x + gemma_norm(linear(heads, layer.wo), layer.post_attn_norm, eps)
     h = gemma_norm(x, layer.mlp_norm, eps)
-    gate, up = jnp.split(h @ layer.w_gate_up, 2, axis=-1)
-    mlp = (jax.nn.gelu(gate, approximate=True) * up) @ layer.w_down
+    gate, up = jnp.split(linear(h, layer.w_gate_up), 2, axis=-1)
+    mlp = linear(jax.nn.gelu(gate, approximate=True) * up, layer.w_down)
     return x + gemma_norm(mlp, layer.post_mlp_norm, eps)
 
 

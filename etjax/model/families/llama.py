@@ -10,7 +10,7 @@ import jax
 
 from etjax.model.config import ModelConfig
 from etjax.model.families.family import Family
-from etjax.model.layers import rms_norm, swiglu_mlp
+from etjax.model.layers import linear, rms_norm, swiglu_mlp
 from etjax.model.leaves import (
     ATTENTION,
     FFN,
@@ -41,8 +41,8 @@ def layer_table(gguf_interleaved_rope: bool) -> Table:
             STORED,
             float32=True,
         ),
-        "wqkv": Leaf(  # columns: q heads | k heads | v heads, Hugging Face (half-split) RoPE
-            (HIDDEN, QKV),
+        "wqkv": Leaf(  # rows: q heads | k heads | v heads, Hugging Face (half-split) RoPE
+            (QKV, HIDDEN),
             (
                 layer_part("self_attn.q_proj.weight", "attn_q.weight", q_heads),
                 layer_part("self_attn.k_proj.weight", "attn_k.weight", kv_heads),
@@ -59,7 +59,7 @@ def layer_table(gguf_interleaved_rope: bool) -> Table:
             present=has_attention_bias,
         ),
         "wo": Leaf(
-            (ATTENTION, HIDDEN), (layer_part("self_attn.o_proj.weight", "attn_output.weight"),)
+            (HIDDEN, ATTENTION), (layer_part("self_attn.o_proj.weight", "attn_output.weight"),)
         ),
         "mlp_norm": Leaf(
             (HIDDEN,),
@@ -67,27 +67,27 @@ def layer_table(gguf_interleaved_rope: bool) -> Table:
             STORED,
             float32=True,
         ),
-        "w_gate_up": Leaf(  # columns: gate | up
-            (HIDDEN, GATE_UP),
+        "w_gate_up": Leaf(  # rows: gate | up
+            (GATE_UP, HIDDEN),
             (
                 layer_part("mlp.gate_proj.weight", "ffn_gate.weight"),
                 layer_part("mlp.up_proj.weight", "ffn_up.weight"),
             ),
         ),
-        "w_down": Leaf((FFN, HIDDEN), (layer_part("mlp.down_proj.weight", "ffn_down.weight"),)),
+        "w_down": Leaf((HIDDEN, FFN), (layer_part("mlp.down_proj.weight", "ffn_down.weight"),)),
     }
 
 
 def qkv_projection(layer, x: jax.Array, cfg: ModelConfig) -> jax.Array:
     """x [T, D] -> q|k|v [T, Q]: RMSNorm, then the fused projection (and bias)."""
-    qkv = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps) @ layer.wqkv
+    qkv = linear(rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), layer.wqkv)
     return qkv if layer.bqkv is None else qkv + layer.bqkv
 
 
 def output_and_mlp(layer, x: jax.Array, heads: jax.Array, cfg: ModelConfig) -> jax.Array:
     """x [T, D], heads [T, A] -> x [T, D]: add the attention output, then the SwiGLU MLP of
     the normed stream."""
-    x = x + heads @ layer.wo
+    x = x + linear(heads, layer.wo)
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
     return x + swiglu_mlp(h, layer.w_gate_up, layer.w_down)
 
