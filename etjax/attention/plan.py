@@ -39,26 +39,41 @@ from pallas_kernels.ragged_attention.work_items import (
 #   60-token prompts took 1.0-1.3 ms with 64 x 4, 4.0-4.2 ms with 128 x 16, 6.8-6.9 ms with
 #   256 x 16. So chunks of up to 64 tokens (short prompts, a document's tail) get a pass of
 #   their own. (2026-12-01)
+# - Long chunks (over 256 tokens) get wider tiles still: on a 2-core Xeon with AMX, one
+#   512-token chunk after 4K cached tokens (the whole forward pass) took 2,165 ms with tiles
+#   of 128 x 16, 1,649 with 256 x 32 and 1,506 with 512 x 32 (fewer items, larger products,
+#   each key tile gathered once per chunk), the same 630 ms at context 0; but a 100-token
+#   chunk took 143 ms with 128 x 16 against 261 with 512 x 32 (the padded queries' work), and
+#   a 250-token chunk 291 against 406: so chunks of 65 to 256 tokens keep 128 x 16. (2026-12-03)
 CHUNK = 16
 DECODE_KV_TILE = 4
 SHORT_PREFILL_Q_TILE, SHORT_PREFILL_KV_TILE = 64, 4
 PREFILL_Q_TILE, PREFILL_KV_TILE = 128, 16
+LONG_PREFILL_MIN_TOKENS = 257
+LONG_PREFILL_Q_TILE, LONG_PREFILL_KV_TILE = 512, 32
 
 
 @dataclass(frozen=True)
 class PassShape:
-    """Static tiling of one pass: tiles of q_tile tokens, items of kv_tile pages."""
+    """Static tiling of one pass: tiles of q_tile tokens, items of kv_tile pages; it takes
+    segments of up to `max_tokens` new tokens (default: q_tile, one tile each)."""
 
     q_tile: int
     kv_tile: int
     max_tiles: int
     max_items: int
+    max_tokens: int = 0
+
+    @property
+    def holds(self) -> int:
+        """The most new tokens of a segment routed here."""
+        return self.max_tokens or self.q_tile
 
 
 @dataclass(frozen=True)
 class PlanSizes:
     """The static shapes of a step's plan: its passes, in routing order (a segment goes to
-    the first pass whose q_tile holds its tokens, else to the last)."""
+    the first pass that holds its tokens, else to the last)."""
 
     page_size: int
     passes: tuple[PassShape, ...]
@@ -75,27 +90,44 @@ class PlanSizes:
     @staticmethod
     def prefill(num_tokens: int, rows: int, max_seq_pages: int, page_size: int) -> PlanSizes:
         """Chunks of up to `rows` sequences holding `num_tokens` tokens in all, each sequence
-        at most `max_seq_pages` pages long: a pass for short chunks (one tile each), then one
-        for the rest."""
-        short_items = rows * -(-max_seq_pages // SHORT_PREFILL_KV_TILE)
+        at most `max_seq_pages` pages long: a pass for short chunks (one tile each), one for
+        chunks of up to 256 tokens, and, when the step can hold one, one for longer chunks
+        (the tilings' measurements are above)."""
+
+        def items(tiles: int, kv_tile: int) -> int:
+            return items_capacity(tiles * -(-max_seq_pages // kv_tile), CHUNK)
+
         short = PassShape(
-            SHORT_PREFILL_Q_TILE,
-            SHORT_PREFILL_KV_TILE,
-            rows,
-            items_capacity(short_items, CHUNK),
+            SHORT_PREFILL_Q_TILE, SHORT_PREFILL_KV_TILE, rows, items(rows, SHORT_PREFILL_KV_TILE)
         )
         tiles = num_tokens // PREFILL_Q_TILE + rows
-        items = items_capacity(tiles * -(-max_seq_pages // PREFILL_KV_TILE), CHUNK)
-        long = PassShape(PREFILL_Q_TILE, PREFILL_KV_TILE, tiles, items)
-        return PlanSizes(page_size, (short, long))
+        medium = PassShape(
+            PREFILL_Q_TILE,
+            PREFILL_KV_TILE,
+            tiles,
+            items(tiles, PREFILL_KV_TILE),
+            max_tokens=LONG_PREFILL_MIN_TOKENS - 1,
+        )
+        if num_tokens < LONG_PREFILL_MIN_TOKENS:
+            return PlanSizes(page_size, (short, medium))
+        # Each long chunk's last tile may be partial: one more tile per chunk that fits.
+        long_tiles = num_tokens // LONG_PREFILL_Q_TILE + num_tokens // LONG_PREFILL_MIN_TOKENS
+        long = PassShape(
+            LONG_PREFILL_Q_TILE,
+            LONG_PREFILL_KV_TILE,
+            long_tiles,
+            items(long_tiles, LONG_PREFILL_KV_TILE),
+            max_tokens=num_tokens,
+        )
+        return PlanSizes(page_size, (short, medium, long))
 
     def route(self, segments: Sequence[Segment]) -> list[list[Segment]]:
-        """`segments` grouped by pass: each goes to the first pass whose q_tile holds its
+        """`segments` grouped by pass: each goes to the first pass that holds its number of
         tokens, else to the last."""
         routed: list[list[Segment]] = [[] for _ in self.passes]
         for seg in segments:
             index = next(
-                (i for i, p in enumerate(self.passes) if seg.num_tokens <= p.q_tile),
+                (i for i, p in enumerate(self.passes) if seg.num_tokens <= p.holds),
                 len(self.passes) - 1,
             )
             routed[index].append(seg)
@@ -199,8 +231,10 @@ def padded_batch_plan(
         q_tile, kv_tile = 1, DECODE_KV_TILE
     elif tokens_per_row <= SHORT_PREFILL_Q_TILE:
         q_tile, kv_tile = SHORT_PREFILL_Q_TILE, SHORT_PREFILL_KV_TILE
-    else:
+    elif tokens_per_row < LONG_PREFILL_MIN_TOKENS:
         q_tile, kv_tile = PREFILL_Q_TILE, PREFILL_KV_TILE
+    else:
+        q_tile, kv_tile = LONG_PREFILL_Q_TILE, LONG_PREFILL_KV_TILE
     tiles = b * -(-tokens_per_row // q_tile)
     items = items_capacity(tiles * -(-p // kv_tile), CHUNK)
     sizes = PlanSizes(page_size, (PassShape(q_tile, kv_tile, tiles, items),))

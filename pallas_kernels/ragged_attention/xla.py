@@ -180,6 +180,10 @@ def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk
         queries = queries.reshape(kvh, qt * g, hd)
         positions = q_positions.at[tokens].get(mode="fill", fill_value=-1)  # -1 sees nothing
         row_positions = jnp.repeat(positions, g)  # [Qt * G], row order (token, group)
+        # The tile's real queries span [first_query, last_query]; padding rows (-1) are
+        # dropped by the caller, so what they compute does not matter.
+        first_query = jnp.min(jnp.where(positions >= 0, positions, jnp.iinfo(jnp.int32).max))
+        last_query = jnp.max(positions)
 
         def item_body(i, carry):
             best, norm, acc = carry  # [KVH, Qt * G], same, [KVH, Qt * G, hd]
@@ -187,19 +191,40 @@ def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk
             keys = k_pages[pages].transpose(1, 0, 2, 3).reshape(kvh, kt * ps, hd)
             values = v_pages[pages].transpose(1, 0, 2, 3).reshape(kvh, kt * ps, hd)
             key_pos = item_key_start[i] + key_offsets
-            visible = visible_keys(key_pos[None, :], row_positions[:, None], window)[None]
             scores = jnp.einsum("krd,ksd->krs", queries, keys, preferred_element_type=jnp.float32)
-            scores = jnp.where(visible, scores, _MASKED)
-            new_best = jnp.maximum(best, scores.max(axis=-1))
-            rescale = jnp.exp(best - new_best)
-            weights = jnp.where(visible, jnp.exp(scores - new_best[..., None]), 0.0)
-            part = jnp.einsum(
-                "krs,ksd->krd",
-                weights,
-                values.astype(jnp.float32),
-                preferred_element_type=jnp.float32,
+
+            def merge(visible):
+                # Fold the item's scores into the tile's online softmax; `visible` None: every
+                # key is visible to every real query.
+                masked = scores if visible is None else jnp.where(visible, scores, _MASKED)
+                new_best = jnp.maximum(best, masked.max(axis=-1))
+                rescale = jnp.exp(best - new_best)
+                weights = jnp.exp(masked - new_best[..., None])
+                if visible is not None:
+                    weights = jnp.where(visible, weights, 0.0)
+                part = jnp.einsum(
+                    "krs,ksd->krd",
+                    weights,
+                    values.astype(jnp.float32),
+                    preferred_element_type=jnp.float32,
+                )
+                return (
+                    new_best,
+                    norm * rescale + weights.sum(axis=-1),
+                    acc * rescale[..., None] + part,
+                )
+
+            # Most items of a long chunk lie wholly before its first query and inside any
+            # window: they skip the mask's passes over the [KVH, Qt * G, Kt * ps] scores (a
+            # 512-token chunk after 4K tokens: 18 of its 22 items).
+            inside = key_pos[-1] <= first_query
+            if not (isinstance(window, int) and window == 0):
+                inside &= (window <= 0) | (key_pos[0] > last_query - window)
+            return jax.lax.cond(
+                inside,
+                lambda: merge(None),
+                lambda: merge(visible_keys(key_pos[None, :], row_positions[:, None], window)[None]),
             )
-            return new_best, norm * rescale + weights.sum(axis=-1), acc * rescale[..., None] + part
 
         init = (
             jnp.full((kvh, qt * g), _MASKED, jnp.float32),
