@@ -125,6 +125,39 @@ def test_xla_matches_the_reference_on_any_ragged_batch(lengths, shape, extra, se
     assert np.all(ours[token_seq < 0] == 0)
 
 
+@pytest.mark.parametrize(
+    ("cached", "window"),
+    [
+        (15, 0),  # queries 15..30: key tile 0..15 is wholly visible, the unmasked path
+        (14, 0),  # queries 14..29: key 15 is one past the first query: masked
+        (48, 40),  # queries 48..63 see from 24 on: key tile 32..47 unmasked, 16..31 masked
+        (48, 31),  # queries 48..63, query 63 sees from 33 on: key tile 32..47 masked
+    ],
+)
+def test_the_tile_loop_masks_exactly_at_the_visibility_boundaries(cached, window):
+    # Items of a wide tile whose keys every query sees skip the mask (xla.py): these chunks
+    # put an item's last key at, and one past, the tile's first query, and an item's first
+    # key at, and just inside, the window of the tile's last query (pages of 16, key tiles
+    # of 16 positions, query tiles of 16).
+    q, k_pages, v_pages, positions, token_seq, table, tile_pass = _case(
+        [(cached, 16)], 16, 2, 3, 16, jnp.float32, 16, 1, 0, 7, window
+    )
+    ours = _xla_jitted(
+        q, k_pages, v_pages, jnp.asarray(positions), (tile_pass,), CHUNK, jnp.int32(window)
+    )
+    truth = ragged_attention_reference(
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(positions),
+        jnp.asarray(token_seq),
+        jnp.asarray(table),
+        window,
+    )
+    truth = np.asarray(truth)
+    assert np.max(np.abs(np.asarray(ours) - truth)) <= TOLERANCE[jnp.float32] * np.abs(truth).max()
+
+
 def test_a_prefill_chunk_reads_only_its_causal_part():
     # A 64-token chunk after 64 cached tokens, pages of 8, query tiles of 16 and key tiles of
     # one page: tile j (positions 64 + 16j .. 64 + 16j + 15) sees pages 0 .. 9 + 2j, so the

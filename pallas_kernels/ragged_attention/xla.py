@@ -15,7 +15,10 @@ tile (a static size):
   scatters into or rescales the accumulators of the others. Each trip is one product of the
   tile's queries (all heads of a KV group stacked as rows) against the item's keys. On this
   2-core CPU this ran a 512-token chunk after 3584 cached tokens in 25 ms per layer against
-  63 ms for the chunked item loop (plan.py has the tiling's measurements).
+  63 ms for the chunked item loop (plan.py has the tiling's measurements). An item whose keys
+  are all visible to every query of its tile (all of a long chunk's items but those on its
+  diagonal) skips the mask, a select over the whole score tile before the max and another
+  after the exponential.
 
 Items never cross sequences, so each token only reads its own sequence's pages, and only those
 at or before its position (the causal part of a prefill chunk, the real length of a decode
