@@ -72,12 +72,12 @@ def main() -> None:
     model = etjax.load_model(args.model, dtype="float32")
     floors = Floors(model.weights, model.config)
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
-        for context in (int(c) for c in args.contexts.split(",")):
+    for batch in (int(b) for b in args.batches.split(",") if b):
+        for context in (int(c) for c in args.contexts.split(",") if c):
             row = _decode_row(model, floors, batch, context, args.rounds)
             rows.append(row)
             print(row, flush=True)
-    for context in (int(c) for c in args.prefill_contexts.split(",")):
+    for context in (int(c) for c in args.prefill_contexts.split(",") if c):
         row = _prefill_row(model, floors, context, args.rounds)
         rows.append(row)
         print(row, flush=True)

@@ -243,16 +243,25 @@ def decode_steps(
                     state.page_table, jnp.clip(logical, 0, page_table.shape[1] - 1)[:, None], 1
                 )[:, 0]
                 write_pages = jnp.where(runs, pages, 0)
-                hidden, cache_after = forward(
-                    weights,
-                    cache,
-                    tokens,
-                    state.lengths,
-                    write_pages,
-                    cfg,
-                    plan=plan,
-                    sparse=sparse,
-                )
+
+                def run() -> tuple[jax.Array, KVCache]:
+                    return forward(
+                        weights,
+                        cache,
+                        tokens,
+                        state.lengths,
+                        write_pages,
+                        cfg,
+                        plan=plan,
+                        sparse=sparse,
+                    )
+
+                def idle() -> tuple[jax.Array, KVCache]:
+                    return jnp.zeros((tokens.shape[0], cfg.hidden_size), cfg.jnp_dtype), cache
+
+                # Once every row of the burst has finished (a request of one new token, the
+                # steps after a batch's last row ends), its remaining steps skip the model.
+                hidden, cache_after = jax.lax.cond(jnp.any(runs), run, idle)
                 return hidden, cache_after, None
 
             state, cache, outputs, _ = _decode_step(weights, state, statics, thresholds, run_model)
@@ -300,6 +309,10 @@ def _decode_step(weights, state, statics, thresholds, run_model, dense_rows=None
     else:
         fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
     hidden, cache, after = run_model(tokens, runs, sparse)
+    # The LM head only where a row runs on (its logits are kept only there).
+    next_logits = jax.lax.cond(
+        jnp.any(runs), lambda: logits_from_hidden(weights, hidden), lambda: state.logits
+    )
     flops, nbytes = cost.token_cost(
         (kept * cost.page_size).astype(jnp.float32),
         runs,
@@ -311,7 +324,7 @@ def _decode_step(weights, state, statics, thresholds, run_model, dense_rows=None
         info,
         sampler_state,
         active,
-        logits_from_hidden(weights, hidden),
+        next_logits,
         fraction,
         kept,
         flops,
