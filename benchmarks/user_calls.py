@@ -30,7 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# Appended, not inserted first: a PYTHONPATH naming an older checkout must win, or the
+# script would measure this tree whatever the caller asked for.
+sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, median_spread, write_section
 
