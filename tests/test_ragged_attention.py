@@ -87,6 +87,18 @@ def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extr
     return q, k_pages, v_pages, positions, token_seq, table, tile_pass
 
 
+def _xla_and_reference(case, window: int) -> tuple[np.ndarray, np.ndarray]:
+    # Both backends on one `_case`, as float32 host arrays. The window is traced: one
+    # program serves local and global layers.
+    q, k_pages, v_pages, positions, token_seq, table, tile_pass = case
+    positions = jnp.asarray(positions)
+    ours = _xla_jitted(q, k_pages, v_pages, positions, (tile_pass,), CHUNK, jnp.int32(window))
+    truth = ragged_attention_reference(
+        q, k_pages, v_pages, positions, jnp.asarray(token_seq), jnp.asarray(table), window
+    )
+    return np.asarray(ours, np.float32), np.asarray(truth)
+
+
 @settings(max_examples=examples(40))
 @given(
     lengths=st.lists(
@@ -102,23 +114,9 @@ def _case(draw_lengths, page_size, kvh, groups, hd, dtype, q_tile, kv_tile, extr
 def test_xla_matches_the_reference_on_any_ragged_batch(lengths, shape, extra, seed, window):
     page_size, heads, dtype, tiles = shape
     kvh, groups = heads
-    q, k_pages, v_pages, positions, token_seq, table, tile_pass = _case(
-        lengths, page_size, kvh, groups, 16, dtype, *tiles, extra, seed, window
-    )
-    # The window is traced: one program serves local and global layers.
-    ours = _xla_jitted(
-        q, k_pages, v_pages, jnp.asarray(positions), (tile_pass,), CHUNK, jnp.int32(window)
-    )
-    truth = ragged_attention_reference(
-        q,
-        k_pages,
-        v_pages,
-        jnp.asarray(positions),
-        jnp.asarray(token_seq),
-        jnp.asarray(table),
-        window,
-    )
-    ours, truth = np.asarray(ours, np.float32), np.asarray(truth)
+    case = _case(lengths, page_size, kvh, groups, 16, dtype, *tiles, extra, seed, window)
+    ours, truth = _xla_and_reference(case, window)
+    token_seq = case[4]
     scale = np.max(np.abs(truth))
     tolerance = TOLERANCE[dtype] if dtype == jnp.float32 else 1e-2  # output rounded to bf16
     assert np.max(np.abs(ours - truth)) <= tolerance * scale
@@ -139,23 +137,9 @@ def test_the_tile_loop_masks_exactly_at_the_visibility_boundaries(cached, window
     # put an item's last key at, and one past, the tile's first query, and an item's first
     # key at, and just inside, the window of the tile's last query (pages of 16, key tiles
     # of 16 positions, query tiles of 16).
-    q, k_pages, v_pages, positions, token_seq, table, tile_pass = _case(
-        [(cached, 16)], 16, 2, 3, 16, jnp.float32, 16, 1, 0, 7, window
-    )
-    ours = _xla_jitted(
-        q, k_pages, v_pages, jnp.asarray(positions), (tile_pass,), CHUNK, jnp.int32(window)
-    )
-    truth = ragged_attention_reference(
-        q,
-        k_pages,
-        v_pages,
-        jnp.asarray(positions),
-        jnp.asarray(token_seq),
-        jnp.asarray(table),
-        window,
-    )
-    truth = np.asarray(truth)
-    assert np.max(np.abs(np.asarray(ours) - truth)) <= TOLERANCE[jnp.float32] * np.abs(truth).max()
+    case = _case([(cached, 16)], 16, 2, 3, 16, jnp.float32, 16, 1, 0, 7, window)
+    ours, truth = _xla_and_reference(case, window)
+    assert np.max(np.abs(ours - truth)) <= TOLERANCE[jnp.float32] * np.abs(truth).max()
 
 
 def test_a_prefill_chunk_reads_only_its_causal_part():
