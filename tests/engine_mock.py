@@ -1,21 +1,26 @@
 """A mock device for the engine's host logic: outputs anyone can compute by hand.
 
-A request's prompt starts with its id r. At generation step i (0-based) it samples token
+A request's prompt starts with its id r (or holds it at `id_at`: prompts that share a
+beginning then still have ids of their own). At generation step i (0-based) it samples token
 `token_of(r, i)` and the model entropy of that step is `entropy_of(r, i)`, given per id as a
 start value and a slope (entropy falls by `slope` nats per token, floored at 0), so its
 entropic-time gain per token is known exactly. The mock also checks the host's page
-accounting: a page may belong to one live row only, and every token must land in a page the
-row holds.
+accounting: it keeps the token each slot of each page holds, so a row's pages must hold its
+whole context (shared prefix pages included) whenever it is inserted or decodes; no page
+another live row reads may be written; and every token must land in a page the row holds.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from etjax.engine.backend import PrefillJob, RowInit
-from etjax.runtime.options import FINISH_REASONS, TRACE_FIELDS
+from etjax.engine.engine import Engine
+from etjax.engine.policies import make_policy
+from etjax.runtime.options import FINISH_REASONS, TRACE_FIELDS, RuntimeOptions
 from etjax.runtime.state import StepOutputs
 
 EOS = 2
@@ -33,6 +38,7 @@ class _Row:
     stop_on_eos: bool
     length: int
     eos_at: int | None  # generation step at which the mock emits EOS, if any
+    context: list[int]  # prompt and generated tokens: what its pages must hold up to length
 
 
 @dataclass
@@ -49,11 +55,15 @@ class MockBackend:
     # batch never pays, which keeps one burst per round unless a test lowers it.
     weight_bytes: float = 1e12
     vocab_size: int = 1000  # prompts hold request ids and 5; token_of stays below 910
+    id_at: int = 0  # where in its prompt a request's id is
 
     def __post_init__(self) -> None:
         self.rows: dict[int, _Row] = {}
         self.prefilled: dict[int, int] = {}  # row -> tokens cached so far
-        self.owner: dict[int, int] = {}  # page -> row
+        self.readers: dict[int, set[int]] = {}  # page -> live rows whose tables hold it
+        self.slots: dict[int, list[int | None]] = {}  # page -> the token in each slot
+        self.row_pages: dict[int, list[int]] = {}  # row -> its pages (from its prefill jobs)
+        self.prefill_tokens = 0  # tokens run by prefill jobs
         self.decode_log: list[list[int]] = []  # request ids of each decode burst
 
     def entropy_of(self, request_id: int, step: int) -> float:
@@ -69,9 +79,22 @@ class MockBackend:
     def _claim(self, row: int, pages: list[int]) -> None:
         for page in pages:
             assert page != 0, "the null page was handed out"
-            holder = self.owner.get(page, row)
-            assert holder == row, f"page {page} held by rows {holder} and {row}"
-            self.owner[page] = row
+            self.readers.setdefault(page, set()).add(row)
+
+    def _write(self, row: int, pages: list[int], start: int, tokens: list[int]) -> None:
+        for position, token in enumerate(tokens, start):
+            page = pages[position // self.page_size]
+            others = self.readers.get(page, set()) - {row}
+            assert not others, f"row {row} wrote page {page}, which rows {others} read"
+            slots = self.slots.setdefault(page, [None] * self.page_size)
+            slots[position % self.page_size] = token
+
+    def _check_holds(self, pages: list[int], context: list[int]) -> None:
+        held = [
+            self.slots.get(pages[p // self.page_size], [None] * self.page_size)[p % self.page_size]
+            for p in range(len(context))
+        ]
+        assert held == context, "a row's pages do not hold its context"
 
     def mixed(self, rows, pages, lengths, budgets, jobs: list[PrefillJob], drafts=None):
         # One step: the rows decode one token each, the jobs are cached.
@@ -84,11 +107,15 @@ class MockBackend:
     def _prefill(self, jobs: list[PrefillJob]) -> list[tuple[float, float]]:
         for job in jobs:
             assert job.row not in self.rows, "prefill into a row that is still resident"
-            assert self.prefilled.get(job.row, 0) == job.start or job.start == 0
+            # A first chunk may start after a shared prefix (checked at insert).
+            assert self.prefilled.get(job.row, job.start) == job.start
             end = job.start + len(job.tokens)
             assert len(job.pages) * self.page_size >= end, "prefill past the row's pages"
             self._claim(job.row, job.pages)
+            self._write(job.row, job.pages, job.start, job.tokens)
+            self.row_pages[job.row] = job.pages
             self.prefilled[job.row] = end
+            self.prefill_tokens += len(job.tokens)
         return [(float(len(j.tokens)), float(len(j.tokens))) for j in jobs]
 
     def insert(self, row: int, init: RowInit) -> None:
@@ -96,19 +123,23 @@ class MockBackend:
         if init.saved is not None:
             assert init.saved["generated"] == generated  # the host restored the right state
         self.rows[row] = _Row(
-            request_id=init.prompt[0],
+            request_id=init.prompt[self.id_at],
             generated=generated,
             max_new=init.settings.max_new_tokens,
             stop_on_eos=not init.settings.ignore_eos,
             length=len(init.prompt) + generated,
-            eos_at=self.eos_at.get(init.prompt[0]),
+            eos_at=self.eos_at.get(init.prompt[self.id_at]),
+            context=list(init.prompt) + list(init.generated),
         )
         assert self.prefilled.pop(row) == self.rows[row].length
+        self._check_holds(self.row_pages.pop(row), self.rows[row].context)
 
     def release(self, row: int) -> None:
         self.rows.pop(row, None)
         self.prefilled.pop(row, None)
-        self.owner = {page: r for page, r in self.owner.items() if r != row}
+        self.row_pages.pop(row, None)
+        for readers in self.readers.values():
+            readers.discard(row)
 
     def save(self, row: int):
         state = self.rows.pop(row)
@@ -142,6 +173,7 @@ class MockBackend:
             assert state.length == length, "host and device disagree on the length"
             assert len(row_pages) * self.page_size >= length + k, "burst past the row's pages"
             self._claim(row, row_pages)
+            self._check_holds(row_pages, state.context[:length])
             for step in range(k):
                 if state.generated >= state.max_new:
                     break
@@ -158,10 +190,51 @@ class MockBackend:
                     finish[step, j] = FINISH_REASONS.index("eos")
                 elif state.generated >= state.max_new:
                     finish[step, j] = FINISH_REASONS.index("length")
+                state.context.append(int(tokens[step, j]))
                 if finish[step, j]:
                     break
+                self._write(row, row_pages, state.length, [int(tokens[step, j])])
                 state.length += 1
         return (
             StepOutputs(tokens=tokens, emitted=emitted, finish=finish, **arrays),
             np.ones(n, np.float32),
         )
+
+
+PAGE, K = 4, 2  # the mock engine's page size and steps per burst
+
+
+def mock_engine(
+    policy="fcfs",
+    batch=2,
+    resident=None,
+    pages=256,
+    rounds=4,
+    prefill_chunk=8,
+    prefix_cache=True,
+    **mock,
+) -> tuple[Engine, MockBackend]:
+    """An engine over the mock with pages of PAGE tokens and bursts of K steps, on a clock
+    that ticks once per reading; costs in bytes: weights 1000, 1 per cached key
+    (hand-computable priorities)."""
+    options = RuntimeOptions(
+        page_size=PAGE,
+        max_batch_size=batch,
+        max_resident=resident,
+        steps_per_sync=K,
+        prefill_chunk=prefill_chunk,
+        max_prefill_rows=2,
+        policy=policy,
+        min_advance_rounds=rounds,
+        prefix_cache=prefix_cache,
+    )
+    backend = MockBackend(pages, K, PAGE, **mock)
+    tick = itertools.count()
+    engine = Engine(
+        backend,
+        None,
+        options,
+        make_policy(policy, 1000.0, 1.0, batch, PAGE),
+        clock=lambda: float(next(tick)),
+    )
+    return engine, backend

@@ -15,34 +15,10 @@ from etjax.engine.policies import make_policy
 from etjax.engine.sequence import Sequence
 from etjax.errors import RequestError
 from etjax.runtime.options import RequestSettings, RuntimeOptions
-from tests.engine_mock import MockBackend, token_of
+from tests.engine_mock import PAGE, K, MockBackend, mock_engine, token_of
 from tests.hypothesis_profiles import examples
 
-PAGE, K = 4, 2
-
-
-def _engine(policy="fcfs", batch=2, resident=None, pages=256, rounds=4, prefill_chunk=8, **mock):
-    options = RuntimeOptions(
-        page_size=PAGE,
-        max_batch_size=batch,
-        max_resident=resident,
-        steps_per_sync=K,
-        prefill_chunk=prefill_chunk,
-        max_prefill_rows=2,
-        policy=policy,
-        min_advance_rounds=rounds,
-    )
-    backend = MockBackend(pages, K, PAGE, **mock)
-    # Costs in bytes: weights 1000, 1 per cached key (hand-computable priorities).
-    tick = itertools.count()
-    engine = Engine(
-        backend,
-        None,
-        options,
-        make_policy(policy, 1000.0, 1.0, batch, PAGE),
-        clock=lambda: float(next(tick)),
-    )
-    return engine, backend
+_engine = mock_engine
 
 
 def _prompt(request_id: int, length: int) -> list[int]:
@@ -202,7 +178,10 @@ def test_eos_finishes_a_request():
 
 def test_a_request_larger_than_the_pool_is_refused_by_name():
     engine, _ = _engine("fcfs", pages=8)
-    with pytest.raises(RequestError, match="needs 8 KV pages; the pool has 7"):
+    with pytest.raises(
+        RequestError,
+        match=r"needs 9 KV pages \(with a burst of steps_per_sync=2 to spare\); the pool has 7",
+    ):
         engine.submit(_prompt(1, 20), RequestSettings(12))
 
 
@@ -268,7 +247,7 @@ def test_any_workload_finishes_without_starvation_leaks_or_lost_tokens(
     engine, backend = _engine(policy, batch, resident, pages, rounds, entropy=entropy, eos_at=eos)
     handles = []
     for r, (length, new, arrival, priority, _) in enumerate(workload, start=1):
-        if -(-(length + new) // PAGE) > pages - 1:
+        if -(-(length + new - 1 + K) // PAGE) > pages - 1:
             continue  # refused at submission, tested above
         handles.append(
             (r, new, engine.submit(_prompt(r, length), RequestSettings(new), priority, arrival))

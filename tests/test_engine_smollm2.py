@@ -33,9 +33,9 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
     engine = build_engine(
         smollm2.weights, smollm2.config, smollm2.tokenizer, options, MIN_POOL_PAGES
     )
-    aside = engine.allocator.allocate(engine.allocator.num_free - (needs[-1] + 4))
+    aside = engine.page_cache.allocate(engine.page_cache.num_free - (needs[-1] + 4))
     outputs = engine.generate(prompts, [RequestSettings(NEW, ignore_eos=True)] * len(prompts))
-    engine.allocator.free(aside)
+    engine.page_cache.free(aside)
     rotated = [o.token_ids for o in outputs]
     assert sum(o.metrics["preemptions"] for o in outputs) >= 1
     assert rotated == reference

@@ -186,7 +186,7 @@ def test_rollback_leaves_the_cache_and_allocator_as_a_plain_run(tiny_hf_dir, mon
         monkeypatch.setattr(engine, "_pick_batch", recording_pick)
         (out,) = engine.generate([prompt], settings)
         # Everything back but the null page.
-        assert engine.allocator.num_free == MIN_POOL_PAGES - 1
+        assert engine.page_cache.num_free == MIN_POOL_PAGES - 1
         return out, jax.device_get(engine.backend.cache), held, held_at
 
     plain, plain_cache, plain_pages, plain_held = run(SpeculationConfig())

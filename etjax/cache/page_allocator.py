@@ -22,6 +22,11 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def free_pages(self) -> list[int]:
+        """The free list, for checks (a copy)."""
+        return list(self._free)
+
     def allocate(self, count: int) -> list[int]:
         """Take `count` free pages; raises OutOfPagesError and takes none if too few are free."""
         if count > len(self._free):

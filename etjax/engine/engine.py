@@ -34,7 +34,8 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from etjax.cache.page_allocator import PageAllocator, pages_needed
+from etjax.cache.page_allocator import pages_needed
+from etjax.cache.prefix_cache import PrefixCache
 from etjax.drafting import DraftHistory, draft_lengths, lookup_draft
 from etjax.engine import scheduler
 from etjax.engine.backend import Backend, PrefillJob, RowInit
@@ -116,7 +117,12 @@ class Engine:
         )
         self.backend, self.tokenizer = backend, tokenizer
         self.options, self.policy, self.clock = options, policy, clock
-        self.allocator = PageAllocator(backend.num_pages)
+        # The pool: free pages and pages indexed by the prefix they hold (prefix_cache.py).
+        # Pruning that ranks pages by the attention mass they drew keeps that mass per page,
+        # which a page shared by two sequences cannot hold for both: no sharing then.
+        pruning = options.pruning
+        sharing = options.prefix_cache and not (pruning.enabled and pruning.ranks_by_mass)
+        self.page_cache = PrefixCache(backend.num_pages, options.page_size, enabled=sharing)
         self.free_rows = list(range(options.resident_rows - 1, -1, -1))
         # Only unfinished sequences are kept: a round costs time in the live work, not in
         # everything ever submitted (a finished one lives on in its handle, if anyone holds it).
@@ -154,11 +160,15 @@ class Engine:
                 raise RequestError(
                     f"prompt token {i} is {token}; token ids must be in [0, {vocab})"
                 )
-        need = pages_needed(len(prompt) + settings.max_new_tokens, self.options.page_size)
-        if need > self.allocator.num_pages - 1:
+        # Its last burst starts with one token to go and reserves pages for a whole burst.
+        sps = self.options.steps_per_sync
+        most = len(prompt) + settings.max_new_tokens - 1 + sps
+        need = pages_needed(most, self.options.page_size)
+        if need > self.page_cache.num_pages - 1:
             raise RequestError(
                 f"prompt of {len(prompt)} tokens + max_new_tokens={settings.max_new_tokens} "
-                f"needs {need} KV pages; the pool has {self.allocator.num_pages - 1}"
+                f"needs {need} KV pages (with a burst of steps_per_sync={sps} to spare); "
+                f"the pool has {self.page_cache.num_pages - 1}"
             )
         seq = Sequence(
             order=self.submitted,
@@ -268,17 +278,31 @@ class Engine:
         opts = self.options
         burst_pages = pages_needed(opts.steps_per_sync, opts.page_size) + 1
         resident = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self.live)
+        cache = self.page_cache
         for seq in scheduler.admission_order(waiting, self.policy, self.round):
+            # The cached pages its context starts with; at least its last token is prefilled
+            # (the first logits come from that chunk).
+            found = cache.lookup(seq.context, (len(seq.context) - 1) // opts.page_size)
+            if found.pending:
+                # An admitted sequence is prefilling the next page of this context: wait for
+                # it (a round or a few) rather than compute the same page twice.
+                continue
             need = pages_needed(len(seq.context) + opts.steps_per_sync, opts.page_size)
+            need -= len(found.pages)
+            cost = need + found.idle  # idle cached pages it takes leave the free count too
             # Keep enough free pages for every resident sequence's next burst; an empty
             # engine admits whatever fits.
-            fits = bool(self.free_rows) and self.allocator.num_free >= need
-            keeps_reserve = self.allocator.num_free - need >= resident * burst_pages
+            fits = bool(self.free_rows) and cache.num_free >= cost
+            keeps_reserve = cache.num_free - cost >= resident * burst_pages
             if not fits or not (keeps_reserve or resident == 0):
                 break
-            seq.pages = self.allocator.allocate(need)
+            cache.take(found.pages)
+            seq.pages = [entry.page for entry in found.pages] + cache.allocate(need)
+            seq.held = cache.publish(found.pages, seq.pages, seq.context)
             seq.row = self.free_rows.pop()
-            seq.status, seq.prefilled = Status.PREFILLING, 0
+            seq.status, seq.prefilled = Status.PREFILLING, len(found.pages) * opts.page_size
+            if seq.admitted_round < 0:
+                seq.cached_tokens = seq.prefilled
             seq.admitted_round = self.round
             if seq.admitted_time is None:
                 seq.admitted_time = self.clock()
@@ -364,6 +388,7 @@ class Engine:
     def _prefilled(self, seq: Sequence, end: int, flops: float, nbytes: float) -> None:
         # A chunk of `seq` is cached up to `end`; a finished context makes it resident.
         seq.prefilled = end
+        self.page_cache.mark_written(seq.held, end)
         seq.recompute_flops += flops
         seq.recompute_bytes += nbytes
         if end < len(seq.context):
@@ -394,7 +419,7 @@ class Engine:
             if seq.status is not Status.RUNNING:
                 continue  # preempted for an earlier member
             need = pages_needed(seq.length + opts.steps_per_sync, opts.page_size) - len(seq.pages)
-            while need > self.allocator.num_free:
+            while need > self.page_cache.num_free:
                 resident = [s for s in self.live if s.status in (Status.PREFILLING, Status.RUNNING)]
                 victim = scheduler.preemption_victim(
                     resident, self.policy, self.round, protect=[*kept, seq]
@@ -403,7 +428,7 @@ class Engine:
                 if victim is seq:
                     break
             if seq.status is Status.RUNNING and need > 0:
-                seq.pages += self.allocator.allocate(need)
+                seq.pages += self.page_cache.allocate(need)
             if seq.status is Status.RUNNING:
                 kept.append(seq)
         return sorted(kept, key=lambda s: s.row)
@@ -420,8 +445,15 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         if seq.pages:
-            self.allocator.free(seq.pages)
-            seq.pages = []
+            # What its pages hold: a prefilling sequence its prefilled context; a resident
+            # one every token but the last it sampled (a token is written when the model
+            # runs on it, in the step after it was sampled).
+            tokens = seq.prompt + list(seq.output.token_ids)
+            written = seq.prefilled
+            if seq.status is Status.RUNNING:
+                written = max(written, seq.length - 1)
+            self.page_cache.release(seq.held, seq.pages, tokens, written)
+            seq.pages, seq.held = [], []
         if seq.row >= 0:
             self.backend.release(seq.row)
             self.free_rows.append(seq.row)
@@ -503,6 +535,7 @@ class Engine:
             else 0.0,
             "generated_tokens": float(n),
             "prompt_tokens": float(len(seq.prompt)),
+            "cached_tokens": float(seq.cached_tokens),  # of them, served by the prefix cache
             "preemptions": float(seq.preemptions),
             # Speculation: model passes per generated token (1 without it), drafted tokens,
             # the fraction of them accepted, the passes that verified drafts and the drafted
@@ -532,4 +565,5 @@ class Engine:
 
     @property
     def pages_in_use(self) -> int:
-        return self.allocator.num_pages - 1 - self.allocator.num_free
+        """Pages live sequences hold (cached pages nobody holds are not in use)."""
+        return self.page_cache.num_held

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from etjax.cache.prefix_cache import CachedPage
 from etjax.drafting import DraftHistory, TokenHistory
 from etjax.runtime.options import TRACE_FIELDS, RequestSettings, SequenceOutput
 from etjax.tokenizer import IncrementalDetokenizer
@@ -36,6 +37,10 @@ class Sequence:
     status: Status = Status.WAITING
     row: int = -1  # resident row on the device, -1 when not resident
     pages: list[int] = field(default_factory=list)
+    # The indexed pages among them (the first len(held)): its shared prefix and the pages it
+    # published for others (etjax/cache/prefix_cache.py).
+    held: list[CachedPage] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     prefilled: int = 0  # tokens of `context` already in the cache
     context: list[int] = field(default_factory=list)  # what prefill must cache
     output: SequenceOutput = field(default_factory=SequenceOutput)

@@ -52,6 +52,12 @@ class RuntimeOptions:
       calibration=PATH)` attaches one): pruning, the scheduler and drafting then read the
       calibrated entropy, and the trace has it beside the raw one. None: they read the raw
       model entropy (and the trace's calibrated entropy equals it).
+    prefix_cache: share the KV pages of a context's cached beginning between requests
+      (etjax/cache/prefix_cache.py): a prompt whose first pages an earlier or running
+      request holds, or left behind, prefills only the rest. Cached pages live as long as
+      the engine, evicted least recently used when the pool needs them. Off when pruning
+      ranks pages by their attention mass (`pruning.mass_threshold > 0`): that mass is kept
+      per page and a shared page cannot keep it for each reader.
     """
 
     page_size: int = 16
@@ -71,8 +77,11 @@ class RuntimeOptions:
     compilation_cache: bool = True
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     calibration: Calibration | None = None
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.prefix_cache, bool):
+            raise FieldError("prefix_cache", self.prefix_cache, "true or false")
         if self.policy not in POLICIES:
             raise FieldError("policy", self.policy, f"one of {POLICIES}")
         for name in (
