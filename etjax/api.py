@@ -68,6 +68,7 @@ class Result:
     finish_reason: str | None = None
     error: str | None = None
     seed: int = 0  # the sampling seed it used: `decode(..., seed=[r.seed])` replays it
+    cached_tokens: int = 0  # prompt tokens it found in the prefix cache (not prefilled again)
 
     @property
     def ok(self) -> bool:
@@ -95,6 +96,7 @@ def decode(
     page_size: int = 16,
     pruning: PruningConfig | bool = False,
     speculation: SpeculationConfig | bool = False,
+    prefix_cache: bool = True,
     mesh: str = "1x1",
     on_text: Callable[[int, str], None] | None = None,
     progress: bool = False,
@@ -126,6 +128,10 @@ def decode(
         sequences draft tokens from their prompt and output and verify them in one pass; the
         outputs are the same as without it. With `pruning` too, a row verifying drafts reads
         its whole context that step.
+      prefix_cache: requests (and the n samples of a prompt) whose prompts start alike share
+        the KV pages of that beginning: it is prefilled once, by the first of them. The
+        cache lives for this call; outputs are the same with it off. (Off by itself under
+        pruning that ranks pages by attention mass, `mass_threshold > 0`.)
       mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(result_index, text_piece)` while text is produced (the
@@ -170,6 +176,7 @@ def decode(
         pruning=pruning,
         mesh=mesh,
         speculation=speculation,
+        prefix_cache=flag("prefix_cache", prefix_cache),
     )
     model = _resolve_model(model, dtype)
     options = dataclasses.replace(options, calibration=model.calibration)
@@ -220,6 +227,7 @@ def decode(
         for name in TRACE_FIELDS:
             setattr(r, name, getattr(out, name))
         r.top_logprobs = out.top_logprobs
+        r.cached_tokens = int(out.metrics.get("cached_tokens", 0))
     return results
 
 

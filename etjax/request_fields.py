@@ -231,7 +231,8 @@ class PromptSettings:
     n: int = request_field(
         1,
         sample_count,
-        "samples of the prompt, each with its own seed (each prefills the prompt itself)",
+        "samples of the prompt, each with its own seed (the prefix cache prefills the prompt "
+        "once for all of them)",
         doors=(DECODE, RECORD, CLI),
         openai=("n",),
         flags=("-n",),

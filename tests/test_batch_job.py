@@ -90,6 +90,41 @@ def test_bad_records_become_error_records_and_the_rest_run(tiny, tmp_path):
     assert m["end_to_end_latency"] >= m["time_to_first_token"] >= 0
 
 
+def test_records_sharing_an_instruction_block_prefill_it_once_with_the_same_outputs(tiny, tmp_path):
+    # Four questions after one instruction block of 60 tokens: with the prefix cache (the
+    # default) the first record prefills it and the others find its three full pages; the
+    # results equal a run with `prefix_cache = false`, token for token.
+    ids = list(range(200, 260))
+    block = tiny.tokenizer.decode(ids)
+    block_ids = tiny.tokenizer.encode(block)
+    questions = ["What?", "Why not?", "Who is it?", "Where to?"]
+    lines = [json.dumps({"id": q, "prompt": block + " " + q}) for q in questions]
+    src = _write(tmp_path / "in.jsonl", lines)
+    runs = {}
+    for cache in ("true", "false"):
+        path = tmp_path / f"cache_{cache}.toml"
+        text = CONFIG.format(new=4).replace("[engine]\n", f"[engine]\nprefix_cache = {cache}\n")
+        path.write_text(text)
+        out = tmp_path / f"out_{cache}.jsonl"
+        summary = run_batch(src, out, load_run_config(path), tiny, show_progress=False)
+        runs[cache] = (summary, {r["id"]: r for r in _results(out)})
+    (on, on_rows), (off, off_rows) = runs["true"], runs["false"]
+    assert {k: r["token_ids"] for k, r in on_rows.items()} == {
+        k: r["token_ids"] for k, r in off_rows.items()
+    }
+    prompts = [tiny.tokenizer.encode(block + " " + q) for q in questions]
+    shared = min(
+        next(i for i, (a, b) in enumerate(zip(p, prompts[0], strict=False)) if a != b)
+        for p in prompts[1:]
+    )
+    assert shared >= len(block_ids) - 1 >= 48  # the block survives tokenization
+    cached = [min(shared // 16, (len(p) - 1) // 16) * 16 for p in prompts[1:]]
+    assert [on_rows[q]["metrics"]["cached_tokens"] for q in questions] == [0, *cached]
+    assert on["cached_prompt_tokens"] == sum(cached) and off["cached_prompt_tokens"] == 0
+    assert on["prompt_tokens"] == off["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert on["prefix_cache_hit_rate"] == sum(cached) / on["prompt_tokens"]
+
+
 def test_batch_outputs_equal_decode(tiny, tmp_path):
     prompts = ["The river bank", "Cats and dogs", "A long time ago in a galaxy"]
     lines = [json.dumps({"id": i, "prompt": p}) for i, p in enumerate(prompts)]
@@ -443,6 +478,7 @@ def test_openai_batch_lines_are_answered_in_that_format_and_resume(tiny, tmp_pat
         "prompt_tokens": len(expected.prompt_token_ids),
         "completion_tokens": 3,
         "total_tokens": len(expected.prompt_token_ids) + 3,
+        "prompt_tokens_details": {"cached_tokens": 0},  # no other record starts like it
     }
     assert chat["body"]["model"] == "gpt-x" and chat["body"]["object"] == "chat.completion"
     texts = [c["text"] for c in by_id["done-1"]["response"]["body"]["choices"]]

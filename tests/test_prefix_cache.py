@@ -11,9 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import etjax
 from etjax.cache.page_allocator import OutOfPagesError
 from etjax.cache.prefix_cache import PrefixCache
 from etjax.engine.sequence import Status
+from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RequestSettings
 from tests.engine_mock import PAGE, K, mock_engine, token_of
 from tests.hypothesis_profiles import examples
@@ -222,3 +224,56 @@ def test_any_interleaving_keeps_refcounts_shares_read_only_and_leaks_nothing(
         assert out.finish_reason == "cancelled" or len(out.token_ids) == new
     assert engine.pages_in_use == 0
     engine.page_cache.check([])
+
+
+# On real models, through decode(): the same tokens with the cache on and off.
+
+
+def test_questions_and_samples_on_one_document_equal_the_uncached_run_on_smollm2(smollm2, lee):
+    document = smollm2.tokenizer.decode(smollm2.tokenizer.encode(lee[0])[:300])
+    prompts = [f"{document}\n\nQuestion: {q}\nAnswer:" for q in ("Who?", "When?", "Where?")]
+    outputs = {}
+    for cache in (True, False):
+        greedy = etjax.decode(prompts, model=smollm2, max_new_tokens=12, prefix_cache=cache)
+        sampled = etjax.decode(
+            prompts[0],
+            model=smollm2,
+            max_new_tokens=12,
+            temperature=0.9,
+            seed=11,
+            n=3,
+            prefix_cache=cache,
+        )
+        outputs[cache] = greedy + sampled
+    assert [r.token_ids for r in outputs[True]] == [r.token_ids for r in outputs[False]]
+    shared = [r.cached_tokens for r in outputs[True]]
+    # The first greedy request and the first sample prefill the document; the others find
+    # its full pages (300 tokens and the question's start: at least 18 pages).
+    assert shared[0] == shared[3] == 0 and min(shared[1:3] + shared[4:]) >= 18 * 16
+    assert all(r.cached_tokens == 0 for r in outputs[False])
+
+
+def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_dir):
+    # Pruning that does not rank pages by attention mass shares pages (the per-page key
+    # bounds are the page's own); speculation writes and rolls back only unshared pages.
+    tiny = etjax.load_model(tiny_hf_dir("llama"))
+    doc = list(range(300, 400))
+    prompts = [tiny.tokenizer.decode([*doc, 500 + i]) for i in range(3)]
+    pruning = PruningConfig(enabled=True, mass_threshold=0.0, min_fraction=0.3)
+    outputs = {
+        cache: etjax.decode(
+            prompts,
+            model=tiny,
+            max_new_tokens=24,
+            temperature=0.8,
+            seed=5,
+            n=2,
+            pruning=pruning,
+            speculation=True,
+            prefix_cache=cache,
+            ignore_eos=True,
+        )
+        for cache in (True, False)
+    }
+    assert [r.token_ids for r in outputs[True]] == [r.token_ids for r in outputs[False]]
+    assert sum(r.cached_tokens > 0 for r in outputs[True]) >= 4

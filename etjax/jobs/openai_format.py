@@ -160,6 +160,10 @@ def output_line(
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": completion,
                     "total_tokens": prompt_tokens + completion,
+                    # The first sample's: later samples find the prompt it prefilled.
+                    "prompt_tokens_details": {
+                        "cached_tokens": int(outputs[0].metrics.get("cached_tokens", 0))
+                    },
                 },
             },
         },

@@ -16,6 +16,8 @@ class RunSummary:
     def __init__(self) -> None:
         self.requests = 0
         self.generated_tokens = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0  # of them, found in the prefix cache
         self._latency_sum = 0.0
         self._ttft_sum = 0.0
         self._latency = QuantileSketch()
@@ -24,6 +26,8 @@ class RunSummary:
     def add(self, out: SequenceOutput) -> None:
         self.requests += 1
         self.generated_tokens += len(out.token_ids)
+        self.prompt_tokens += int(out.metrics["prompt_tokens"])
+        self.cached_prompt_tokens += int(out.metrics["cached_tokens"])
         latency = out.metrics["end_to_end_latency"]
         ttft = out.metrics["time_to_first_token"]
         self._latency_sum += latency
@@ -39,6 +43,12 @@ class RunSummary:
             "records": records,
             "run_now": run_now,
             "generated_tokens": self.generated_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            # The share of prompt tokens the prefix cache served (each sample counts its own).
+            "prefix_cache_hit_rate": self.cached_prompt_tokens / self.prompt_tokens
+            if self.prompt_tokens
+            else 0.0,
             "wall_seconds": wall,
             "throughput_tokens_per_s": self.generated_tokens / wall if wall > 0 else 0.0,
             "latency_mean_s": self._latency_sum / n,
