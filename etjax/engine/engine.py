@@ -4,6 +4,9 @@ A round (`step`):
   1. cancelled requests release their row and pages;
   2. waiting requests are admitted in the policy's order while a resident row and pages for
      their context plus one burst are free, keeping a reserve so resident sequences can grow;
+     a context's first full pages that the prefix cache holds are shared, not allocated,
+     and prefill starts after them; a request whose next page another admitted request is
+     still prefilling waits for it (etjax/cache/prefix_cache.py);
   3. the scheduler picks up to `max_batch_size` resident sequences (the deadlines the
      minimum-advancement guarantee needs first, then by the policy's priority); each gets
      pages for a burst, preempting the policy's least valuable resident sequence if the pool

@@ -23,7 +23,8 @@ Guarantees, whatever the policy:
   The policy fills the rest of the batch as it likes.
 - Admission is strictly in the policy's order (aging lives in the admission keys): when the
   first waiting request does not fit, none behind it is admitted, so a stream of short
-  prompts cannot starve a long one.
+  prompts cannot starve a long one. (A request whose next prompt page another request is
+  prefilling steps aside until that page is written, a bounded wait: etjax/engine/engine.py.)
 """
 
 from __future__ import annotations
