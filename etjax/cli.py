@@ -186,7 +186,7 @@ def _add_bench(commands) -> None:
     bench = commands.add_parser(
         "bench", help="run named configs side by side on a workload: JSON, table and plots"
     )
-    bench.add_argument("--workload", default=d.workload, help="mixed or online")
+    bench.add_argument("--workload", default=d.workload, help="mixed, online or shared")
     bench.add_argument(
         "--configs", default=",".join(d.configs), help="comma-separated; the first is the baseline"
     )

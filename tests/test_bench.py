@@ -11,7 +11,7 @@ from etjax.bench.measure import _request_record, summarise
 from etjax.bench.reference import _until_stop
 from etjax.bench.report import additivity, relative_table
 from etjax.bench.text_metrics import corpus_bleu, rouge_l
-from etjax.bench.workloads import mixed, poisson_arrivals
+from etjax.bench.workloads import build_workload, mixed, poisson_arrivals, shared
 from etjax.cli import main
 from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError
@@ -30,6 +30,27 @@ def test_mixed_workload_is_seeded_and_shaped_as_documented(smollm2, lee):
             assert 2048 - 64 <= n <= 6144 + 64
         else:
             assert n <= 384 + 64
+
+
+def _shared_start(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+
+def test_shared_workload_is_seeded_and_its_groups_start_alike(smollm2, lee):
+    tok = smollm2.tokenizer
+    first = shared(tok, lee, 14, seed=3)
+    assert first == shared(tok, lee, 14, seed=3) and first != shared(tok, lee, 14, seed=4)
+    kinds = ["document"] * 4 + ["instruction"] * 4 + ["samples"] * 4 + ["document"] * 2
+    assert [r.kind for r in first] == kinds
+    assert all(32 <= r.max_new_tokens <= 96 for r in first)
+    groups = [first[0:4], first[4:8], first[8:12]]
+    ids = [[tok.encode(r.prompt) for r in g] for g in groups]
+    common = [min(_shared_start(a, b) for a in g for b in g if a != b) for g in ids[:2]]
+    # Four questions after one 1.5K-3K-token document; four tasks after one block of
+    # about 600 tokens; one prompt four times.
+    assert 1536 - 16 <= common[0] <= 3072 + 16 and common[1] >= 400
+    assert all(p == ids[2][0] for p in ids[2])
+    assert build_workload("shared", tok, lee, 14, 3) == first
 
 
 def test_poisson_arrivals_have_the_requested_rate():

@@ -34,7 +34,7 @@ from etjax.bench.measure import measure, summarise
 from etjax.bench.passkey import passkey_cases, run_passkey
 from etjax.bench.perplexity import long_documents, perplexity, prefill_documents
 from etjax.bench.text_metrics import corpus_bleu, rouge_l
-from etjax.bench.workloads import WORKLOADS, mixed, poisson_arrivals
+from etjax.bench.workloads import WORKLOADS, build_workload, poisson_arrivals
 from etjax.errors import ConfigError
 from etjax.run_config import RunConfig, load_run_config
 
@@ -93,7 +93,9 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
         )
     choice = configs[0].model
     model = etjax.load_model(choice.name, dtype=choice.dtype)
-    workload = mixed(model.tokenizer, lee_articles(), plan.requests, seed=plan.seed)
+    workload = build_workload(
+        plan.workload, model.tokenizer, lee_articles(), plan.requests, plan.seed
+    )
     at_once = np.zeros(len(workload))
     raw: dict = {
         "model": f"{model.name}, {model.config.dtype}",

@@ -41,7 +41,7 @@ def _document(raw: dict, workload: str, command: str) -> str:
         kinds[request["kind"]] = kinds.get(request["kind"], 0) + 1
     arrivals = (
         "all submitted at once"
-        if workload == "mixed"
+        if workload != "online"
         else f"Poisson arrivals at {plan['load']:.0%} of the capacity a warm baseline run "
         f"measured ({raw['capacity_requests_per_s']:.2f} requests/s)"
     )

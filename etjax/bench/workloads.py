@@ -3,8 +3,11 @@
 `mixed(n, seed)`: three quarters short requests (the opening of one article with an
 instruction to summarise, continue, or answer a question about it) and one quarter long
 documents (consecutive articles joined to 2K-6K tokens, to be summarised), each with 64-256
-new tokens drawn uniformly. `poisson_arrivals(n, rate, seed)`: arrival times (seconds) of a
-Poisson process of `rate` requests per second.
+new tokens drawn uniformly. `shared(n, seed)`: requests whose prompts start alike, where
+prefix caching pays: documents of 1.5K-3K tokens each asked four questions, short tasks
+behind one long instruction block (few-shot examples), and prompts sampled four times (as
+`n=4` would), with 32-96 new tokens. `poisson_arrivals(n, rate, seed)`: arrival times
+(seconds) of a Poisson process of `rate` requests per second.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ INSTRUCTIONS = {
 
 @dataclass(frozen=True)
 class WorkloadRequest:
-    kind: str  # "summarise" | "continue" | "question" | "long"
+    kind: str  # mixed: "summarise" | "continue" | "question" | "long"; shared: (see shared)
     prompt: str
     max_new_tokens: int
 
@@ -58,10 +61,71 @@ def mixed(tokenizer, articles: list[str], n: int = 64, seed: int = 0) -> list[Wo
     return requests
 
 
+QUESTIONS = (
+    "Who is the main person or group in these reports?",
+    "Where do the events take place?",
+    "What happened first?",
+    "What is expected to happen next?",
+)
+
+
+def shared(tokenizer, articles: list[str], n: int = 48, seed: int = 0) -> list[WorkloadRequest]:
+    """The `shared` workload (see the module docstring), deterministic in `seed`: groups of
+    four requests in turn, a document's questions, instruction-block tasks, and one prompt's
+    four samples."""
+    rng = random.Random(seed)
+    # The instruction block: the same for every task of the workload, about 600 tokens of
+    # worked examples.
+    examples = [
+        f"Article: {tokenizer.decode(tokenizer.encode(articles[i])[:120])}\nTopic: "
+        f"{rng.choice(('politics', 'sport', 'business', 'weather', 'crime'))}"
+        for i in range(4)
+    ]
+    block = "Name the topic of each article in one word.\n\n" + "\n\n".join(examples)
+    requests: list[WorkloadRequest] = []
+    group = 0
+    while len(requests) < n:
+        kind = ("document", "instruction", "samples")[group % 3]
+        group += 1
+        if kind == "document":
+            target, start = rng.randint(1536, 3072), rng.randrange(len(articles))
+            ids: list[int] = []
+            for k in range(start, start + len(articles)):
+                ids += tokenizer.encode(articles[k % len(articles)] + "\n\n")
+                if len(ids) >= target:
+                    break
+            document = tokenizer.decode(ids[:target])
+            prompts = [f"{document}\nQuestion: {q}\nAnswer:" for q in QUESTIONS]
+        elif kind == "instruction":
+            picks = [rng.randrange(4, len(articles)) for _ in range(4)]
+            prompts = [
+                f"{block}\n\nArticle: "
+                f"{tokenizer.decode(tokenizer.encode(articles[i])[: rng.randint(60, 160)])}\nTopic:"
+                for i in picks
+            ]
+        else:
+            article = articles[rng.randrange(len(articles))]
+            text = tokenizer.decode(tokenizer.encode(article)[: rng.randint(200, 400)])
+            prompts = [INSTRUCTIONS["summarise"].format(text=text)] * 4
+        for prompt in prompts[: n - len(requests)]:
+            requests.append(WorkloadRequest(kind, prompt, rng.randint(32, 96)))
+    return requests
+
+
 WORKLOADS = {
     "mixed": "the mixed requests, all submitted at once",
     "online": "the mixed requests with Poisson arrivals at a fraction of measured capacity",
+    "shared": "requests with shared beginnings (documents asked several questions, one "
+    "instruction block, repeated samples), all submitted at once",
 }
+
+
+def build_workload(
+    name: str, tokenizer, articles: list[str], n: int, seed: int
+) -> list[WorkloadRequest]:
+    """The requests of workload `name` (a key of WORKLOADS)."""
+    make = shared if name == "shared" else mixed
+    return make(tokenizer, articles, n, seed=seed)
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 0) -> np.ndarray:
