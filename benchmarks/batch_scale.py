@@ -15,10 +15,13 @@ size runs in a fresh process, which reports:
   do not hide the job's.
 
 Targets (issue 14): host time per round flat within 2x from 10^3 to 10^6 records, and peak RSS
-under 1 GB at 10^6. Writes the "batch-scale" section of docs/PERF.md.
+under 1 GB at 10^6. Writes the "batch-scale" section of docs/PERF.md; with `--prefix-words N`
+every record starts with the same N-word instruction block (prefix caching shares its pages:
+issue 30 asks that the host's time and memory stay as flat), the "batch-scale-shared" one.
 
     sysctl -w vm.max_map_count=1048576   # not needed: the mock compiles nothing
     .venv/bin/python benchmarks/batch_scale.py [--sizes 1000,10000,100000,1000000]
+        [--prefix-words 400]
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def _status_mb(field: str) -> float:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _child(records: int, workdir: Path) -> dict:
+def _child(records: int, workdir: Path, prefix_words: int) -> dict:
     from etjax.engine.engine import Engine
     from etjax.engine.policies import make_policy
     from etjax.jobs.batch import run_batch
@@ -69,9 +72,10 @@ def _child(records: int, workdir: Path) -> dict:
     from tests.engine_mock import MockBackend
 
     source = workdir / "in.jsonl"
+    block = " ".join(WORDS[i * 5 % len(WORDS)] for i in range(prefix_words))
     with open(source, "w") as f:
         for i in range(records):
-            prompt = f"{WORDS[i % len(WORDS)]} {i}: tell me more"
+            prompt = f"{block}\n{WORDS[i % len(WORDS)]} {i}: tell me more".lstrip()
             f.write(json.dumps({"id": f"r{i}", "prompt": prompt}) + "\n")
     (workdir / "scale.toml").write_text(CONFIG)
     config = load_run_config(workdir / "scale.toml")
@@ -109,6 +113,7 @@ def _child(records: int, workdir: Path) -> dict:
         "survey_s": total - run,
         "run_s": run,
         "generated_tokens": summary["generated_tokens"],
+        "prefix_cache_hit_rate": summary["prefix_cache_hit_rate"],
         "rss_before_job_mb": before_mb,
         "peak_rss_mb": _status_mb("VmHWM"),
     }
@@ -117,11 +122,12 @@ def _child(records: int, workdir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1000,10000,100000,1000000")
+    parser.add_argument("--prefix-words", type=int, default=0)
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args.child, args.workdir)))
+        print(json.dumps(_child(args.child, args.workdir, args.prefix_words)))
         return
     from benchmarks.perf_report import machine_line, write_section
 
@@ -129,6 +135,7 @@ def main() -> None:
     for size in [int(s) for s in args.sizes.split(",")]:
         with tempfile.TemporaryDirectory() as workdir:
             command = [sys.executable, __file__, "--child", str(size), "--workdir", workdir]
+            command += ["--prefix-words", str(args.prefix_words)]
             done = subprocess.run(command, check=True, capture_output=True, text=True)
             rows.append(json.loads(done.stdout.splitlines()[-1]))
             print(rows[-1], flush=True)
@@ -139,7 +146,13 @@ def main() -> None:
         "Host side of `etjax batch` on the mock device (tests/engine_mock.py): real tokenizer, "
         "engine, scheduler, results file (fsynced per round) and summary; 32 resident rows, 8 "
         "new tokens per record, a fresh process per size. Host ms per round excludes the "
-        "mock's calls; the job's includes feeding the window and writing results.",
+        "mock's calls; the job's includes feeding the window and writing results."
+        + (
+            f" Every record starts with one {args.prefix_words}-word block (prefix cache hit "
+            f"rate: {', '.join(format(r['prefix_cache_hit_rate'], '.2f') for r in rows)})."
+            if args.prefix_words
+            else ""
+        ),
         "",
         "| records | rounds | engine host ms/round | job host ms/round | vs 10^3 | survey s | "
         "run s | RSS before job MB | peak RSS MB |",
@@ -152,7 +165,8 @@ def main() -> None:
             f"{r['survey_s']:.1f} | {r['run_s']:.1f} | {r['rss_before_job_mb']:.0f} | "
             f"{r['peak_rss_mb']:.0f} |"
         )
-    write_section("batch-scale", "\n".join(lines), {"rows": rows})
+    name = "batch-scale-shared" if args.prefix_words else "batch-scale"
+    write_section(name, "\n".join(lines), {"rows": rows})
     print("\n".join(lines))
 
 

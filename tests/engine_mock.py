@@ -61,6 +61,7 @@ class MockBackend:
         self.rows: dict[int, _Row] = {}
         self.prefilled: dict[int, int] = {}  # row -> tokens cached so far
         self.readers: dict[int, set[int]] = {}  # page -> live rows whose tables hold it
+        self.read: dict[int, set[int]] = {}  # row -> the pages it reads (releases in O(pages))
         self.slots: dict[int, list[int | None]] = {}  # page -> the token in each slot
         self.row_pages: dict[int, list[int]] = {}  # row -> its pages (from its prefill jobs)
         self.prefill_tokens = 0  # tokens run by prefill jobs
@@ -80,6 +81,7 @@ class MockBackend:
         for page in pages:
             assert page != 0, "the null page was handed out"
             self.readers.setdefault(page, set()).add(row)
+        self.read.setdefault(row, set()).update(pages)
 
     def _write(self, row: int, pages: list[int], start: int, tokens: list[int]) -> None:
         for position, token in enumerate(tokens, start):
@@ -138,8 +140,8 @@ class MockBackend:
         self.rows.pop(row, None)
         self.prefilled.pop(row, None)
         self.row_pages.pop(row, None)
-        for readers in self.readers.values():
-            readers.discard(row)
+        for page in self.read.pop(row, ()):
+            self.readers[page].discard(row)
 
     def save(self, row: int):
         state = self.rows.pop(row)
