@@ -78,7 +78,7 @@ def main() -> None:
             prompts.append(ids[:context])
         width = -(-(context + (ROUNDS + 1) * len(configs) * STEPS + 1) // PAGE)
         table = (1 + np.arange(BATCH * width)).reshape(BATCH, width).astype(np.int32)
-        cache = init_kv_cache(cfg, BATCH * width + 1, PAGE)
+        cache = init_kv_cache(cfg, BATCH * width + 1, PAGE, BATCH, width)  # mass: store rows
         logits = jnp.zeros((BATCH, cfg.vocab_size), jnp.float32)
         for r in range(0, context, CHUNK):
             for start in range(0, BATCH, 4):

@@ -130,8 +130,7 @@ def decode(
         its whole context that step.
       prefix_cache: requests (and the n samples of a prompt) whose prompts start alike share
         the KV pages of that beginning: it is prefilled once, by the first of them. The
-        cache lives for this call; outputs are the same with it off. (Off by itself under
-        pruning that ranks pages by attention mass, `mass_threshold > 0`.)
+        cache lives for this call; outputs are the same with it off.
       mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(result_index, text_piece)` while text is produced (the

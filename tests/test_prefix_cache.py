@@ -254,12 +254,14 @@ def test_questions_and_samples_on_one_document_equal_the_uncached_run_on_smollm2
 
 
 def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_dir):
-    # Pruning that does not rank pages by attention mass shares pages (the per-page key
-    # bounds are the page's own); speculation writes and rolls back only unshared pages.
+    # Pruning reads shared pages' key bounds (the page's own) and remembers the mass each
+    # block drew per row, so the default settings, mass ranking included, keep the outputs;
+    # speculation writes and rolls back only unshared pages.
     tiny = etjax.load_model(tiny_hf_dir("llama"))
     doc = list(range(300, 400))
     prompts = [tiny.tokenizer.decode([*doc, 500 + i]) for i in range(3)]
-    pruning = PruningConfig(enabled=True, mass_threshold=0.0, min_fraction=0.3)
+    pruning = PruningConfig(enabled=True, min_fraction=0.3)
+    assert pruning.ranks_by_mass
     outputs = {
         cache: etjax.decode(
             prompts,

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from etjax.pruning.block_scores import (
     block_upper_bounds,
-    forget_mass,
     remember_mass,
     update_key_bounds,
 )
@@ -126,29 +125,54 @@ def test_recently_hot_blocks_rank_before_better_bounds():
     assert set(np.asarray(plain)[0, 0]) == {0, 5, 1, 2}
 
 
-def test_mass_memory_stores_real_observations_and_forgets_reused_pages():
-    memory = jnp.zeros((6, 2), jnp.float32)
-    physical = jnp.asarray([[[3, 1, 3]], [[4, 2, 2]]], jnp.int32)  # shared by the 2 heads
+def test_mass_memory_stores_real_observations_per_row_and_block():
+    # Memory for 3 rows of 4 blocks, 2 KV heads; batch rows 0 and 1 are store rows 2 and 0.
+    memory = jnp.zeros((3, 4, 2), jnp.float32)
+    kept = jnp.asarray([[[3, 1, 3]], [[0, 2, 2]]], jnp.int32)  # shared by the 2 heads
     observed = jnp.asarray(
         [[[0.7, 0.3, 0.0], [0.6, 0.4, 0.0]], [[1.0, 0.0, 0.0], [0.9, 0.1, 0.0]]], jnp.float32
     )
     counts = jnp.asarray([[2], [2]], jnp.int32)
-    # Row 0's padding entry repeats page 3 with mass 0: it must not overwrite 0.7 / 0.6.
-    # Row 1 is not a real step: nothing of it is stored.
-    memory = remember_mass(memory, physical, observed, counts, jnp.asarray([True, False]))
-    expected = np.zeros((6, 2), np.float32)
-    expected[3], expected[1] = [0.7, 0.6], [0.3, 0.4]
+    rows = jnp.asarray([2, 0], jnp.int32)
+    # Row 0's padding entry repeats block 3 with mass 0: it must not overwrite 0.7 / 0.6.
+    # Batch row 1 is not a real step: nothing of it is stored.
+    memory = remember_mass(memory, rows, kept, observed, counts, jnp.asarray([True, False]))
+    expected = np.zeros((3, 4, 2), np.float32)
+    expected[2, 3], expected[2, 1] = [0.7, 0.6], [0.3, 0.4]
     np.testing.assert_array_equal(np.asarray(memory), expected)
-    memory = forget_mass(memory, jnp.asarray([3, 1]), jnp.asarray([0, 5]))  # page 3 reused
-    expected[3] = 0
+    # Another store row reading the same blocks keeps its own memory.
+    other = jnp.asarray([2, 1], jnp.int32)  # batch row 1 is now store row 1
+    memory = remember_mass(memory, other, kept, observed, counts, jnp.asarray([False, True]))
+    expected[1, 0], expected[1, 2] = [1.0, 0.9], [0.0, 0.1]
     np.testing.assert_array_equal(np.asarray(memory), expected)
+
+
+def test_a_new_sequence_in_a_row_remembers_no_mass():
+    from etjax.cache.kv_cache import forget_row_mass, init_kv_cache
+    from etjax.model.config import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        max_position_embeddings=64,
+    )
+    cache = init_kv_cache(cfg, 4, 4, 3, 5)
+    cache = cache.replace(block_mass=jnp.ones_like(cache.block_mass))
+    mass = np.asarray(forget_row_mass(cache, np.int32(1)).block_mass)
+    assert mass.shape == (2, 3, 5, 1)
+    assert (mass[:, 1] == 0).all() and (mass[:, [0, 2]] == 1).all()
 
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_page_scores_loop_only_to_the_longest_row_and_match_the_plain_bound(shared):
     # The engine passes page tables as wide as its longest possible sequence; scoring loops
     # over slices of SCORE_PAGES pages up to the batch's longest row. Every page a row holds
-    # must get the plain bound and mass (several trips, a last slice past the table's end).
+    # must get the plain bound (several trips, a last slice past the table's end).
     from etjax.attention.pruned import SCORE_PAGES, _score_pages
     from etjax.cache.kv_cache import PagePool
 
@@ -160,19 +184,17 @@ def test_page_scores_loop_only_to_the_longest_row_and_match_the_plain_bound(shar
         v=jnp.zeros((n_pages, kvh, 4, hd)),
         k_min=jnp.asarray(k_min),
         k_max=jnp.asarray(k_min + rng.uniform(0, 2, size=k_min.shape).astype(np.float32)),
-        block_mass=jnp.asarray(rng.uniform(size=(n_pages, kvh)).astype(np.float32)),
+        block_mass=jnp.zeros((1, 1, kvh)),
         pages_per_layer=n_pages,
     )
     table = rng.integers(1, n_pages, size=(b, width)).astype(np.int32)
     num_blocks = np.array([5, 2 * SCORE_PAGES + 20, SCORE_PAGES], np.int32)
     q = jnp.asarray(rng.normal(size=(b, h, hd)).astype(np.float32))
-    scores, mass = _score_pages(q, pool, jnp.asarray(table), jnp.asarray(num_blocks), shared)
+    scores = _score_pages(q, pool, jnp.asarray(table), jnp.asarray(num_blocks), shared)
     plain = np.asarray(block_upper_bounds(q, pool.k_min, pool.k_max, jnp.asarray(table)))
-    plain_mass = np.asarray(pool.block_mass)[table].transpose(0, 2, 1)
     if shared:
-        plain, plain_mass = plain.max(1, keepdims=True), plain_mass.max(1, keepdims=True)
-    assert scores.shape == plain.shape == mass.shape
+        plain = plain.max(1, keepdims=True)
+    assert scores.shape == plain.shape
     reached = -(-num_blocks.max() // SCORE_PAGES) * SCORE_PAGES
     np.testing.assert_allclose(np.asarray(scores)[..., :reached], plain[..., :reached], rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(mass)[..., :reached], plain_mass[..., :reached])
     assert np.all(np.asarray(scores)[..., reached:] == -np.inf)  # never read

@@ -34,10 +34,12 @@ def pruned_decode_attention(
     thresholds: PruningThresholds,
     max_kept: int,
     backend: AttentionBackend = XLA,
+    mass_rows: jax.Array | None = None,
 ) -> tuple[jax.Array, PagePool]:
     """q: [B, H, hd], one decode token per row at `position` [B] (its key already written);
     real: [B] bool rows whose token is real; page_table: [B, P] the rows' pages as pool pages
-    (this layer's); budget_blocks: [B] int32
+    (this layer's); mass_rows: [B] int32 each row's row of the pool's block mass (this
+    layer's; needed when `pruning.ranks_by_mass`); budget_blocks: [B] int32
     blocks each row may read; pruning, thresholds: the static settings and the traced numbers
     of the selection (etjax/pruning/config.py); max_kept: static width of the kept table;
     backend: whose block-sparse kernel reads the kept blocks (etjax/attention/backend.py).
@@ -45,17 +47,30 @@ def pruned_decode_attention(
     page_size = pool.k.shape[2]
     lengths = position + 1
     num_blocks = (lengths + page_size - 1) // page_size
-    scores, last_mass = _score_pages(q, pool, page_table, num_blocks, pruning.share_heads)
-    ranking_mass = last_mass if pruning.ranks_by_mass else None
+    scores = _score_pages(q, pool, page_table, num_blocks, pruning.share_heads)
+    ranking_mass = None
+    if pruning.ranks_by_mass:
+        ranking_mass = _last_mass(pool.block_mass, mass_rows, page_table.shape[1])
+        if pruning.share_heads:
+            ranking_mass = ranking_mass.max(axis=1, keepdims=True)
     kept, counts = select_blocks(
         scores, num_blocks, budget_blocks, thresholds, max_kept, ranking_mass
     )
     kernel = backend.block_sparse()
     out, mass = kernel(q, pool.k, pool.v, page_table, kept, counts, lengths)
     if pruning.ranks_by_mass:
-        physical = jnp.take_along_axis(page_table[:, None, :], kept, axis=2)
-        pool = pool.replace(block_mass=remember_mass(pool.block_mass, physical, mass, counts, real))
+        remembered = remember_mass(pool.block_mass, mass_rows, kept, mass, counts, real)
+        pool = pool.replace(block_mass=remembered)
     return out, pool
+
+
+def _last_mass(block_mass: jax.Array, mass_rows: jax.Array, width: int) -> jax.Array:
+    # The mass each of the rows' first `width` blocks drew when last read: [B, KVH, width]
+    # (zeros past the memory's width: blocks it never held count as never read).
+    last = block_mass[mass_rows].transpose(0, 2, 1)  # [B, KVH, W]
+    if last.shape[2] >= width:
+        return last[..., :width]
+    return jnp.pad(last, ((0, 0), (0, 0), (0, width - last.shape[2])))
 
 
 def kept_table_width(backend: AttentionBackend, needed: int, width: int) -> int:
@@ -73,8 +88,8 @@ def kept_table_width(backend: AttentionBackend, needed: int, width: int) -> int:
 
 def _score_pages(
     q: jax.Array, pool: PagePool, page_table: jax.Array, num_blocks: jax.Array, shared: bool
-) -> tuple[jax.Array, jax.Array]:
-    # Quest bounds and last read mass of every page of each row: [B, 1|KVH, P] each. The
+) -> jax.Array:
+    # Quest bounds of every page of each row: [B, 1|KVH, P]. The
     # table is as wide as the longest sequence the engine holds; a loop of SCORE_PAGES-page
     # slices up to the batch's longest row (a traced count) reads only the pages rows have.
     b, p = page_table.shape
@@ -84,20 +99,13 @@ def _score_pages(
     padded = -(-p // chunk) * chunk
     table = jnp.pad(page_table, ((0, 0), (0, padded - p)))  # the null page: masked later
 
-    def body(i, carry):
-        scores, mass = carry
+    def body(i, scores):
         pages = jax.lax.dynamic_slice_in_dim(table, i * chunk, chunk, axis=1)
         part = block_upper_bounds(q, pool.k_min, pool.k_max, pages)  # [B, KVH, C]
-        last = pool.block_mass[pages].transpose(0, 2, 1)  # [B, KVH, C]
         if shared:
-            part, last = part.max(axis=1, keepdims=True), last.max(axis=1, keepdims=True)
-        scores = jax.lax.dynamic_update_slice_in_dim(scores, part, i * chunk, axis=2)
-        return scores, jax.lax.dynamic_update_slice_in_dim(mass, last, i * chunk, axis=2)
+            part = part.max(axis=1, keepdims=True)
+        return jax.lax.dynamic_update_slice_in_dim(scores, part, i * chunk, axis=2)
 
-    init = (
-        jnp.full((b, heads, padded), -jnp.inf, jnp.float32),
-        jnp.zeros((b, heads, padded), jnp.float32),
-    )
+    init = jnp.full((b, heads, padded), -jnp.inf, jnp.float32)
     trips = (jnp.max(num_blocks) + chunk - 1) // chunk
-    scores, mass = jax.lax.fori_loop(0, trips, body, init)
-    return scores[..., :p], mass[..., :p]
+    return jax.lax.fori_loop(0, trips, body, init)[..., :p]

@@ -114,7 +114,7 @@ def prefill_documents(model, docs: list[list[int]]) -> Prefilled:
     rows, total = len(docs), len(docs[0])
     prefix = total - EVAL_TOKENS
     pages = -(-total // PAGE)
-    cache = init_kv_cache(cfg, rows * pages + 1, PAGE)
+    cache = init_kv_cache(cfg, rows * pages + 1, PAGE, rows, pages)  # mass: row b is doc b
     table = (1 + np.arange(rows * pages)).reshape(rows, pages).astype(np.int32)
     logits = np.zeros((rows, cfg.vocab_size), np.float32)
     for first in range(0, rows, PREFILL_ROWS):

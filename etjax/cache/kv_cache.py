@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from etjax.model.config import ModelConfig
-from etjax.pruning.block_scores import forget_mass, update_key_bounds
+from etjax.pruning.block_scores import update_key_bounds
 
 NULL_PAGE = 0
 
@@ -39,9 +39,13 @@ class KVCache:
     # (etjax/pruning/block_scores.py); kept current by every write.
     k_min: jax.Array  # [L, N, KVH, hd] float32
     k_max: jax.Array  # [L, N, KVH, hd] float32
-    # Attention mass each page drew, per KV head, the last time a pruned decode step read it;
-    # 0 for pages never read that way (etjax/pruning/block_scores.py).
-    block_mass: jax.Array  # [L, N, KVH] float32
+    # Attention mass each block of a row's sequence drew, per KV head, the last time a pruned
+    # decode step of that row read it; 0 for blocks it never read that way
+    # (etjax/pruning/block_scores.py). Kept per resident row and logical block, not per page:
+    # a page shared by several sequences (etjax/cache/prefix_cache.py) draws a different mass
+    # from each. M = resident rows (the engine's store rows), W = the pruned page-table width;
+    # [L, 1, 1, KVH] where nothing ranks by mass.
+    block_mass: jax.Array  # [L, M, W, KVH] float32
 
     # Each array's dimensions by name, for the mesh placement (etjax/distributed/placement.py).
     AXES: ClassVar[dict[str, tuple[str | None, ...]]] = {
@@ -49,7 +53,7 @@ class KVCache:
         "v": ("layers", "pages", "kv_heads", None, "head_dim"),
         "k_min": ("layers", "pages", "kv_heads", "head_dim"),
         "k_max": ("layers", "pages", "kv_heads", "head_dim"),
-        "block_mass": ("layers", "pages", "kv_heads"),
+        "block_mass": ("layers", None, None, "kv_heads"),
     }
 
     @property
@@ -64,14 +68,16 @@ class KVCache:
 @flax.struct.dataclass
 class PagePool:
     """The cache with layers folded into pages: leaves of `KVCache` without their layer axis,
-    `[L * N, ...]`. `pages_per_layer` (N) turns a layer's page id into a pool page id."""
+    `[L * N, ...]`. `pages_per_layer` (N) turns a layer's page id into a pool page id, and
+    `mass_rows_per_layer` (M) a row's block-mass row into the pool's."""
 
     k: jax.Array  # [L * N, KVH, ps, hd]
     v: jax.Array
     k_min: jax.Array  # [L * N, KVH, hd]
     k_max: jax.Array
-    block_mass: jax.Array  # [L * N, KVH]
+    block_mass: jax.Array  # [L * M, W, KVH]
     pages_per_layer: int = flax.struct.field(pytree_node=False)
+    mass_rows_per_layer: int = flax.struct.field(pytree_node=False, default=1)
 
 
 def page_pool(cache: KVCache) -> PagePool:
@@ -84,6 +90,7 @@ def page_pool(cache: KVCache) -> PagePool:
         k_max=fold(cache.k_max),
         block_mass=fold(cache.block_mass),
         pages_per_layer=cache.num_pages,
+        mass_rows_per_layer=cache.block_mass.shape[1],
     )
 
 
@@ -95,14 +102,19 @@ def cache_from_pool(pool: PagePool) -> KVCache:
         v=unfold(pool.v),
         k_min=unfold(pool.k_min),
         k_max=unfold(pool.k_max),
-        block_mass=unfold(pool.block_mass),
+        block_mass=pool.block_mass.reshape(
+            -1, pool.mass_rows_per_layer, *pool.block_mass.shape[1:]
+        ),
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int) -> KVCache:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def init_kv_cache(
+    cfg: ModelConfig, num_pages: int, page_size: int, mass_rows: int = 1, mass_width: int = 1
+) -> KVCache:
     """Zero-filled cache with `num_pages` pages per layer (page 0 included) of `page_size`
-    tokens (one compiled program per size)."""
+    tokens (one compiled program per size), and a block mass for `mass_rows` rows of
+    `mass_width` blocks (pruning that ranks blocks by mass; the default keeps none)."""
     layers, heads = cfg.num_layers, cfg.num_kv_heads
     bounds = (layers, num_pages, heads, cfg.head_dim)
     return KVCache(
@@ -110,7 +122,7 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int) -> KVCache:
         v=jnp.zeros((layers, num_pages, heads, page_size, cfg.head_dim), cfg.jnp_dtype),
         k_min=jnp.full(bounds, jnp.inf, jnp.float32),
         k_max=jnp.full(bounds, -jnp.inf, jnp.float32),
-        block_mass=jnp.zeros(bounds[:3], jnp.float32),
+        block_mass=jnp.zeros((layers, mass_rows, mass_width, heads), jnp.float32),
     )
 
 
@@ -141,8 +153,13 @@ def write_kv(
     k = pool.k.at[pages, :, slot].set(k_new.astype(pool.k.dtype), mode="drop")
     v = pool.v.at[pages, :, slot].set(v_new.astype(pool.v.dtype), mode="drop")
     k_min, k_max = update_key_bounds(pool.k_min, pool.k_max, k_new, pages, slot)
-    block_mass = forget_mass(pool.block_mass, pages, slot)
-    return pool.replace(k=k, v=v, k_min=k_min, k_max=k_max, block_mass=block_mass)
+    return pool.replace(k=k, v=v, k_min=k_min, k_max=k_max)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def forget_row_mass(cache: KVCache, row: jax.Array) -> KVCache:
+    """Clear the block mass of resident row `row` (a new sequence takes it over)."""
+    return cache.replace(block_mass=cache.block_mass.at[:, row].set(0.0, mode="drop"))
 
 
 def token_pages(

@@ -27,7 +27,7 @@ from etjax.attention import (
     plan_segments,
     resolve_backend,
 )
-from etjax.cache.kv_cache import init_kv_cache
+from etjax.cache.kv_cache import forget_row_mass, init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.calibration.signal import identity_params, row_params
 from etjax.distributed.mesh import make_mesh
@@ -90,7 +90,24 @@ class DeviceBackend:
         self.placement = None if shape.size == 1 else Placement(make_mesh(shape))
         self.weights = weights
         check_fits(cfg, num_pages, options.page_size, self.rows)  # before allocating anything
-        self.cache = init_kv_cache(cfg, num_pages, options.page_size)
+        # The longest page list a sequence can have: the model's context or the pool.
+        self.max_seq_pages = min(
+            pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
+        )
+        # Pruned steps take every row's whole page table at this one width (scoring loops
+        # only up to the longest row), so their shapes do not follow context lengths.
+        self.pruned_table_width = pages_bucket(self.max_seq_pages)
+        # Pruning that ranks blocks by the mass they drew remembers it per store row (the pad
+        # row included) and block of the pruned table; nothing else reads it.
+        pruning = options.pruning
+        by_mass = pruning.enabled and pruning.ranks_by_mass
+        self.cache = init_kv_cache(
+            cfg,
+            num_pages,
+            options.page_size,
+            self.rows + 1 if by_mass else 1,
+            self.pruned_table_width if by_mass else 1,
+        )
         self.store = _empty_store(cfg, self.rows + 1, self.eos_ids)
         if self.placement is not None:
             self.weights = self.placement.place_weights(weights)
@@ -121,13 +138,6 @@ class DeviceBackend:
             placement=self.placement,
             attention_backend=self.attention_backend,
         )
-        # The longest page list a sequence can have: the model's context or the pool.
-        self.max_seq_pages = min(
-            pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
-        )
-        # Pruned steps take every row's whole page table at this one width (scoring loops
-        # only up to the longest row), so their shapes do not follow context lengths.
-        self.pruned_table_width = pages_bucket(self.max_seq_pages)
 
     # One ragged step ------------------------------------------------------------------------
 
@@ -280,6 +290,8 @@ class DeviceBackend:
         """Make `row` the resident state of a sequence whose context was just prefilled."""
         logits, index = self._logits.pop(row)
         length = len(init.prompt) + len(init.generated)
+        if self.cache.block_mass.shape[1] > 1:  # a new sequence remembers no block's mass
+            self.cache = forget_row_mass(self.cache, np.int32(row))
         if init.saved is None:
             in_prompt = np.zeros((1, self.cfg.vocab_size), bool)
             in_prompt[0, np.asarray(init.prompt, np.int64)] = True

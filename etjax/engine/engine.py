@@ -121,11 +121,9 @@ class Engine:
         self.backend, self.tokenizer = backend, tokenizer
         self.options, self.policy, self.clock = options, policy, clock
         # The pool: free pages and pages indexed by the prefix they hold (prefix_cache.py).
-        # Pruning that ranks pages by the attention mass they drew keeps that mass per page,
-        # which a page shared by two sequences cannot hold for both: no sharing then.
-        pruning = options.pruning
-        sharing = options.prefix_cache and not (pruning.enabled and pruning.ranks_by_mass)
-        self.page_cache = PrefixCache(backend.num_pages, options.page_size, enabled=sharing)
+        self.page_cache = PrefixCache(
+            backend.num_pages, options.page_size, enabled=options.prefix_cache
+        )
         self.free_rows = list(range(options.resident_rows - 1, -1, -1))
         # Only unfinished sequences are kept: a round costs time in the live work, not in
         # everything ever submitted (a finished one lives on in its handle, if anyone holds it).

@@ -134,6 +134,9 @@ class SparsePlan:
     # [B] int32 flat index of each row's token in a ragged step (out of range for padding
     # rows); None: the step's tokens are exactly the rows'.
     slots: jax.Array | None = None
+    # [B] int32 each row's row of the cache's block mass (the engine's store rows); None: row
+    # b is row b.
+    rows: jax.Array | None = None
 
 
 def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
@@ -195,6 +198,10 @@ def _pruned_attention(
     def rows_of(x):  # the rows' entries of a flat array (zeros for padding rows)
         return x if slots is None else x.at[slots].get(mode="fill", fill_value=0)
 
+    rows = sparse.rows
+    if rows is None:
+        rows = jnp.arange(sparse.page_table.shape[0], dtype=jnp.int32)
+    layer = first_page // pool.pages_per_layer
     heads, pool = pruned_decode_attention(
         rows_of(q),
         pool,
@@ -206,6 +213,7 @@ def _pruned_attention(
         sparse.thresholds,
         sparse.max_kept,
         sparse.backend,
+        mass_rows=rows + layer * pool.mass_rows_per_layer,
     )
     if slots is None:
         return heads, pool

@@ -11,8 +11,11 @@ a KV head is the largest bound over the query heads that share it, and a selecti
 the KV heads scores a page by the largest bound over all its heads.
 
 The second signal is the attention mass a block received the last time it was read (returned
-by the attention op, remembered per physical page in the cache): a block that drew mass
-recently is likely to draw it again, even where its bound ranks it below others.
+by the attention op, remembered in the cache per resident row and logical block, since a
+page shared by several sequences draws a different mass from each): a block that drew mass
+recently is likely to draw it again, even where its bound ranks it below others. A row's
+memory is cleared when a new sequence takes the row over, as a page's was when it was
+written again.
 """
 
 from __future__ import annotations
@@ -43,33 +46,29 @@ def update_key_bounds(
     return k_min.at[pages].min(k32), k_max.at[pages].max(k32)
 
 
-def forget_mass(block_mass: jax.Array, pages: jax.Array, slots: jax.Array) -> jax.Array:
-    """Clear the remembered mass [N, KVH] of pages whose slot 0 is being written (reused)."""
-    fresh = jnp.where(slots == 0, pages, block_mass.shape[0])  # out of range: dropped
-    return block_mass.at[fresh].set(0.0, mode="drop")
-
-
 def remember_mass(
     block_mass: jax.Array,
-    physical: jax.Array,
+    mass_rows: jax.Array,
+    kept: jax.Array,
     observed: jax.Array,
     kept_counts: jax.Array,
     rows: jax.Array,
 ) -> jax.Array:
     """Store the mass each kept block just received.
 
-    block_mass: [N, KVH]; physical: [B, 1|KVH, K] pages that were read; observed: [B, KVH, K];
+    block_mass: [M, W, KVH] per row and logical block; mass_rows: [B] each row's row of it;
+    kept: [B, 1|KVH, K] the logical blocks that were read; observed: [B, KVH, K];
     kept_counts: [B, 1|KVH]; rows: [B] bool, rows whose step is real. Padding entries of the
-    kept table (past the count) and rows that are not real are dropped, so they can never
-    overwrite a real observation.
+    kept table (past the count), rows that are not real and blocks past W are dropped, so they
+    can never overwrite a real observation.
     """
-    n, kvh = block_mass.shape
-    k = physical.shape[-1]
+    m, _, kvh = block_mass.shape
+    k = kept.shape[-1]
     real = (jnp.arange(k) < kept_counts[..., None]) & rows[:, None, None]
-    target = jnp.where(real, physical, n)  # [B, 1|KVH, K]
-    heads = jnp.arange(kvh)[None, :, None]
-    target = jnp.broadcast_to(target, observed.shape)
-    return block_mass.at[target, jnp.broadcast_to(heads, observed.shape)].set(observed, mode="drop")
+    target = jnp.broadcast_to(jnp.where(real, mass_rows[:, None, None], m), observed.shape)
+    blocks = jnp.broadcast_to(kept, observed.shape)
+    heads = jnp.broadcast_to(jnp.arange(kvh)[None, :, None], observed.shape)
+    return block_mass.at[target, blocks, heads].set(observed, mode="drop")
 
 
 def block_upper_bounds(

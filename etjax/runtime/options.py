@@ -55,9 +55,7 @@ class RuntimeOptions:
     prefix_cache: share the KV pages of a context's cached beginning between requests
       (etjax/cache/prefix_cache.py): a prompt whose first pages an earlier or running
       request holds, or left behind, prefills only the rest. Cached pages live as long as
-      the engine, evicted least recently used when the pool needs them. Off when pruning
-      ranks pages by their attention mass (`pruning.mass_threshold > 0`): that mass is kept
-      per page and a shared page cannot keep it for each reader.
+      the engine, evicted least recently used when the pool needs them.
     """
 
     page_size: int = 16

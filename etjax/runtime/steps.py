@@ -141,7 +141,7 @@ def mixed_step(
 
         start = state.lengths
         state, cache, outputs, after = _decode_step(
-            weights, state, statics, thresholds, run_model, dense_rows=verifying
+            weights, state, statics, thresholds, run_model, rows, dense_rows=verifying
         )
         prefill_hidden, draft_hidden, row_pages = after
         outputs = jax.tree.map(lambda x: x[None], outputs)
@@ -264,7 +264,9 @@ def decode_steps(
                 hidden, cache_after = jax.lax.cond(jnp.any(runs), run, idle)
                 return hidden, cache_after, None
 
-            state, cache, outputs, _ = _decode_step(weights, state, statics, thresholds, run_model)
+            state, cache, outputs, _ = _decode_step(
+                weights, state, statics, thresholds, run_model, rows
+            )
             return (state, cache), outputs
 
         (state, cache), outputs = jax.lax.scan(step, (state, cache), None, length=num_steps)
@@ -276,12 +278,13 @@ def decode_steps(
         return store, cache, outputs
 
 
-def _decode_step(weights, state, statics, thresholds, run_model, dense_rows=None):
+def _decode_step(weights, state, statics, thresholds, run_model, rows, dense_rows=None):
     # One step of every row of `state`: sample from its logits, run the model on the token
     # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache, after)`), account.
     # Returns the state, the cache, the outputs and `after`, what run_model passed on.
-    # `dense_rows` [B] bool: rows that read every block even under pruning (a verifying row's
-    # drafts attend through the plan, and so does its token).
+    # `rows` [B]: the store rows of `state` (whose block mass pruning reads). `dense_rows` [B]
+    # bool: rows that read every block even under pruning (a verifying row's drafts attend
+    # through the plan, and so does its token).
     cost, pruning, max_kept = statics.cost, statics.pruning, statics.max_kept
     active = state.active
     tokens, info, sampler_state = sample_rows(state)
@@ -298,6 +301,7 @@ def _decode_step(weights, state, statics, thresholds, run_model, dense_rows=None
         sparse = SparsePlan(
             budget_blocks=kept,
             page_table=state.page_table,
+            rows=rows,
             thresholds=thresholds,
             pruning=pruning,
             max_kept=max_kept,
