@@ -186,7 +186,12 @@ def _add_bench(commands) -> None:
     bench = commands.add_parser(
         "bench", help="run named configs side by side on a workload: JSON, table and plots"
     )
-    bench.add_argument("--workload", default=d.workload, help="mixed, online or shared")
+    bench.add_argument(
+        "--workload",
+        default=d.workload,
+        help="mixed, online, shared, long, or FILE.jsonl: records of your own (prompt or "
+        "messages, max_new_tokens, priority, arrival in seconds)",
+    )
     bench.add_argument(
         "--configs", default=",".join(d.configs), help="comma-separated; the first is the baseline"
     )
@@ -218,6 +223,7 @@ def _bench(args: argparse.Namespace) -> int:
     from etjax.bench.ablation import BenchPlan, count_work, run_ablation
     from etjax.bench.output import write_outputs
     from etjax.bench.stages import StageProgress
+    from etjax.bench.workload_file import workload_label
     from etjax.host_limits import warn_if_map_count_low
 
     plan = BenchPlan(
@@ -241,7 +247,7 @@ def _bench(args: argparse.Namespace) -> int:
     raw = run_ablation(plan, on_progress=progress.stage)
     progress.close()
     command = "etjax " + shlex.join(sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"])
-    paths = write_outputs(raw, args.output / plan.workload, command, args.perf_md)
+    paths = write_outputs(raw, args.output / workload_label(plan.workload), command, args.perf_md)
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)
     return 0

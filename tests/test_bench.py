@@ -3,15 +3,21 @@ computed by hand, and its command line's refusals of bad input."""
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+import etjax
 from etjax.bench.ablation import BenchPlan
 from etjax.bench.measure import _request_record, summarise
 from etjax.bench.reference import _until_stop
 from etjax.bench.report import additivity, relative_table
 from etjax.bench.text_metrics import corpus_bleu, rouge_l
-from etjax.bench.workloads import build_workload, mixed, poisson_arrivals, shared
+from etjax.bench.workload_file import read_workload_file, workload_label
+from etjax.bench.workloads import build_workload, long, mixed, poisson_arrivals, shared
 from etjax.cli import main
 from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError
@@ -51,6 +57,53 @@ def test_shared_workload_is_seeded_and_its_groups_start_alike(smollm2, lee):
     assert 1536 - 16 <= common[0] <= 3072 + 16 and common[1] >= 400
     assert all(p == ids[2][0] for p in ids[2])
     assert build_workload("shared", tok, lee, 14, 3) == first
+
+
+def test_long_workload_fits_the_model_s_context_and_asks_long_outputs(smollm2, lee):
+    tok = smollm2.tokenizer
+    first = build_workload("long", tok, lee, 8, 1, context=8192)
+    assert first == long(tok, lee, 8, seed=1, context=8192) != long(tok, lee, 8, seed=2)
+    assert [r.kind for r in first] == (["question"] * 3 + ["continue"]) * 2
+    for r in first:
+        n = len(tok.encode(r.prompt))
+        assert 256 <= r.max_new_tokens <= 1024 and n >= 4096 and n + r.max_new_tokens <= 8192
+    # The four requests on a document share it: the continuation is the document itself.
+    assert first[0].prompt.startswith(first[3].prompt) and first[4].prompt != first[0].prompt
+
+
+def test_a_workload_file_is_read_checked_and_tokenized(smollm2, tmp_path):
+    path = tmp_path / "mine.jsonl"
+    chat = [{"role": "user", "content": "Hi there"}]
+    path.write_text(
+        json.dumps({"id": "a", "prompt": "The river", "max_new_tokens": 5, "arrival": 1.5})
+        + "\n\n"
+        + json.dumps({"messages": chat, "priority": 2})
+        + "\n"
+    )
+    a, b = read_workload_file(path, smollm2)
+    assert (a.kind, a.max_new_tokens, a.arrival, a.priority) == ("prompt", 5, 1.5, 0.0)
+    assert a.token_ids(smollm2.tokenizer) == smollm2.tokenizer.encode("The river")
+    (expected,) = etjax.decode([chat], model=smollm2, max_new_tokens=1)
+    assert list(b.prompt_ids) == expected.prompt_token_ids and b.priority == 2
+    assert b.max_new_tokens == 128 and workload_label(str(path)) == "mine"
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"prompt": "x", "temperature": 0.5}', "field 'temperature' is not read"),
+        ('{"prompt": "x", "messages": []}', 'give "prompt"'),
+        ('{"prompt": "x", "arrival": -1}', "arrival=-1"),
+        ('{"prompt": "x", "max_new_tokens": "3"}', "max_new_tokens='3'; must be an integer"),
+        ("{nope", "not valid JSON"),
+        ('{"prompt": ""}', "prompt 0 is empty"),
+    ],
+)
+def test_a_bad_workload_line_stops_the_benchmark_by_file_and_line(smollm2, tmp_path, line, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"{path}, line 1: {message}")):
+        read_workload_file(path, smollm2)
 
 
 def test_poisson_arrivals_have_the_requested_rate():
@@ -184,9 +237,9 @@ def test_bench_cli_names_the_bad_flag(capsys):
     assert "config 'nope' not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("workload", ["mixed", "online"])
+@pytest.mark.parametrize("workload", ["mixed", "online", "file"])
 def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
-    monkeypatch, smollm2, workload
+    monkeypatch, smollm2, workload, tmp_path
 ):
     # `measure` is replaced by a recorder: this checks the order of the work around it (the real
     # runs are in test_bench_smollm2.py).
@@ -206,6 +259,10 @@ def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
         }
 
     monkeypatch.setattr(ablation, "measure", record)
+    if workload == "file":  # its own arrivals, in seconds
+        workload = str(tmp_path / "own.jsonl")
+        lines = [{"prompt": "The river", "arrival": a} for a in (0, 2.5, 1)]
+        Path(workload).write_text("\n".join(map(json.dumps, lines)) + "\n")
     plan = BenchPlan(
         workload=workload,
         configs=("baseline", "scheduling_only", "full"),
@@ -223,6 +280,9 @@ def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
     if workload == "mixed":
         assert calls[:3] == [(n, 0.0) for n in ("baseline", "scheduling_only", "full")]
         assert all(last == 0.0 for _, last in timed)
+    elif workload.endswith(".jsonl"):
+        assert raw["arrivals"] == [0.0, 2.5, 1.0] and len(raw["workload"]) == 3
+        assert all(last == 2.5 for _, last in calls)
     else:
         # At once: the first config warms and measures capacity (8 requests / 8 s); then
         # every setting warms with the very arrivals the timed runs get.

@@ -34,6 +34,7 @@ from etjax.bench.measure import measure, summarise
 from etjax.bench.passkey import passkey_cases, run_passkey
 from etjax.bench.perplexity import long_documents, perplexity, prefill_documents
 from etjax.bench.text_metrics import corpus_bleu, rouge_l
+from etjax.bench.workload_file import is_workload_file, read_workload_file
 from etjax.bench.workloads import WORKLOADS, build_workload, poisson_arrivals
 from etjax.errors import ConfigError
 from etjax.run_config import RunConfig, load_run_config
@@ -66,8 +67,10 @@ class BenchPlan:
     reference_batch: int = 1
 
     def __post_init__(self) -> None:
-        if self.workload not in WORKLOADS:
-            raise ConfigError(f"workload {self.workload!r}; allowed: {sorted(WORKLOADS)}")
+        if self.workload not in WORKLOADS and not is_workload_file(self.workload):
+            raise ConfigError(
+                f"workload {self.workload!r}; allowed: {sorted(WORKLOADS)} or a FILE.jsonl"
+            )
         if not self.configs:
             raise ConfigError("configs: name at least one config")
         for name in ("requests", "repetitions", "ppl_docs", "ppl_length", "reference_batch"):
@@ -93,10 +96,14 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
         )
     choice = configs[0].model
     model = etjax.load_model(choice.name, dtype=choice.dtype)
-    workload = build_workload(
-        plan.workload, model.tokenizer, lee_articles(), plan.requests, plan.seed
-    )
-    at_once = np.zeros(len(workload))
+    if is_workload_file(plan.workload):
+        workload = read_workload_file(plan.workload, model)
+    else:
+        context = model.config.max_position_embeddings
+        workload = build_workload(
+            plan.workload, model.tokenizer, lee_articles(), plan.requests, plan.seed, context
+        )
+    at_once = np.array([r.arrival for r in workload])  # a file's own arrivals; else zeros
     raw: dict = {
         "model": f"{model.name}, {model.config.dtype}",
         "plan": dataclasses.asdict(plan),

@@ -79,7 +79,7 @@ def measure(
     the kept-block fraction and KV bytes of its decode steps, its token ids and, for the plots,
     its per-token traces. Per run: makespan, throughput, host and device time per step.
     """
-    prompts = [model.tokenizer.encode(r.prompt) for r in workload]
+    prompts = [r.token_ids(model.tokenizer) for r in workload]
     settings = request_settings(config, workload, greedy)
     options = config.options
     engine = build_engine(
@@ -94,8 +94,8 @@ def measure(
     compiled_before = CompileClock.seconds, CompileClock.programs
     start = time.perf_counter()
     handles = [
-        engine.submit(p, s, arrival_time=start + float(a))
-        for p, s, a in zip(prompts, settings, arrivals, strict=True)
+        engine.submit(p, s, r.priority, arrival_time=start + float(a))
+        for p, s, r, a in zip(prompts, settings, workload, arrivals, strict=True)
     ]
     engine.run_until_idle()
     makespan = time.perf_counter() - start

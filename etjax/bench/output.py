@@ -11,6 +11,7 @@ from pathlib import Path
 from etjax.bench.perf_doc import machine_line, replace_section
 from etjax.bench.plots import sample_requests, write_plots
 from etjax.bench.report import markdown
+from etjax.bench.workload_file import workload_label
 
 # Per-request fields too bulky for results.json, except for the requests the plots show.
 _BULKY = ("token_ids", "traces")
@@ -20,7 +21,7 @@ def write_outputs(
     raw: dict, directory: Path, command: str, perf_md: Path | None = None
 ) -> dict[str, Path]:
     """Write the results of `run_ablation` into `directory`; the paths written by kind."""
-    workload = raw["plan"]["workload"]
+    workload = workload_label(raw["plan"]["workload"])
     directory.mkdir(parents=True, exist_ok=True)
     raw = {**raw, "machine": machine_line(), "date": str(datetime.date.today()), "command": command}
     plots = write_plots(raw, directory)
@@ -41,6 +42,8 @@ def _document(raw: dict, workload: str, command: str) -> str:
         kinds[request["kind"]] = kinds.get(request["kind"], 0) + 1
     arrivals = (
         "all submitted at once"
+        if workload != "online" and not any(raw["arrivals"])
+        else "arriving at the times the workload file gives"
         if workload != "online"
         else f"Poisson arrivals at {plan['load']:.0%} of the capacity a warm baseline run "
         f"measured ({raw['capacity_requests_per_s']:.2f} requests/s)"

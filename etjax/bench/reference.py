@@ -56,7 +56,7 @@ def run_reference(
     """Greedy `generate` over the workload; latencies, throughput and the generated ids."""
     import torch
 
-    prompts = [tokenizer.encode(r.prompt) for r in workload]
+    prompts = [r.token_ids(tokenizer) for r in workload]
     eos = list(tokenizer.eos_token_ids)
     pad = eos[0]
     records: list[dict] = []

@@ -6,8 +6,12 @@ documents (consecutive articles joined to 2K-6K tokens, to be summarised), each 
 new tokens drawn uniformly. `shared(n, seed)`: requests whose prompts start alike, where
 prefix caching pays: documents of 1.5K-3K tokens each asked four questions, short tasks
 behind one long instruction block (few-shot examples), and prompts sampled four times (as
-`n=4` would), with 32-96 new tokens. `poisson_arrivals(n, rate, seed)`: arrival times
-(seconds) of a Poisson process of `rate` requests per second.
+`n=4` would), with 32-96 new tokens. `long(n, seed, context)`: decode-bound requests,
+documents of 4K-16K tokens (up to the model's context) each asked three questions or asked to
+continue, with 256-1,024 new tokens, so that the decode phase over long KV caches, where
+pruning and the scheduler act, is most of the run once the documents' pages are shared.
+`poisson_arrivals(n, rate, seed)`: arrival times (seconds) of a Poisson process of `rate`
+requests per second. A workload file (etjax/bench/workload_file.py) holds anyone's own.
 """
 
 from __future__ import annotations
@@ -27,9 +31,18 @@ INSTRUCTIONS = {
 
 @dataclass(frozen=True)
 class WorkloadRequest:
-    kind: str  # mixed: "summarise" | "continue" | "question" | "long"; shared: (see shared)
+    kind: str  # mixed: "summarise" | "continue" | "question" | "long"; shared, long: see them
     prompt: str
     max_new_tokens: int
+    # The prompt's token ids when they are not the plain encoding of `prompt` (a chat
+    # conversation of a workload file); empty: encode `prompt`.
+    prompt_ids: tuple[int, ...] = ()
+    priority: float = 0.0
+    arrival: float = 0.0  # seconds after the run starts (a workload file's own arrivals)
+
+    def token_ids(self, tokenizer) -> list[int]:
+        """What the engine and the reference run: `prompt_ids`, or `prompt` encoded."""
+        return list(self.prompt_ids) if self.prompt_ids else tokenizer.encode(self.prompt)
 
 
 def mixed(tokenizer, articles: list[str], n: int = 64, seed: int = 0) -> list[WorkloadRequest]:
@@ -112,18 +125,55 @@ def shared(tokenizer, articles: list[str], n: int = 48, seed: int = 0) -> list[W
     return requests
 
 
+LONG_QUESTIONS = (
+    "Summarise everything reported above, event by event.",
+    "List every person and organisation mentioned above, with what each did.",
+    "Write the follow-up report a news desk would file tomorrow.",
+)
+
+
+def long(
+    tokenizer, articles: list[str], n: int = 16, seed: int = 0, context: int = 16384
+) -> list[WorkloadRequest]:
+    """The `long` workload (see the module docstring), deterministic in `seed`: groups of
+    four requests on one document, three questions and a continuation; documents of 4K-16K
+    tokens, fitted with their questions and outputs into `context` tokens."""
+    rng = random.Random(seed)
+    requests: list[WorkloadRequest] = []
+    while len(requests) < n:
+        new = [rng.randint(256, 1024) for _ in range(4)]
+        longest = min(16384, context - max(new) - 64)  # room for a question and the output
+        target = rng.randint(min(4096, longest), longest)
+        start, ids = rng.randrange(len(articles)), []
+        for k in range(start, start + len(articles)):
+            ids += tokenizer.encode(articles[k % len(articles)] + "\n\n")
+            if len(ids) >= target:
+                break
+        document = tokenizer.decode(ids[:target])
+        prompts = [f"{document}\nTask: {q}\nAnswer:" for q in LONG_QUESTIONS] + [document]
+        for kind, prompt, m in zip(("question",) * 3 + ("continue",), prompts, new, strict=True):
+            if len(requests) < n:
+                requests.append(WorkloadRequest(kind, prompt, m))
+    return requests
+
+
 WORKLOADS = {
     "mixed": "the mixed requests, all submitted at once",
     "online": "the mixed requests with Poisson arrivals at a fraction of measured capacity",
     "shared": "requests with shared beginnings (documents asked several questions, one "
     "instruction block, repeated samples), all submitted at once",
+    "long": "decode-bound requests on 4K-16K-token documents, 256-1,024 new tokens, all "
+    "submitted at once",
 }
 
 
 def build_workload(
-    name: str, tokenizer, articles: list[str], n: int, seed: int
+    name: str, tokenizer, articles: list[str], n: int, seed: int, context: int = 16384
 ) -> list[WorkloadRequest]:
-    """The requests of workload `name` (a key of WORKLOADS)."""
+    """The requests of built-in workload `name` (a key of WORKLOADS); `context`: the
+    model's, which the `long` workload's documents fit in."""
+    if name == "long":
+        return long(tokenizer, articles, n, seed=seed, context=context)
     make = shared if name == "shared" else mixed
     return make(tokenizer, articles, n, seed=seed)
 
