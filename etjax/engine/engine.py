@@ -447,8 +447,8 @@ class Engine:
     def _release(self, seq: Sequence) -> None:
         if seq.pages:
             # What its pages hold: a prefilling sequence its prefilled context; a resident
-            # one every token but the last it sampled (a token is written when the model
-            # runs on it, in the step after it was sampled).
+            # one every token it sampled but perhaps the last (a step samples a token and runs
+            # the model on it, except on a token that finishes the row).
             tokens = seq.prompt + list(seq.output.token_ids)
             written = seq.prefilled
             if seq.status is Status.RUNNING:
