@@ -12,9 +12,10 @@ import pytest
 
 import etjax
 from etjax.bench.ablation import BenchPlan
+from etjax.bench.accelerators import ACCELERATORS, predicted_tokens_per_s
 from etjax.bench.measure import _request_record, summarise
 from etjax.bench.reference import _until_stop
-from etjax.bench.report import additivity, relative_table
+from etjax.bench.report import additivity, cost_table, relative_table
 from etjax.bench.text_metrics import corpus_bleu, rouge_l
 from etjax.bench.workload_file import read_workload_file, workload_label
 from etjax.bench.workloads import build_workload, long, mixed, poisson_arrivals, shared
@@ -164,6 +165,41 @@ def test_summary_figures_by_hand():
     assert s["dtau_dc_per_gb"] == pytest.approx(4.0 / 4.0)
     assert s["kept_fraction"] == pytest.approx((9 * 1.0 + 29 * 0.5) / 38)
     assert s["kv_mb_per_token"] == pytest.approx(10e6 / 40 / 1e6)
+
+
+def test_bytes_and_flops_per_token_by_hand_and_their_roofline():
+    # 40 tokens in 20 model passes of a 200 MB model: 100 MB of weights per token; 10 MB of KV
+    # (0.25 MB per token) at 1 kB per key is 10^4 keys; 50 tokens run (10 drafted) at 1 GFLOP
+    # each, plus 1 kFLOP per key: 5.001e10 FLOPs, 1.25025 GFLOP per generated token.
+    requests = [
+        _request(2.0, 0.5, 10, 3.0, 1e9, 1.0, 9, 4e6),
+        _request(4.0, 1.5, 30, 1.0, 3e9, 0.5, 29, 6e6) | {"drafted_tokens": 10.0},
+    ]
+    run = {
+        "throughput_tok_s": 7.0,
+        "host_ms_per_step": 1.0,
+        "model_passes": 20,
+        "cost": {
+            "weight_bytes": 2e8,
+            "matmul_flops_per_token": 1e9,
+            "attention_flops_per_key": 1e3,
+            "kv_bytes_per_key": 1e3,
+        },
+        "requests": requests,
+    }
+    s = summarise(run)
+    assert s["weight_mb_per_token"] == pytest.approx(100.0)
+    assert s["gflop_per_token"] == pytest.approx(1.25025)
+    v5e = ACCELERATORS[0]
+    # Memory-bound: 819 MB per token at 819 GB/s; compute-bound: 1.97 TFLOP at 197 TFLOP/s.
+    assert predicted_tokens_per_s(v5e, 819e6, 1e9) == pytest.approx(1000.0)
+    assert predicted_tokens_per_s(v5e, 1.0, 1.97e12) == pytest.approx(100.0)
+    raw = {"summary": {"baseline": [s], "other": [s | {"kv_mb_per_token": 0.0}]}}
+    table = cost_table(raw)
+    # 100.25 MB (10 MB of KV over 40 tokens) and 1.25 GFLOP per token: memory-bound on all
+    # three; an H100 reads it 3,350e9 / 100.25e6 = 33,416 times a second.
+    assert "| baseline | 100.0 | 0.2 | 1.25 | 1.00 | 8,170 | 16,359 | 33,416 |" in table
+    assert "roofline model, not a measurement" in table
 
 
 def _summary(latency, throughput, dtau):

@@ -113,6 +113,14 @@ def measure(
         "device_ms_per_step": 1e3 * engine.device_seconds / steps,
         "compile_s": CompileClock.seconds - compiled_before[0],
         "programs_compiled": CompileClock.programs - compiled_before[1],
+        "model_passes": engine.model_passes,
+        # The model's per-token constants, for the bytes and FLOPs per generated token.
+        "cost": {
+            "weight_bytes": cost.weight_bytes,
+            "matmul_flops_per_token": cost.matmul_flops_per_token,
+            "attention_flops_per_key": cost.attention_flops_per_key,
+            "kv_bytes_per_key": cost.kv_bytes_per_key,
+        },
         "requests": requests,
     }
 
@@ -178,4 +186,22 @@ def summarise(run: dict) -> dict:
         "acceptance_rate": accepted / max(sum(drafted), 1.0),
         # Drafted tokens accepted per pass that verified drafts.
         "mean_accepted_length": accepted / max(sum(r.get("verify_steps", 0.0) for r in reqs), 1.0),
+    } | _cost_per_token(run, tokens, sum(drafted))
+
+
+def _cost_per_token(run: dict, tokens: int, drafted: float) -> dict:
+    # Bytes and FLOPs per generated token: the weights once per model pass (shared by the
+    # pass's rows), the KV each token's pass read, the products for every token run (drafts
+    # included) and attention over the keys read. What etjax/bench/accelerators.py models.
+    cost = run.get("cost")
+    if cost is None:  # a record from before these figures
+        return {}
+    tokens = max(tokens, 1)
+    kv = sum(r["kv_bytes"] for r in run["requests"])
+    keys = kv / cost["kv_bytes_per_key"]
+    flops = cost["matmul_flops_per_token"] * (tokens + drafted)
+    flops += cost["attention_flops_per_key"] * keys
+    return {
+        "weight_mb_per_token": cost["weight_bytes"] * run["model_passes"] / tokens / 1e6,
+        "gflop_per_token": flops / tokens / 1e9,
     }

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import statistics
 
+from etjax.bench.accelerators import ACCELERATORS, predicted_tokens_per_s
+
 # summary key -> (column title, format, higher is better)
 TIMED = {
     "latency_mean_s": ("latency mean s", "{:.1f}", False),
@@ -141,6 +143,36 @@ def additivity(raw: dict) -> str:
     return "\n".join(lines)
 
 
+def cost_table(raw: dict) -> str:
+    """Per generated token: bytes and FLOPs as measured, and what a roofline model of named
+    accelerators makes of them (etjax/bench/accelerators.py). Empty for records without them."""
+    meds = medians(raw)
+    if not all("weight_mb_per_token" in m for m in meds.values()):
+        return ""
+    chips = [f"{chip.name} tok/s (model)" for chip in ACCELERATORS]
+    head = ["weights MB / token", "KV MB / token", "GFLOP / token", "passes / token", *chips]
+    lines = ["| config | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    for name, m in meds.items():
+        nbytes = (m["weight_mb_per_token"] + m["kv_mb_per_token"]) * 1e6
+        flops = m["gflop_per_token"] * 1e9
+        cells = [
+            f"{m['weight_mb_per_token']:.1f}",
+            f"{m['kv_mb_per_token']:.1f}",
+            f"{m['gflop_per_token']:.2f}",
+            f"{m.get('passes_per_token', 1.0):.2f}",
+        ]
+        cells += [f"{predicted_tokens_per_s(chip, nbytes, flops):,.0f}" for chip in ACCELERATORS]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return (
+        "\n".join(lines)
+        + "\n\nThe accelerator columns are a roofline model, not a measurement: tokens/s = "
+        "1 / max(bytes / bandwidth, FLOPs / peak) at published peaks (TPU v5e 819 GB/s, "
+        "197 TFLOP/s; TPU v6e 1,640 GB/s, 918 TFLOP/s; H100 SXM 3,350 GB/s, 989 TFLOP/s), "
+        "with this run's bytes in its dtype and its batching."
+    )
+
+
 def markdown(raw: dict) -> str:
-    """Both tables and the additivity lines."""
-    return "\n\n".join([absolute_table(raw), relative_table(raw), additivity(raw)])
+    """The tables and the additivity lines."""
+    parts = [absolute_table(raw), relative_table(raw), additivity(raw), cost_table(raw)]
+    return "\n\n".join(p for p in parts if p)

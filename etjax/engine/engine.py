@@ -132,6 +132,7 @@ class Engine:
         self.round = 0
         self.decode_rounds = 0  # rounds that decoded
         self.decode_bursts = 0  # device decode calls (a round may run several)
+        self.model_passes = 0  # model passes that gave decoding rows tokens (weights read)
         self.host_seconds = 0.0  # scheduler and collection time, excluding device calls
         self.device_seconds = 0.0
 
@@ -376,6 +377,7 @@ class Engine:
         if batch:
             self.decode_rounds += 1
             self.decode_bursts += 1
+            self.model_passes += 1
             if any(drafts):
                 committed = np.asarray(out.emitted).sum(axis=0)
                 for j, seq in enumerate(batch):
@@ -484,6 +486,7 @@ class Engine:
         )
         elapsed = time.perf_counter() - started
         self.decode_bursts += 1
+        self.model_passes += int(np.any(out.emitted, axis=1).sum())  # steps that ran
         self._collect(batch, out, budgets)
         return elapsed
 
