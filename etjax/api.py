@@ -97,6 +97,7 @@ def decode(
     pruning: PruningConfig | bool = False,
     speculation: SpeculationConfig | bool = False,
     prefix_cache: bool = True,
+    kv_dtype: str = "model",
     mesh: str = "1x1",
     on_text: Callable[[int, str], None] | None = None,
     progress: bool = False,
@@ -131,6 +132,8 @@ def decode(
       prefix_cache: requests (and the n samples of a prompt) whose prompts start alike share
         the KV pages of that beginning: it is prefilled once, by the first of them. The
         cache lives for this call; outputs are the same with it off.
+      kv_dtype: of the KV cache: "model" (the weights' dtype), "float32" or "bfloat16" (half
+        the memory per token of context; keys and values rounded, attention in float32).
       mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(result_index, text_piece)` while text is produced (the
@@ -176,6 +179,7 @@ def decode(
         mesh=mesh,
         speculation=speculation,
         prefix_cache=flag("prefix_cache", prefix_cache),
+        kv_dtype=kv_dtype,
     )
     model = _resolve_model(model, dtype)
     options = dataclasses.replace(options, calibration=model.calibration)

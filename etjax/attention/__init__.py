@@ -1,8 +1,10 @@
 """The attention seam: the model calls `attend`, the engine describes the work with a plan.
 
 - `plan.py`: `AttentionPlan` (what a step's tokens attend to, as device arrays) and the host
-  builders: `plan_segments` for a ragged batch of sequences, `padded_batch_plan` for a
-  padded [rows, tokens] batch.
+  builders: `plan_segments` for a ragged batch of sequences, `plan_decode` for decode rows
+  (reading shared prefixes once), `padded_batch_plan` for a padded [rows, tokens] batch.
+- `cascade.py`: `shared_prefixes`, which decode rows start with the same pages and read them
+  once, stacked (cascade attention).
 - `backend.py`: `AttentionBackend`, the kernels a step runs, and `resolve_backend`, which
   picks them by platform.
 - `seam.py`: `attend`, which runs a plan.
@@ -19,6 +21,7 @@ from etjax.attention.plan import (
     AttentionPlan,
     PlanSizes,
     padded_batch_plan,
+    plan_decode,
     plan_passes,
     plan_segments,
 )
@@ -34,6 +37,7 @@ __all__ = [
     "attend",
     "kept_table_width",
     "padded_batch_plan",
+    "plan_decode",
     "plan_passes",
     "plan_segments",
     "pruned_decode_attention",

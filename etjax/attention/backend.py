@@ -41,6 +41,13 @@ class AttentionBackend:
 
         return ragged_attention_xla(q, k_pages, v_pages, positions, passes, chunk, window)
 
+    @property
+    def reads_shared_prefixes(self) -> bool:
+        """Whether its dense kernel merges a token's tiles from several passes, so decode rows
+        can read a shared prefix once (etjax/attention/cascade.py): the XLA kernel does (and
+        runs a TPU's dense steps); the Triton one adds its passes' outputs."""
+        return self.name != "pallas_gpu"
+
     def block_sparse(self):
         """The block-sparse decode kernel of pruned steps (pallas_kernels/block_sparse)."""
         if self.name == "pallas_tpu":

@@ -19,10 +19,13 @@ import flax.struct
 import numpy as np
 
 from etjax.attention.backend import XLA, AttentionBackend
+from etjax.attention.cascade import SHARED_Q_TILE, shared_prefixes
 from pallas_kernels.ragged_attention.work_items import (
     Segment,
+    SharedPrefix,
     TilePass,
     build_pass,
+    build_shared_pass,
     items_capacity,
 )
 
@@ -78,14 +81,43 @@ class PlanSizes:
     page_size: int
     passes: tuple[PassShape, ...]
     chunk: int = CHUNK
+    # The pass that reads decode rows' shared prefixes once for all of them (cascade.py),
+    # after `passes`; None: every row reads its own pages.
+    shared: PassShape | None = None
 
     @staticmethod
-    def decode(rows: int, num_pages: int, page_size: int, q_tile: int = 1) -> PlanSizes:
+    def decode(
+        rows: int,
+        num_pages: int,
+        page_size: int,
+        q_tile: int = 1,
+        *,
+        max_seq_pages: int = 0,
+        pages_shared: bool = False,
+        cascade: bool = False,
+    ) -> PlanSizes:
         """One token per row of `rows` (or up to `q_tile`: a token and its drafts), over a
-        pool of `num_pages` pages: the rows' pages are disjoint, so their items number at most
-        num_pages / kv_tile + rows."""
-        items = items_capacity(num_pages // DECODE_KV_TILE + rows, CHUNK)
-        return PlanSizes(page_size, (PassShape(q_tile, DECODE_KV_TILE, rows, items),))
+        pool of `num_pages` pages. Rows whose pages are disjoint have at most
+        num_pages / kv_tile + rows items; with `pages_shared` (a prefix cache: rows may hold
+        the same pages) the bound is per row, from `max_seq_pages`, the longest page list a
+        row can have. `cascade`, with one-token rows, two or more of them: also a shared pass
+        of up to half the rows' worth of shared prefixes, each at most max_seq_pages long."""
+        if (pages_shared or cascade) and not max_seq_pages:
+            raise ValueError("pages_shared and cascade need max_seq_pages")
+        items = num_pages // DECODE_KV_TILE + rows
+        if pages_shared:
+            items = rows * (max_seq_pages // DECODE_KV_TILE + 1)
+        items = items_capacity(items, CHUNK)
+        shared = None
+        if cascade and q_tile == 1 and rows >= 2:
+            tiles = rows // 2
+            shared_items = tiles * (min(max_seq_pages, num_pages) // DECODE_KV_TILE)
+            shared = PassShape(
+                SHARED_Q_TILE, DECODE_KV_TILE, tiles, items_capacity(shared_items, CHUNK)
+            )
+        return PlanSizes(
+            page_size, (PassShape(q_tile, DECODE_KV_TILE, rows, items),), shared=shared
+        )
 
     @staticmethod
     def prefill(num_tokens: int, rows: int, max_seq_pages: int, page_size: int) -> PlanSizes:
@@ -162,6 +194,30 @@ def plan_segments(
     return plan_passes(sizes.route(segments), num_tokens, sizes, backend, window)
 
 
+def plan_decode(
+    segments: Sequence[Segment],
+    num_tokens: int,
+    sizes: PlanSizes,
+    backend: AttentionBackend = XLA,
+    window: int = 0,
+) -> AttentionPlan:
+    """The plan of one-token decode `segments` (sizes from `PlanSizes.decode`): with a shared
+    pass, rows that start with the same pages read them once there (cascade.py) in global
+    layers; local layers read each row's window on its own."""
+    shape = sizes.shared
+    if shape is None:
+        return plan_segments(segments, num_tokens, sizes, backend, window)
+    own, prefixes = shared_prefixes(
+        segments,
+        sizes.page_size,
+        shape.kv_tile,
+        shape.q_tile,
+        max_prefixes=shape.max_tiles,
+        max_items=shape.max_items,
+    )
+    return plan_passes([own], num_tokens, sizes, backend, window, [segments], prefixes)
+
+
 def plan_passes(
     groups: Sequence[Sequence[Segment]],
     num_tokens: int,
@@ -169,15 +225,20 @@ def plan_passes(
     backend: AttentionBackend = XLA,
     window: int = 0,
     local_groups: Sequence[Sequence[Segment]] | None = None,
+    shared: Sequence[SharedPrefix] = (),
 ) -> AttentionPlan:
     """The plan of a flat batch whose segments are already grouped by pass (a one-token
     prefill chunk belongs with the chunks, not the decode rows, whose tiles are counted).
     `local_groups`: what the local layers' passes list when it differs from `groups` (under
     pruning, the pruned rows read their window densely in local layers, and their global
-    layers take the pruned path outside the plan)."""
+    layers take the pruned path outside the plan). `shared`: the prefixes of `sizes.shared`'s
+    pass (the global layers'; the local layers' is empty), whose rows' segments in `groups`
+    skip them."""
 
-    def passes(groups: Sequence[Sequence[Segment]], window: int) -> tuple[TilePass, ...]:
-        return tuple(
+    def passes(
+        groups: Sequence[Sequence[Segment]], window: int, shared: Sequence[SharedPrefix]
+    ) -> tuple[TilePass, ...]:
+        built = tuple(
             build_pass(
                 group,
                 page_size=sizes.page_size,
@@ -190,12 +251,27 @@ def plan_passes(
             )
             for group, shape in zip(groups, sizes.passes, strict=True)
         )
+        shape = sizes.shared
+        if shape is None:
+            if shared:
+                raise ValueError("shared prefixes given to a plan without a shared pass")
+            return built
+        shared_pass = build_shared_pass(
+            shared,
+            page_size=sizes.page_size,
+            q_tile=shape.q_tile,
+            kv_tile=shape.kv_tile,
+            num_tokens=num_tokens,
+            max_tiles=shape.max_tiles,
+            max_items=shape.max_items,
+        )
+        return (*built, shared_pass)
 
     return AttentionPlan(
-        passes=passes(groups, 0),
+        passes=passes(groups, 0, shared),
         chunk=sizes.chunk,
         backend=backend,
-        local=passes(groups if local_groups is None else local_groups, window)
+        local=passes(groups if local_groups is None else local_groups, window, ())
         if window > 0
         else None,
         window=window,

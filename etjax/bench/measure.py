@@ -89,7 +89,7 @@ def measure(
         options,
         workload_pages(prompts, settings, options),
     )
-    cost = CostModel.for_model(model.config, options.page_size)
+    cost = CostModel.for_model(model.config, options.page_size, options.kv_cache_dtype)
     CompileClock.start()
     compiled_before = CompileClock.seconds, CompileClock.programs
     start = time.perf_counter()

@@ -108,13 +108,15 @@ class Prefilled:
     prefix: int  # tokens prefilled; the rest are scored
 
 
-def prefill_documents(model, docs: list[list[int]]) -> Prefilled:
-    """Prefill all but the last `EVAL_TOKENS` tokens of every document (equal lengths)."""
+def prefill_documents(model, docs: list[list[int]], kv_dtype: str | None = None) -> Prefilled:
+    """Prefill all but the last `EVAL_TOKENS` tokens of every document (equal lengths), into a
+    cache of `kv_dtype` ("float32", "bfloat16"; None: the model's dtype)."""
     cfg = model.config
     rows, total = len(docs), len(docs[0])
     prefix = total - EVAL_TOKENS
     pages = -(-total // PAGE)
-    cache = init_kv_cache(cfg, rows * pages + 1, PAGE, rows, pages)  # mass: row b is doc b
+    # Block mass: row b is document b.
+    cache = init_kv_cache(cfg, rows * pages + 1, PAGE, rows, pages, kv_dtype)
     table = (1 + np.arange(rows * pages)).reshape(rows, pages).astype(np.int32)
     logits = np.zeros((rows, cfg.vocab_size), np.float32)
     for first in range(0, rows, PREFILL_ROWS):

@@ -108,27 +108,44 @@ def cache_from_pool(pool: PagePool) -> KVCache:
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
 def init_kv_cache(
-    cfg: ModelConfig, num_pages: int, page_size: int, mass_rows: int = 1, mass_width: int = 1
+    cfg: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    mass_rows: int = 1,
+    mass_width: int = 1,
+    dtype: str | None = None,
 ) -> KVCache:
     """Zero-filled cache with `num_pages` pages per layer (page 0 included) of `page_size`
     tokens (one compiled program per size), and a block mass for `mass_rows` rows of
-    `mass_width` blocks (pruning that ranks blocks by mass; the default keeps none)."""
+    `mass_width` blocks (pruning that ranks blocks by mass; the default keeps none).
+    dtype: of the keys and values ("float32", "bfloat16"); None: the model's."""
     layers, heads = cfg.num_layers, cfg.num_kv_heads
     bounds = (layers, num_pages, heads, cfg.head_dim)
+    pages = (layers, num_pages, heads, page_size, cfg.head_dim)
+    kv_dtype = kv_jnp_dtype(cfg, dtype)
     return KVCache(
-        k=jnp.zeros((layers, num_pages, heads, page_size, cfg.head_dim), cfg.jnp_dtype),
-        v=jnp.zeros((layers, num_pages, heads, page_size, cfg.head_dim), cfg.jnp_dtype),
+        k=jnp.zeros(pages, kv_dtype),
+        v=jnp.zeros(pages, kv_dtype),
         k_min=jnp.full(bounds, jnp.inf, jnp.float32),
         k_max=jnp.full(bounds, -jnp.inf, jnp.float32),
         block_mass=jnp.zeros((layers, mass_rows, mass_width, heads), jnp.float32),
     )
 
 
-def kv_cache_bytes(cfg: ModelConfig, num_pages: int, page_size: int) -> int:
-    """Device bytes a cache of this size occupies."""
-    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.jnp_dtype.itemsize
+def kv_jnp_dtype(cfg: ModelConfig, dtype: str | None = None) -> jnp.dtype:
+    """The keys' and values' dtype: `dtype` ("float32", "bfloat16") or, None, the model's."""
+    return cfg.jnp_dtype if dtype is None else jnp.dtype(dtype)
+
+
+def kv_cache_bytes(
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype: str | None = None
+) -> int:
+    """Device bytes a cache of this size occupies (keys and values of `dtype`, None: the
+    model's)."""
+    itemsize = kv_jnp_dtype(cfg, dtype).itemsize
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
     return num_pages * page_size * per_token
 
 
@@ -149,8 +166,11 @@ def write_kv(
     page_size = pool.k.shape[2]
     slot = jnp.where(pages == NULL_PAGE, 0, positions % page_size)
     pages = pages + first_page
+    # The bounds are of the keys as stored (rounded to a narrower cache dtype), so they bound
+    # what attention reads.
+    k_new = k_new.astype(pool.k.dtype)
     # Advanced indices on axes 0 and 2 around the head slice put [T] first: [T, KVH, hd].
-    k = pool.k.at[pages, :, slot].set(k_new.astype(pool.k.dtype), mode="drop")
+    k = pool.k.at[pages, :, slot].set(k_new, mode="drop")
     v = pool.v.at[pages, :, slot].set(v_new.astype(pool.v.dtype), mode="drop")
     k_min, k_max = update_key_bounds(pool.k_min, pool.k_max, k_new, pages, slot)
     return pool.replace(k=k, v=v, k_min=k_min, k_max=k_max)

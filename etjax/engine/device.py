@@ -23,8 +23,8 @@ import numpy as np
 from etjax.attention import (
     PlanSizes,
     kept_table_width,
+    plan_decode,
     plan_passes,
-    plan_segments,
     resolve_backend,
 )
 from etjax.cache.kv_cache import forget_row_mass, init_kv_cache
@@ -80,7 +80,7 @@ class DeviceBackend:
     ) -> None:
         self.cfg, self.options = cfg, options
         self.vocab_size = cfg.vocab_size  # token ids the engine accepts
-        self.cost = CostModel.for_model(cfg, options.page_size)
+        self.cost = CostModel.for_model(cfg, options.page_size, options.kv_cache_dtype)
         self.num_pages = num_pages
         self.rows = options.resident_rows
         self.eos_ids = eos_ids or (-1,)
@@ -89,7 +89,8 @@ class DeviceBackend:
         # sharded once here, and every program keeps those shardings (etjax/distributed).
         self.placement = None if shape.size == 1 else Placement(make_mesh(shape))
         self.weights = weights
-        check_fits(cfg, num_pages, options.page_size, self.rows)  # before allocating anything
+        # Before allocating anything.
+        check_fits(cfg, num_pages, options.page_size, self.rows, kv_dtype=options.kv_cache_dtype)
         # The longest page list a sequence can have: the model's context or the pool.
         self.max_seq_pages = min(
             pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
@@ -107,6 +108,7 @@ class DeviceBackend:
             options.page_size,
             self.rows + 1 if by_mass else 1,
             self.pruned_table_width if by_mass else 1,
+            options.kv_cache_dtype,
         )
         self.store = _empty_store(cfg, self.rows + 1, self.eos_ids)
         if self.placement is not None:
@@ -263,7 +265,7 @@ class DeviceBackend:
     def _mixed_sizes(self, num_tokens: int, width: int) -> tuple[PlanSizes, PlanSizes]:
         # The decoding rows' pass and the chunks' passes of a step of `num_tokens` tokens.
         opts = self.options
-        decode = PlanSizes.decode(width, self.num_pages, opts.page_size)
+        decode = self._decode_sizes(width)
         prefill = PlanSizes.prefill(
             num_tokens, self.prefill_rows, self.max_seq_pages, opts.page_size
         )
@@ -274,7 +276,21 @@ class DeviceBackend:
         # reading its pages once for all of them.
         opts = self.options
         tile = next_power_of_two(1 + opts.speculation.max_draft)
-        return PlanSizes.decode(width, self.num_pages, opts.page_size, q_tile=tile)
+        return self._decode_sizes(width, q_tile=tile)
+
+    def _decode_sizes(self, rows: int, q_tile: int = 1, cascade: bool = False) -> PlanSizes:
+        # A decode pass of `rows` rows; with the prefix cache, rows may hold the same pages,
+        # so its capacity is per row rather than the pool's.
+        opts = self.options
+        return PlanSizes.decode(
+            rows,
+            self.num_pages,
+            opts.page_size,
+            q_tile,
+            max_seq_pages=self.max_seq_pages,
+            pages_shared=opts.prefix_cache,
+            cascade=cascade,
+        )
 
     def _prefill_cost(self, job: PrefillJob, num_jobs: int) -> tuple[float, float]:
         cost = self.cost
@@ -378,8 +394,14 @@ class DeviceBackend:
             Segment(j, 1, n, n + k - 1, p[: pages_needed(n + k, ps)])
             for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
         ]
-        sizes = PlanSizes.decode(num, self.num_pages, ps)
         window = self.cfg.attention_window
+        # Dense bursts read the rows' shared prefixes once (etjax/attention/cascade.py).
+        cascade = (
+            opts.prefix_cache
+            and not opts.pruning.enabled
+            and self.attention_backend.reads_shared_prefixes
+        )
+        sizes = self._decode_sizes(num, cascade=cascade)
         if opts.pruning.enabled:
             table, max_kept = self._pruned_tables(pages, [n + k for n in lengths], budgets, num)
             base = np.zeros(num, np.int32)
@@ -398,7 +420,7 @@ class DeviceBackend:
                 + [[]] * (num - len(rows)),
                 width,
             )
-            plan = plan_segments(segments, num, sizes, self.attention_backend, window)
+            plan = plan_decode(segments, num, sizes, self.attention_backend, window)
         self.store, self.cache, out = decode_steps(
             self.weights,
             self.cache,

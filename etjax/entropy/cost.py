@@ -44,16 +44,18 @@ class CostModel:
     window_keys: float = 0.0
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, page_size: int) -> CostModel:
+    def for_model(cls, cfg: ModelConfig, page_size: int, kv_dtype: str | None = None) -> CostModel:
+        """kv_dtype: the KV cache's ("float32", "bfloat16"); None: the model's dtype."""
         d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         per_layer = d * cfg.qkv_size + cfg.num_heads * cfg.head_dim * d + 3 * d * f
         matmul_params = cfg.num_layers * per_layer + d * v  # the LM head, tied or not
         itemsize = cfg.jnp_dtype.itemsize
+        kv_itemsize = itemsize if kv_dtype is None else jnp.dtype(kv_dtype).itemsize
         return cls(
             matmul_flops_per_token=2.0 * matmul_params,
             attention_flops_per_key=4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
             weight_bytes=float(cfg.num_parameters * itemsize),
-            kv_bytes_per_key=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize,
+            kv_bytes_per_key=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize,
             page_size=page_size,
             num_layers=cfg.num_layers,
             num_local_layers=len(cfg.local_layers),

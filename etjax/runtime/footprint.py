@@ -19,12 +19,15 @@ from etjax.model.config import ModelConfig
 _GIB = 2**30
 
 
-def engine_bytes(cfg: ModelConfig, num_pages: int, page_size: int, rows: int) -> dict[str, int]:
-    """Device bytes of the KV pool (pages, plus the per-page key bounds and block mass) and
-    of the row store (logits, output counts and prompt mask per row: three [rows, V] arrays)."""
+def engine_bytes(
+    cfg: ModelConfig, num_pages: int, page_size: int, rows: int, kv_dtype: str | None = None
+) -> dict[str, int]:
+    """Device bytes of the KV pool (pages of `kv_dtype`, None: the model's, plus the per-page
+    key bounds and block mass) and of the row store (logits, output counts and prompt mask per
+    row: three [rows, V] arrays)."""
     bounds = num_pages * cfg.num_layers * cfg.num_kv_heads * (2 * cfg.head_dim + 1) * 4
     return {
-        "kv_cache": kv_cache_bytes(cfg, num_pages, page_size) + bounds,
+        "kv_cache": kv_cache_bytes(cfg, num_pages, page_size, kv_dtype) + bounds,
         "row_state": (rows + 1) * cfg.vocab_size * (4 + 4 + 1),
     }
 
@@ -49,10 +52,15 @@ def free_device_bytes(device: jax.Device | None = None) -> int | None:
 
 
 def check_fits(
-    cfg: ModelConfig, num_pages: int, page_size: int, rows: int, free: int | None = None
+    cfg: ModelConfig,
+    num_pages: int,
+    page_size: int,
+    rows: int,
+    free: int | None = None,
+    kv_dtype: str | None = None,
 ) -> None:
     """Raise ConfigError naming the settings when the engine would not fit in memory."""
-    need = engine_bytes(cfg, num_pages, page_size, rows)
+    need = engine_bytes(cfg, num_pages, page_size, rows, kv_dtype)
     free = free_device_bytes() if free is None else free
     total = sum(need.values())
     if free is None or total <= free:

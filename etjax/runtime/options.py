@@ -14,6 +14,7 @@ from etjax.pruning.config import PruningConfig
 from etjax.request_fields import RequestSettings as RequestSettings  # where the engine reads it
 
 POLICIES = ("fcfs", "priority", "entropic")
+KV_DTYPES = ("model", "float32", "bfloat16")
 MAX_PAGE_SIZE = 1024
 
 
@@ -56,6 +57,11 @@ class RuntimeOptions:
       (etjax/cache/prefix_cache.py): a prompt whose first pages an earlier or running
       request holds, or left behind, prefills only the rest. Cached pages live as long as
       the engine, evicted least recently used when the pool needs them.
+    kv_dtype: of the cached keys and values: "model" (the model's dtype), "float32" or
+      "bfloat16". bfloat16 halves the cache's memory (twice the context per GiB) and the
+      bytes each step reads; attention still computes in float32. On a CPU it is slower:
+      XLA:CPU gathers bfloat16 pages no faster than float32 ones and converts them
+      (docs/PERF.md, "kv_dtype").
     """
 
     page_size: int = 16
@@ -76,10 +82,13 @@ class RuntimeOptions:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     calibration: Calibration | None = None
     prefix_cache: bool = True
+    kv_dtype: str = "model"
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_cache, bool):
             raise FieldError("prefix_cache", self.prefix_cache, "true or false")
+        if self.kv_dtype not in KV_DTYPES:
+            raise FieldError("kv_dtype", self.kv_dtype, f"one of {KV_DTYPES}")
         if self.policy not in POLICIES:
             raise FieldError("policy", self.policy, f"one of {POLICIES}")
         for name in (
@@ -133,6 +142,11 @@ class RuntimeOptions:
                 f">= max_batch_size={self.max_batch_size}: every batch slot needs a resident "
                 "sequence",
             )
+
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        """`kv_dtype` as the cache takes it: None for the model's own dtype."""
+        return None if self.kv_dtype == "model" else self.kv_dtype
 
     @property
     def mesh_shape(self) -> MeshShape:

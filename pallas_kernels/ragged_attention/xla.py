@@ -20,6 +20,12 @@ tile (a static size):
   diagonal) skips the mask, a select over the whole score tile before the max and another
   after the exponential.
 
+A token may be in a tile of more than one pass: a decode row whose first pages other rows
+share reads them in a shared pass, one tile for all those rows, and the rest in its own
+(cascade attention, work_items.py). Each pass returns its tiles' outputs with their
+log-sum-exps, and the passes are merged token by token through them; a token in one tile
+gets that tile's output unchanged (its weight is exp(0) = 1, the others' exp(-inf) = 0).
+
 Items never cross sequences, so each token only reads its own sequence's pages, and only those
 at or before its position (the causal part of a prefill chunk, the real length of a decode
 row). Loop shapes are fixed by the capacities, so one program serves every mix of lengths.
@@ -63,13 +69,25 @@ def ragged_attention_xla(
     positions (0: none). Returns [T, H, hd] in q's dtype; tokens in no tile get zeros."""
     t, h, hd = q.shape
     out = jnp.zeros((t, h, hd), jnp.float32)
+    lse = jnp.full((t, h), _MASKED, jnp.float32)
     for tile_pass in passes:
         wide = tile_pass.tile_tokens.shape[1] >= TILE_LOOP_MIN_QUERIES
         run = _tile_loop_pass if wide else _item_chunk_pass
-        part = run(q, k_pages, v_pages, q_positions, tile_pass, chunk, window)
+        part, part_lse = run(q, k_pages, v_pages, q_positions, tile_pass, chunk, window)
         tokens = tile_pass.tile_tokens.reshape(-1)
-        out = out.at[tokens].add(part.reshape(-1, h, hd), mode="drop")
+        part = jnp.zeros_like(out).at[tokens].set(part.reshape(-1, h, hd), mode="drop")
+        part_lse = jnp.full_like(lse, _MASKED).at[tokens].set(part_lse.reshape(-1, h), mode="drop")
+        merged = jnp.logaddexp(lse, part_lse)
+        out = out * jnp.exp(lse - merged)[..., None] + part * jnp.exp(part_lse - merged)[..., None]
+        lse = merged
     return out.astype(q.dtype)
+
+
+def _normalised(best: jax.Array, norm: jax.Array, acc: jax.Array):
+    # A tile's softmax state -> its output and log-sum-exp (-inf-like where it saw no key).
+    seen = norm > 0
+    out = acc / jnp.where(seen, norm, 1.0)[..., None]
+    return out, jnp.where(seen, best + jnp.log(jnp.where(seen, norm, 1.0)), _MASKED)
 
 
 def visible_keys(key_pos: jax.Array, q_pos: jax.Array, window: jax.Array | int) -> jax.Array:
@@ -154,9 +172,8 @@ def _item_chunk_pass(
         raise ValueError(f"the chunk {chunk} is not a multiple of the tail chunk {tail}")
     rest = (num_items - full * chunk + tail - 1) // tail
     carry = jax.lax.fori_loop(0, rest, lambda i, c: trip(full * chunk + i * tail, tail, c), carry)
-    _, norm, acc = carry
-    out = acc / jnp.where(norm > 0, norm, 1.0)[..., None]
-    return out.reshape(nq, qt, h, hd)
+    out, lse = _normalised(*carry)
+    return out.reshape(nq, qt, h, hd), lse.reshape(nq, qt, h)
 
 
 def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int, window):
@@ -175,7 +192,8 @@ def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk
     num_tiles = jnp.sum(counts > 0)
     key_offsets = jnp.arange(kt * ps, dtype=jnp.int32)
 
-    def tile_body(j, out):
+    def tile_body(j, results):
+        out, lse = results
         tokens = tile_tokens[j]
         # The tile's queries as rows per KV head: [KVH, Qt * G, hd], pre-scaled.
         queries = q.astype(jnp.float32).at[tokens].get(mode="fill", fill_value=0.0)
@@ -234,10 +252,15 @@ def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk
             jnp.zeros((kvh, qt * g), jnp.float32),
             jnp.zeros((kvh, qt * g, hd), jnp.float32),
         )
-        _, norm, acc = jax.lax.fori_loop(first[j], first[j + 1], item_body, init)
-        tile_out = acc / jnp.where(norm > 0, norm, 1.0)[..., None]
+        tile_out, tile_lse = _normalised(
+            *jax.lax.fori_loop(first[j], first[j + 1], item_body, init)
+        )
         tile_out = tile_out.reshape(kvh, qt, g, hd).transpose(1, 0, 2, 3).reshape(qt, h, hd)
-        return jax.lax.dynamic_update_index_in_dim(out, tile_out, j, axis=0)
+        tile_lse = tile_lse.reshape(kvh, qt, g).transpose(1, 0, 2).reshape(qt, h)
+        return (
+            jax.lax.dynamic_update_index_in_dim(out, tile_out, j, axis=0),
+            jax.lax.dynamic_update_index_in_dim(lse, tile_lse, j, axis=0),
+        )
 
-    out = jnp.zeros((nq, qt, h, hd), jnp.float32)
-    return jax.lax.fori_loop(0, num_tiles, tile_body, out)
+    results = (jnp.zeros((nq, qt, h, hd), jnp.float32), jnp.full((nq, qt, h), _MASKED, jnp.float32))
+    return jax.lax.fori_loop(0, num_tiles, tile_body, results)

@@ -1,0 +1,79 @@
+"""A bfloat16 KV cache (`RuntimeOptions.kv_dtype`): its only difference from float32 is that
+keys and values are rounded when stored.
+
+The truth is transformers in float32 with its keys (after RoPE, as the cache holds them) and
+values rounded to bfloat16 by hooks: everything else (projections, softmax, accumulation)
+computes in float32 on both sides, so the engine's outputs with a bfloat16 cache must match
+that reference as closely as float32 ones match the plain one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import etjax
+from etjax.cache.kv_cache import kv_cache_bytes
+from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.entropy.estimators import exact_entropy
+from etjax.errors import FieldError
+
+PROMPT_LEN, NEW = 21, 10
+
+
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16).to(torch.float32)
+
+
+def _reference_logits(directory, ids: np.ndarray) -> np.ndarray:
+    """transformers' float32 logits [S, V] with keys and values rounded to bfloat16."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.llama import modeling_llama
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    for layer in model.model.layers:
+        layer.self_attn.v_proj.register_forward_hook(lambda _m, _i, out: _rounded(out))
+    rotate = modeling_llama.apply_rotary_pos_emb
+
+    def rotate_then_round(q, k, cos, sin, *args, **kwargs):
+        q, k = rotate(q, k, cos, sin, *args, **kwargs)
+        return q, _rounded(k)
+
+    modeling_llama.apply_rotary_pos_emb = rotate_then_round
+    try:
+        with torch.no_grad():
+            return model(torch.tensor(ids[None], dtype=torch.long)).logits[0].numpy()
+    finally:
+        modeling_llama.apply_rotary_pos_emb = rotate
+
+
+def test_bfloat16_cache_matches_transformers_with_rounded_keys_and_values(tiny_hf_dir):
+    directory = tiny_hf_dir("llama")
+    tiny = etjax.load_model(directory)
+    prompt = np.random.default_rng(3).integers(3, tiny.config.vocab_size, PROMPT_LEN).tolist()
+    # Chunked prefill, then decode bursts: both read keys the engine stored in bfloat16.
+    options = RuntimeOptions(page_size=4, steps_per_sync=4, prefill_chunk=8, kv_dtype="bfloat16")
+    settings = RequestSettings(max_new_tokens=NEW, ignore_eos=True)
+    (out,) = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, [prompt], [settings], options)
+
+    logits = _reference_logits(directory, np.array(prompt + out.token_ids))
+    predicting = logits[PROMPT_LEN - 1 : PROMPT_LEN - 1 + NEW]
+    np.testing.assert_array_equal(predicting.argmax(-1), out.token_ids)
+    np.testing.assert_allclose(out.entropy, exact_entropy(predicting), rtol=1e-4, atol=1e-5)
+    log_softmax = predicting - np.log(np.exp(predicting).sum(-1, keepdims=True))
+    expected = log_softmax[np.arange(NEW), out.token_ids]
+    np.testing.assert_allclose(out.logprob, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_bfloat16_cache_takes_half_the_bytes(tiny_hf_dir):
+    cfg = etjax.load_model(tiny_hf_dir("llama")).config
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+    assert kv_cache_bytes(cfg, 10, 4) == 10 * 4 * per_token * 4  # the model's float32
+    assert kv_cache_bytes(cfg, 10, 4, "bfloat16") == 10 * 4 * per_token * 2
+
+
+@pytest.mark.parametrize("value", ["float16", "bf16", None])
+def test_unknown_kv_dtype_is_refused_by_name(value):
+    with pytest.raises(FieldError, match="kv_dtype"):
+        RuntimeOptions(kv_dtype=value)
