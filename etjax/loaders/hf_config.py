@@ -54,7 +54,13 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
     if act != "silu":
         raise ModelLoadError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
     rope_theta = float(rope_params.get("rope_theta", field("rope_theta", 10000.0)))
-    max_positions = min(max_positions, _sliding_window_limit(raw, model_type) or max_positions)
+    windows: dict[str, Any] = {}
+    if architecture == "qwen3":
+        if field("attention_bias", False):
+            raise ModelLoadError(f"{source}: attention_bias=true is not supported for Qwen3")
+        windows = _qwen3_windows(raw, int(field("num_hidden_layers")), max_positions, source)
+    else:
+        max_positions = min(max_positions, _sliding_window_limit(raw, model_type) or max_positions)
 
     return ModelConfig(
         vocab_size=int(field("vocab_size")),
@@ -72,6 +78,7 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
         rope_scaling=_rope_scaling(raw, rope_params, source),
         dtype=dtype,
         architecture=architecture,
+        **windows,
     )
 
 
@@ -158,6 +165,29 @@ def _rope_scaling(raw: dict, rope_params: dict, source: str) -> Llama3RopeScalin
         raise ModelLoadError(
             f"{source}: llama3 rope_scaling lacks the field {e.args[0]!r}"
         ) from None
+
+
+def _qwen3_windows(raw: dict, num_layers: int, max_positions: int, source: str) -> dict:
+    # Qwen3's sliding-window layers (off unless `use_sliding_window`) are the ones `layer_types`
+    # marks, or else those from `max_window_layers` on, as transformers reads the config. A
+    # window as long as the context never binds, and is dropped.
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first = int(raw.get("max_window_layers", num_layers))
+        layer_types = [
+            "sliding_attention" if window and i >= first else "full_attention"
+            for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(
+            f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
+            f"of the {num_layers} layers"
+        )
+    local = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    if not local or not window or int(window) >= max_positions:
+        return {}
+    return dict(sliding_window=int(window), local_layers=local)
 
 
 def _sliding_window_limit(raw: dict, model_type: str) -> int | None:

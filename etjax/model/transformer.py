@@ -81,11 +81,13 @@ def forward(
 
     t, hd = tokens.shape[0], cfg.head_dim
     q_width, kv_width = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    # Local (sliding-window) layers rotate with their own base; a traced flag per layer.
+    # Local (sliding-window) layers rotate with their own base where the family says so
+    # (Gemma 3); a traced flag per layer.
     inv_freq = rope_inverse_frequencies(cfg)
     local_inv_freq = rope_inverse_frequencies(
         dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
     )
+    own_local_rope = bool(cfg.local_layers) and fam.local_rope
     is_local = jnp.asarray([i in cfg.local_layers for i in range(cfg.num_layers)])
 
     per_layer_qkv = [
@@ -99,7 +101,7 @@ def forward(
         x, pool = carry
         qkv = jax.lax.switch(index, per_layer_qkv, x)
         local = is_local[index]
-        freq = jnp.where(local, local_inv_freq, inv_freq) if cfg.local_layers else inv_freq
+        freq = jnp.where(local, local_inv_freq, inv_freq) if own_local_rope else inv_freq
         q = apply_rope(qkv[:, :q_width].reshape(t, cfg.num_heads, hd), positions, freq)
         k = apply_rope(
             qkv[:, q_width : q_width + kv_width].reshape(t, cfg.num_kv_heads, hd),

@@ -1,0 +1,141 @@
+"""Qwen3 (dense) against transformers, on a tiny random model written by the test.
+
+The model has 4 layers with grouped-query attention, a tied head, random q/k head-norm scales
+(ones would hide a missing or misplaced norm) and sliding windows of 8 positions on its last
+two layers (`use_sliding_window`), so most positions of those layers see only part of the
+context. Tolerance as in test_model_parity.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+import etjax
+from etjax.errors import ModelLoadError
+from etjax.loaders.hf_config import hf_config_to_model_config
+from tests.conftest import TINY_VOCAB, relative_error
+from tests.model_runner import full_logits
+
+TOLERANCE = 1e-4
+WINDOW = 8
+NEW_TOKENS = 32
+
+
+def tiny_qwen3_config(**overrides):
+    """transformers' own Qwen3 config of the tiny test model (shapes as the other tiny ones)."""
+    from transformers import Qwen3Config
+
+    fields = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=2,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    return Qwen3Config(**{**fields, **overrides})
+
+
+def save_tiny_model(config, directory, tokenizer, seed: int):
+    """A random float32 model of `config`, its norm scales random too, saved to `directory`
+    with `tokenizer`."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.copy_(1 + torch.randn_like(parameter) * 0.5)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory, hf_smollm2_tokenizer):
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    return save_tiny_model(tiny_qwen3_config(), directory, hf_smollm2_tokenizer, seed=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tiny_qwen3_dir):
+    return etjax.load_model(tiny_qwen3_dir, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_tiny_qwen3(tiny_qwen3_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+
+
+def test_tiny_qwen3_logits_match_transformers(tiny_qwen3, hf_tiny_qwen3):
+    cfg = tiny_qwen3.config
+    assert cfg.architecture == "qwen3" and cfg.tie_word_embeddings
+    assert cfg.local_layers == (2, 3) and cfg.sliding_window == WINDOW
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 64), dtype=np.int32)
+    with torch.no_grad():
+        reference = hf_tiny_qwen3(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    ours = full_logits(tiny_qwen3.weights, cfg, ids, page_size=4)
+    assert relative_error(ours, reference) < TOLERANCE
+
+    # The window and the head norms are visible in the logits: without either, far off.
+    no_window = dataclasses.replace(cfg, local_layers=(), sliding_window=0)
+    assert relative_error(full_logits(tiny_qwen3.weights, no_window, ids, 4), reference) > 1e-2
+    unnormed = [
+        dataclasses.replace(layer, q_norm=layer.q_norm * 0 + 1)
+        for layer in tiny_qwen3.weights.layers
+    ]
+    weights = dataclasses.replace(tiny_qwen3.weights, layers=tuple(unnormed))
+    assert relative_error(full_logits(weights, cfg, ids, 4), reference) > 1e-2
+
+
+def test_tiny_qwen3_greedy_decode_matches_transformers(tiny_qwen3, hf_tiny_qwen3):
+    # Through `decode()` (the engine: ragged prefill, cached decode steps in bursts), three
+    # prompts of different lengths together, 32 new tokens each.
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, TINY_VOCAB, size=n).tolist() for n in (5, 21, 40)]
+    texts = [tiny_qwen3.tokenizer.decode(p) for p in prompts]
+    results = etjax.decode(
+        texts, model=tiny_qwen3, max_new_tokens=NEW_TOKENS, ignore_eos=True, page_size=4
+    )
+    for result in results:
+        prompt = result.prompt_token_ids
+        with torch.no_grad():
+            generated = hf_tiny_qwen3.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+            )
+        assert result.token_ids == generated[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"attention_bias": True}, "attention_bias"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "'dynamic'"),
+    ],
+)
+def test_unsupported_qwen3_config_is_refused_by_name(change, named):
+    raw = {**tiny_qwen3_config().to_dict(), **change}
+    with pytest.raises(ModelLoadError, match=named):
+        hf_config_to_model_config(raw, "float32", source="config.json")
