@@ -128,6 +128,39 @@ def test_tiny_qwen3_greedy_decode_matches_transformers(tiny_qwen3, hf_tiny_qwen3
 
 
 @pytest.mark.parametrize(
+    "scaling",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        # Qwen's long-context recipe; an original context of 16 puts the band of blended
+        # frequencies inside head_dim 16, and the temperature (0.1 ln 4 + 1) applies.
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    ],
+    ids=lambda scaling: scaling["rope_type"],
+)
+def test_tiny_qwen3_rope_scaling_matches_transformers(scaling, tiny_qwen3_dir, tmp_path):
+    # The same weights under a scaled config: every layer, windowed or not, rotates scaled.
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    directory = tmp_path / scaling["rope_type"]
+    shutil.copytree(tiny_qwen3_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["rope_parameters"] = {"rope_theta": 1000000.0, **scaling}
+    (directory / "config.json").write_text(json.dumps(config))
+    model = etjax.load_model(directory, dtype="float32")
+    assert model.config.rope_scaling.rope_type == scaling["rope_type"]
+    ids = np.random.default_rng(3).integers(0, TINY_VOCAB, size=(1, 64), dtype=np.int32)
+    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        reference = reference_model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    assert relative_error(full_logits(model.weights, model.config, ids, 4), reference) < TOLERANCE
+    unscaled = dataclasses.replace(model.config, rope_scaling=None)
+    assert relative_error(full_logits(model.weights, unscaled, ids, 4), reference) > 1e-2
+
+
+@pytest.mark.parametrize(
     ("change", "named"),
     [
         ({"attention_bias": True}, "attention_bias"),

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from etjax.errors import ModelLoadError
-from etjax.model.config import Llama3RopeScaling, ModelConfig
+from etjax.model.config import ROPE_TYPES, ModelConfig, RopeScaling
 from etjax.model.families import hf_model_types
 
 
@@ -54,6 +55,11 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
     if act != "silu":
         raise ModelLoadError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
     rope_theta = float(rope_params.get("rope_theta", field("rope_theta", 10000.0)))
+    head_dim = int(field("head_dim", hidden // num_heads))
+    rotary = rope_params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if float(rotary) != 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor={rotary!r}; only 1.0 is supported")
+    rope_scaling, max_positions = _rope_scaling(raw, rope_params, head_dim, max_positions, source)
     windows: dict[str, Any] = {}
     if architecture == "qwen3":
         if field("attention_bias", False):
@@ -69,13 +75,13 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
         num_layers=int(field("num_hidden_layers")),
         num_heads=num_heads,
         num_kv_heads=int(field("num_key_value_heads", num_heads)),
-        head_dim=int(field("head_dim", hidden // num_heads)),
+        head_dim=head_dim,
         rope_theta=rope_theta,
         rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(field("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(field("attention_bias", False)),
-        rope_scaling=_rope_scaling(raw, rope_params, source),
+        rope_scaling=rope_scaling,
         dtype=dtype,
         architecture=architecture,
         **windows,
@@ -144,27 +150,89 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
     )
 
 
-def _rope_scaling(raw: dict, rope_params: dict, source: str) -> Llama3RopeScaling | None:
-    # transformers 4 writes `rope_scaling`; transformers 5 folds it into `rope_parameters`.
+def _rope_scaling(
+    raw: dict, rope_params: dict, head_dim: int, max_positions: int, source: str
+) -> tuple[RopeScaling | None, int]:
+    # The scaling and the context etjax serves with it. transformers 4 writes `rope_scaling`;
+    # transformers 5 folds it into `rope_parameters`.
     scaling = raw.get("rope_scaling") or rope_params
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type == "su" or (rope_type == "yarn" and raw.get("model_type") == "phi3"):
+        rope_type = "longrope"  # Phi-3's older names for it, as transformers reads them
     if rope_type == "default":
-        return None
-    if rope_type != "llama3":
+        return None, max_positions
+    if rope_type not in ROPE_TYPES:
         raise ModelLoadError(
-            f"{source}: rope_scaling type {rope_type!r} is not supported; allowed: default, llama3"
+            f"{source}: rope_scaling type {rope_type!r} is not supported; allowed: "
+            f"{('default', *ROPE_TYPES)}"
         )
-    try:
-        return Llama3RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+
+    def value(name: str, default: Any = ...) -> Any:
+        if scaling.get(name) is not None:
+            return scaling[name]
+        if default is ...:
+            raise ModelLoadError(f"{source}: {rope_type} rope_scaling lacks the field {name!r}")
+        return default
+
+    original = int(
+        value("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
+        or max_positions
+    )
+    if rope_type == "linear":
+        return RopeScaling("linear", factor=float(value("factor"))), max_positions
+    if rope_type == "llama3":
+        return RopeScaling(
+            "llama3",
+            factor=float(value("factor")),
+            low_freq_factor=float(value("low_freq_factor")),
+            high_freq_factor=float(value("high_freq_factor")),
+            original_max_position_embeddings=int(value("original_max_position_embeddings")),
+        ), max_positions
+    if rope_type == "yarn":
+        factor = float(value("factor", max_positions / original))
+        mscale, mscale_all_dim = value("mscale", None), value("mscale_all_dim", None)
+        if mscale and mscale_all_dim:
+            default_attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            default_attention = _yarn_mscale(factor, 1.0)
+        yarn = RopeScaling(
+            "yarn",
+            factor=factor,
+            original_max_position_embeddings=original,
+            beta_fast=float(value("beta_fast", 32.0)),
+            beta_slow=float(value("beta_slow", 1.0)),
+            truncate=bool(value("truncate", True)),
+            attention_factor=float(value("attention_factor", default_attention)),
         )
-    except KeyError as e:
+        # The context the scaling stretches the original one to (Qwen's long-context configs
+        # keep the original in max_position_embeddings).
+        return yarn, max(max_positions, int(factor * original))
+    # longrope: the short factors hold up to the original context; past it transformers
+    # switches every position of the sequence to the long factors, which would rotate the
+    # cached keys anew. etjax serves the original context exactly instead of approximating.
+    short = tuple(float(f) for f in value("short_factor"))
+    if len(short) != head_dim // 2:
         raise ModelLoadError(
-            f"{source}: llama3 rope_scaling lacks the field {e.args[0]!r}"
-        ) from None
+            f"{source}: longrope short_factor has {len(short)} entries; head_dim {head_dim} "
+            f"needs {head_dim // 2}"
+        )
+    factor = float(value("factor", max_positions / original))
+    default_attention = (
+        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    )
+    longrope = RopeScaling(
+        "longrope",
+        factor=factor,
+        original_max_position_embeddings=original,
+        frequency_factors=short,
+        attention_factor=float(value("attention_factor", default_attention)),
+    )
+    return longrope, min(max_positions, original)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    # YaRN's attention temperature for a context stretched `factor` times.
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _qwen3_windows(raw: dict, num_layers: int, max_positions: int, source: str) -> dict:

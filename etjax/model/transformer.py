@@ -27,7 +27,8 @@ from etjax.attention import XLA, AttentionBackend, AttentionPlan, attend, pruned
 from etjax.cache.kv_cache import NULL_PAGE, KVCache, PagePool, cache_from_pool, page_pool, write_kv
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
-from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies
+from etjax.model.layers import rms_norm
+from etjax.model.rope import apply_rope, rope_attention_factor, rope_inverse_frequencies
 from etjax.model.weights import Weights
 from etjax.pruning.config import PruningShape, PruningThresholds
 
@@ -88,6 +89,7 @@ def forward(
         dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
     )
     own_local_rope = bool(cfg.local_layers) and fam.local_rope
+    rope_scale = rope_attention_factor(cfg)  # 1 for a Gemma 3 local layer, unscaled
     is_local = jnp.asarray([i in cfg.local_layers for i in range(cfg.num_layers)])
 
     per_layer_qkv = [
@@ -101,12 +103,16 @@ def forward(
         x, pool = carry
         qkv = jax.lax.switch(index, per_layer_qkv, x)
         local = is_local[index]
-        freq = jnp.where(local, local_inv_freq, inv_freq) if own_local_rope else inv_freq
-        q = apply_rope(qkv[:, :q_width].reshape(t, cfg.num_heads, hd), positions, freq)
+        freq, scale = inv_freq, rope_scale
+        if own_local_rope:
+            freq = jnp.where(local, local_inv_freq, inv_freq)
+            scale = scale if scale == 1.0 else jnp.where(local, 1.0, scale)
+        q = apply_rope(qkv[:, :q_width].reshape(t, cfg.num_heads, hd), positions, freq, scale)
         k = apply_rope(
             qkv[:, q_width : q_width + kv_width].reshape(t, cfg.num_kv_heads, hd),
             positions,
             freq,
+            scale,
         )
         v = qkv[:, q_width + kv_width :].reshape(t, cfg.num_kv_heads, hd)
         first_page = index * pool.pages_per_layer
