@@ -55,6 +55,7 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
     if act != "silu":
         raise ModelLoadError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
     rope_theta = float(rope_params.get("rope_theta", field("rope_theta", 10000.0)))
+    num_layers = int(field("num_hidden_layers"))
     head_dim = int(field("head_dim", hidden // num_heads))
     rotary = rope_params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if float(rotary) != 1.0:
@@ -64,7 +65,9 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
     if architecture == "qwen3":
         if field("attention_bias", False):
             raise ModelLoadError(f"{source}: attention_bias=true is not supported for Qwen3")
-        windows = _qwen3_windows(raw, int(field("num_hidden_layers")), max_positions, source)
+        windows = _qwen3_windows(raw, num_layers, max_positions, source)
+    elif architecture == "phi3":
+        windows = every_layer_windowed(raw.get("sliding_window"), num_layers, max_positions)
     else:
         max_positions = min(max_positions, _sliding_window_limit(raw, model_type) or max_positions)
 
@@ -72,7 +75,7 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
         vocab_size=int(field("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(field("intermediate_size")),
-        num_layers=int(field("num_hidden_layers")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(field("num_key_value_heads", num_heads)),
         head_dim=head_dim,
@@ -256,6 +259,14 @@ def _qwen3_windows(raw: dict, num_layers: int, max_positions: int, source: str) 
     if not local or not window or int(window) >= max_positions:
         return {}
     return dict(sliding_window=int(window), local_layers=local)
+
+
+def every_layer_windowed(window: int | None, num_layers: int, max_positions: int) -> dict:
+    """The `ModelConfig` fields of a model whose every layer sees the last `window` positions
+    (Phi-3); none when it has no window or one as long as its context, which never binds."""
+    if not window or int(window) >= max_positions:
+        return {}
+    return dict(sliding_window=int(window), local_layers=tuple(range(num_layers)))
 
 
 def _sliding_window_limit(raw: dict, model_type: str) -> int | None:
