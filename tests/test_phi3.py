@@ -22,7 +22,7 @@ from etjax.errors import ModelLoadError
 from etjax.loaders.hf_config import hf_config_to_model_config
 from tests.conftest import TINY_VOCAB, relative_error
 from tests.model_runner import full_logits
-from tests.test_qwen3 import save_tiny_model
+from tests.test_qwen3 import assert_gguf_reads_as_hf_dir, save_tiny_model
 
 TOLERANCE = 1e-4
 WINDOW = 8
@@ -106,6 +106,10 @@ def test_tiny_phi3_greedy_decode_matches_transformers(tiny_phi3, hf_tiny_phi3):
                 do_sample=False,
             )
         assert result.token_ids == generated[0, len(prompt) :].tolist()
+
+
+def test_tiny_phi3_gguf_loads_the_same_model(tiny_phi3, hf_tiny_phi3, tmp_path):
+    assert_gguf_reads_as_hf_dir(tiny_phi3, hf_tiny_phi3, "phi3", tmp_path)
 
 
 def _longrope(rope_type: str = "longrope") -> dict:

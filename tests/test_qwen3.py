@@ -127,6 +127,47 @@ def test_tiny_qwen3_greedy_decode_matches_transformers(tiny_qwen3, hf_tiny_qwen3
         assert result.token_ids == generated[0, len(prompt) :].tolist()
 
 
+def assert_gguf_reads_as_hf_dir(model, hf_model, arch: str, tmp_path, **config_changes):
+    """Write `hf_model` as llama.cpp lays out `arch` (F32); transformers must read the file
+    back to the same tensors (so the layout is llama.cpp's as transformers knows it), and
+    etjax to the config (with `config_changes`: what GGUF metadata does not carry) and the
+    weights, bit for bit, that it reads from the Hugging Face directory, `model`."""
+    import jax
+    from transformers import AutoModelForCausalLM
+
+    from etjax.loaders.gguf_weights import (
+        gguf_model_config,
+        gguf_tensors,
+        load_gguf_weights,
+        open_gguf,
+    )
+    from tests.gguf_builder import write_f32_gguf
+
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_f32_gguf(hf_model, path, arch)
+    # transformers is given the config: it reads no head_dim from a qwen3 file (assuming
+    # Qwen3's 128) and no window; etjax's reading of the metadata is checked below.
+    reread = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, config=hf_model.config, dtype=torch.float32
+    )
+    expected = hf_model.state_dict()
+    for name, tensor in reread.state_dict().items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+    reader = open_gguf(path)
+    cfg = gguf_model_config(reader, "float32")
+    eps = float(np.float32(model.config.rms_norm_eps))  # GGUF metadata holds a float32
+    assert cfg == dataclasses.replace(model.config, rms_norm_eps=eps, **config_changes)
+    weights = load_gguf_weights(gguf_tensors(reader), cfg)
+    jax.tree.map(np.testing.assert_array_equal, weights, model.weights)
+
+
+def test_tiny_qwen3_gguf_loads_the_same_model(tiny_qwen3, hf_tiny_qwen3, tmp_path):
+    # llama.cpp's qwen3 metadata has no sliding window (its Qwen3 attends to everything).
+    assert_gguf_reads_as_hf_dir(
+        tiny_qwen3, hf_tiny_qwen3, "qwen3", tmp_path, sliding_window=0, local_layers=()
+    )
+
+
 @pytest.mark.parametrize(
     "scaling",
     [
