@@ -85,6 +85,8 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
     window = {}
     if fam.name == "gemma3":
         window = _gemma3_window(reader, arch, num_layers, head_dim)
+    elif fam.name == "gemma2":
+        window = _gemma2_window(reader, arch, num_layers, head_dim, hidden // num_heads)
     elif fam.name == "phi3":  # Phi-3's window covers every layer
         sliding = gguf_field(reader, f"{arch}.attention.sliding_window", None)
         window = every_layer_windowed(sliding, num_layers, max_positions)
@@ -122,6 +124,24 @@ def _gemma3_window(reader: GGUFFile, arch: str, num_layers: int, head_dim: int) 
         local_layers=tuple(i for i in range(num_layers) if (i + 1) % pattern),
         rope_local_theta=10000.0,
         query_pre_attn_scalar=float(head_dim),
+    )
+
+
+def _gemma2_window(
+    reader: GGUFFile, arch: str, num_layers: int, head_dim: int, hidden_per_head: int
+) -> dict:
+    # llama.cpp's Gemma 2: even layers see the last `attention.sliding_window` positions, one
+    # RoPE base for all, the soft caps in the metadata. The file stores no query scale:
+    # llama.cpp takes hidden / heads for the 27B model (46 layers), head_dim otherwise.
+    cap = functools.partial(gguf_field, reader, default=0.0)
+    rope_theta = float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    return dict(
+        sliding_window=int(gguf_field(reader, f"{arch}.attention.sliding_window")),
+        local_layers=tuple(range(0, num_layers, 2)),
+        rope_local_theta=rope_theta,
+        query_pre_attn_scalar=float(hidden_per_head if num_layers == 46 else head_dim),
+        attn_logit_softcapping=float(cap(f"{arch}.attn_logit_softcapping") or 0.0),
+        final_logit_softcapping=float(cap(f"{arch}.final_logit_softcapping") or 0.0),
     )
 
 

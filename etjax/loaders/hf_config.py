@@ -50,6 +50,8 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
     max_positions = int(field("max_position_embeddings", 4096))
     if architecture == "gemma3":
         return _gemma3_config(raw, field, dtype, source)
+    if architecture == "gemma2":
+        return _gemma2_config(raw, field, dtype, source)
 
     act = field("hidden_act", "silu")
     if act != "silu":
@@ -150,6 +152,68 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
         local_layers=tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention"),
         rope_local_theta=float(local.get("rope_theta", field("rope_local_base_freq", 10000.0))),
         query_pre_attn_scalar=float(field("query_pre_attn_scalar", head_dim)),
+    )
+
+
+def _gemma2_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
+    # Gemma 2: every other layer (the first, third, ...) sees the last `sliding_window`
+    # positions unless `layer_types` says otherwise; one RoPE base for all; soft caps on the
+    # attention scores and the final logits (null: none).
+    num_layers = int(field("num_hidden_layers"))
+    act = field("hidden_activation", field("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelLoadError(
+            f"{source}: hidden_activation={act!r}; Gemma 2 supports 'gelu_pytorch_tanh'"
+        )
+    if field("attention_bias", False):
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported for Gemma 2")
+    if not field("tie_word_embeddings", True):  # as every Gemma 2 is, and llama.cpp's
+        raise ModelLoadError(
+            f"{source}: tie_word_embeddings=false is not supported for Gemma 2 (tied only)"
+        )
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ModelLoadError(
+            f"{source}: rope_scaling type {kind!r} is not supported for Gemma 2; allowed: default"
+        )
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(
+            f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
+            f"of the {num_layers} layers"
+        )
+    num_heads = int(field("num_attention_heads"))
+    hidden = int(field("hidden_size"))
+    head_dim = int(field("head_dim", hidden // num_heads))
+    max_positions = int(field("max_position_embeddings", 8192))
+    window = raw.get("sliding_window")
+    local = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    windows = {}
+    if window and local and int(window) < max_positions:
+        windows = dict(sliding_window=int(window), local_layers=local)
+    rope_theta = float(rope.get("rope_theta", field("rope_theta", 10000.0)))
+    return ModelConfig(
+        vocab_size=int(field("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(field("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(field("num_key_value_heads", num_heads)),
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        dtype=dtype,
+        architecture="gemma2",
+        rope_local_theta=rope_theta,
+        query_pre_attn_scalar=float(field("query_pre_attn_scalar", head_dim)),
+        attn_logit_softcapping=float(field("attn_logit_softcapping", 0.0)),
+        final_logit_softcapping=float(field("final_logit_softcapping", 0.0)),
+        **windows,
     )
 
 

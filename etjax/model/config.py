@@ -96,6 +96,10 @@ class ModelConfig:
     rope_local_theta: float = 10000.0
     # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (0: head_dim, the usual).
     query_pre_attn_scalar: float = 0.0
+    # Gemma 2's soft caps: attention scores s and final logits z become c * tanh(s / c) with
+    # their own c (0: none).
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
