@@ -117,20 +117,30 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
             f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
             f"of the {num_layers} layers"
         )
-    # transformers 5 keeps one RoPE table per layer type; transformers 4 two fields.
+    # transformers 5 keeps one RoPE table per layer type; transformers 4 two fields. Gemma 3
+    # 4B and larger slow their global layers' rotation linearly (factor 8; transformers 4
+    # wrote it as `rope_scaling`); local layers are never scaled.
     rope = raw.get("rope_parameters") or {}
     full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
-    for name, table in (("full_attention", full), ("sliding_attention", local)):
-        kind = table.get("rope_type", "default")
-        if kind != "default":
-            raise ModelLoadError(
-                f"{source}: rope_parameters.{name}.rope_type={kind!r} is not supported; "
-                "allowed: default"
-            )
+    kind = local.get("rope_type", "default")
+    if kind != "default":
+        raise ModelLoadError(
+            f"{source}: rope_parameters.sliding_attention.rope_type={kind!r} is not "
+            "supported; allowed: default"
+        )
+    scaling, name = full, "rope_parameters.full_attention"
+    if full.get("rope_type", "default") == "default" and raw.get("rope_scaling"):
+        scaling, name = raw["rope_scaling"], "rope_scaling"
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ModelLoadError(
+            f"{source}: {name}.rope_type={kind!r} is not supported; allowed: default, linear"
+        )
+    rope_scaling = None
+    if kind == "linear":
+        rope_scaling = RopeScaling("linear", factor=float(scaling["factor"]))
     if field("attention_bias", False):
         raise ModelLoadError(f"{source}: attention_bias=true is not supported for Gemma 3")
-    if (raw.get("rope_scaling") or {}).get("rope_type", "default") != "default":
-        raise ModelLoadError(f"{source}: rope_scaling is not supported for Gemma 3 (null only)")
     num_heads = int(field("num_attention_heads"))
     hidden = int(field("hidden_size"))
     head_dim = int(field("head_dim", hidden // num_heads))
@@ -143,6 +153,7 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
         num_kv_heads=int(field("num_key_value_heads", num_heads)),
         head_dim=head_dim,
         rope_theta=float(full.get("rope_theta", field("rope_theta", 1_000_000.0))),
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(field("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(field("tie_word_embeddings", True)),
