@@ -172,9 +172,9 @@ def test_tiny_qwen3_gguf_loads_the_same_model(tiny_qwen3, hf_tiny_qwen3, tmp_pat
 @pytest.mark.parametrize(
     "scaling",
     [
-        {"rope_type": "linear", "factor": 2.0},
         # Qwen's long-context recipe; an original context of 16 puts the band of blended
-        # frequencies inside head_dim 16, and the temperature (0.1 ln 4 + 1) applies.
+        # frequencies inside head_dim 16, and the temperature (0.1 ln 4 + 1) applies. (Linear
+        # scaling is checked on Gemma 3's global layers, test_gemma3.py.)
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
     ],
     ids=lambda scaling: scaling["rope_type"],
@@ -200,6 +200,20 @@ def test_tiny_qwen3_rope_scaling_matches_transformers(scaling, tiny_qwen3_dir, t
     assert relative_error(full_logits(model.weights, model.config, ids, 4), reference) < TOLERANCE
     unscaled = dataclasses.replace(model.config, rope_scaling=None)
     assert relative_error(full_logits(model.weights, unscaled, ids, 4), reference) > 1e-2
+
+
+def test_qwen3_rope_scaling_fields_are_read():
+    # Config only: linear's factor; yarn's temperature 0.1 ln(factor) + 1 and the context it
+    # stretches the original to (Qwen's configs keep the original in max_position_embeddings).
+    def read(scaling):
+        raw = {**tiny_qwen3_config().to_dict(), "rope_parameters": scaling}
+        return hf_config_to_model_config(raw, "float32", source="config.json")
+
+    linear = read({"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6})
+    assert (linear.rope_scaling.rope_type, linear.rope_scaling.factor) == ("linear", 2.0)
+    yarn = read({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256})
+    assert yarn.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(4) + 1)
+    assert yarn.max_position_embeddings == 1024
 
 
 @pytest.mark.parametrize(
