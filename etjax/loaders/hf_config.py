@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from etjax.errors import ModelLoadError
-from etjax.model.config import ROPE_TYPES, ModelConfig, RopeScaling
+from etjax.loaders.hf_rope import rope_scaling_of
+from etjax.model.config import ModelConfig, RopeScaling
 from etjax.model.families import hf_model_types
 
 
@@ -62,7 +62,7 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
     rotary = rope_params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if float(rotary) != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor={rotary!r}; only 1.0 is supported")
-    rope_scaling, max_positions = _rope_scaling(raw, rope_params, head_dim, max_positions, source)
+    rope_scaling, max_positions = rope_scaling_of(raw, rope_params, head_dim, max_positions, source)
     windows: dict[str, Any] = {}
     if architecture == "qwen3":
         if field("attention_bias", False):
@@ -226,91 +226,6 @@ def _gemma2_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
         final_logit_softcapping=float(field("final_logit_softcapping", 0.0)),
         **windows,
     )
-
-
-def _rope_scaling(
-    raw: dict, rope_params: dict, head_dim: int, max_positions: int, source: str
-) -> tuple[RopeScaling | None, int]:
-    # The scaling and the context etjax serves with it. transformers 4 writes `rope_scaling`;
-    # transformers 5 folds it into `rope_parameters`.
-    scaling = raw.get("rope_scaling") or rope_params
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if rope_type == "su" or (rope_type == "yarn" and raw.get("model_type") == "phi3"):
-        rope_type = "longrope"  # Phi-3's older names for it, as transformers reads them
-    if rope_type == "default":
-        return None, max_positions
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(
-            f"{source}: rope_scaling type {rope_type!r} is not supported; allowed: "
-            f"{('default', *ROPE_TYPES)}"
-        )
-
-    def value(name: str, default: Any = ...) -> Any:
-        if scaling.get(name) is not None:
-            return scaling[name]
-        if default is ...:
-            raise ModelLoadError(f"{source}: {rope_type} rope_scaling lacks the field {name!r}")
-        return default
-
-    original = int(
-        value("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-        or max_positions
-    )
-    if rope_type == "linear":
-        return RopeScaling("linear", factor=float(value("factor"))), max_positions
-    if rope_type == "llama3":
-        return RopeScaling(
-            "llama3",
-            factor=float(value("factor")),
-            low_freq_factor=float(value("low_freq_factor")),
-            high_freq_factor=float(value("high_freq_factor")),
-            original_max_position_embeddings=int(value("original_max_position_embeddings")),
-        ), max_positions
-    if rope_type == "yarn":
-        factor = float(value("factor", max_positions / original))
-        mscale, mscale_all_dim = value("mscale", None), value("mscale_all_dim", None)
-        if mscale and mscale_all_dim:
-            default_attention = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-        else:
-            default_attention = _yarn_mscale(factor, 1.0)
-        yarn = RopeScaling(
-            "yarn",
-            factor=factor,
-            original_max_position_embeddings=original,
-            beta_fast=float(value("beta_fast", 32.0)),
-            beta_slow=float(value("beta_slow", 1.0)),
-            truncate=bool(value("truncate", True)),
-            attention_factor=float(value("attention_factor", default_attention)),
-        )
-        # The context the scaling stretches the original one to (Qwen's long-context configs
-        # keep the original in max_position_embeddings).
-        return yarn, max(max_positions, int(factor * original))
-    # longrope: the short factors hold up to the original context; past it transformers
-    # switches every position of the sequence to the long factors, which would rotate the
-    # cached keys anew. etjax serves the original context exactly instead of approximating.
-    short = tuple(float(f) for f in value("short_factor"))
-    if len(short) != head_dim // 2:
-        raise ModelLoadError(
-            f"{source}: longrope short_factor has {len(short)} entries; head_dim {head_dim} "
-            f"needs {head_dim // 2}"
-        )
-    factor = float(value("factor", max_positions / original))
-    default_attention = (
-        1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    )
-    longrope = RopeScaling(
-        "longrope",
-        factor=factor,
-        original_max_position_embeddings=original,
-        frequency_factors=short,
-        attention_factor=float(value("attention_factor", default_attention)),
-    )
-    return longrope, min(max_positions, original)
-
-
-def _yarn_mscale(factor: float, mscale: float) -> float:
-    # YaRN's attention temperature for a context stretched `factor` times.
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _qwen3_windows(raw: dict, num_layers: int, max_positions: int, source: str) -> dict:
