@@ -107,3 +107,78 @@ def _copy_tokenizer_metadata(writer: gguf.GGUFWriter, source: Path) -> None:
     writer.add_bos_token_id(value("tokenizer.ggml.bos_token_id"))
     writer.add_eos_token_id(value("tokenizer.ggml.eos_token_id"))
     writer.add_chat_template(value("tokenizer.chat_template"))
+
+
+def write_f32_gguf(hf_model, path: Path, arch: str) -> None:
+    """Write `hf_model` (a transformers Qwen3, Phi-3 or Gemma 2 causal LM) to `path` as
+    llama.cpp's converter lays out its `arch` ("qwen3", "phi3" or "gemma2"), every tensor
+    F32, without a tokenizer.
+
+    No architecture's q and k rows are permuted (llama.cpp rotates them in the Hugging Face
+    half-split layout); Phi-3's fused projections keep their Hugging Face names' order:
+    `attn_qkv` is q|k|v, `ffn_up` gate|up; Gemma 2's norms are stored as 1 + w, the scale
+    they apply.
+    """
+    cfg = hf_model.config
+    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "sliding_window", None) and arch in ("phi3", "gemma2"):
+        writer.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        writer.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        writer.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+
+    names = {  # Hugging Face name under model.layers.{i}. -> llama.cpp name under blk.{i}.
+        "input_layernorm.weight": "attn_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.down_proj.weight": "ffn_down.weight",
+    }
+    separate = {
+        "self_attn.q_proj.weight": "attn_q.weight",
+        "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight",
+        "mlp.up_proj.weight": "ffn_up.weight",
+    }
+    if arch == "qwen3":
+        names |= separate | {
+            "self_attn.q_norm.weight": "attn_q_norm.weight",
+            "self_attn.k_norm.weight": "attn_k_norm.weight",
+        }
+    elif arch == "gemma2":
+        names |= separate | {
+            "post_attention_layernorm.weight": "post_attention_norm.weight",
+            "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+            "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+        }
+        state = {k: v + 1 if k.endswith("norm.weight") else v for k, v in state.items()}
+    else:
+        names |= {
+            "self_attn.qkv_proj.weight": "attn_qkv.weight",
+            "mlp.gate_up_proj.weight": "ffn_up.weight",
+        }
+    writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf, cpp in names.items():
+            writer.add_tensor(f"blk.{i}.{cpp}", state[f"model.layers.{i}.{hf}"])
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        writer.add_tensor("output.weight", state["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

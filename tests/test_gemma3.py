@@ -89,6 +89,33 @@ def test_tiny_gemma3_logits_match_transformers(tiny_gemma3_dir):
         assert relative_error(wrong, reference) > 100 * TOLERANCE, changed
 
 
+def test_tiny_gemma3_linear_rope_scaling_of_global_layers_matches_transformers(
+    tiny_gemma3_dir, tmp_path
+):
+    # Gemma 3 4B and larger: the global layers rotate 8x slower; the local layers never scale.
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    import etjax
+
+    directory = tmp_path / "linear"
+    shutil.copytree(tiny_gemma3_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    full = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}
+    config["rope_parameters"]["full_attention"] = full
+    (directory / "config.json").write_text(json.dumps(config))
+    model = etjax.load_model(directory, dtype="float32")
+    assert model.config.rope_scaling.rope_type == "linear"
+    ids = np.random.default_rng(5).integers(0, TINY_VOCAB, size=(1, 64), dtype=np.int32)
+    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        reference = reference_model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    ours = full_logits(model.weights, model.config, ids, page_size=4)
+    assert relative_error(ours, reference) < TOLERANCE
+
+
 def test_tiny_gemma3_converted_checkpoint_restores_the_same_model(tiny_gemma3_dir, tmp_path):
     # `etjax convert` keeps the family, the window and its layers (a tuple through JSON).
     import etjax

@@ -142,6 +142,28 @@ def test_the_tile_loop_masks_exactly_at_the_visibility_boundaries(cached, window
     assert np.max(np.abs(ours - truth)) <= TOLERANCE[jnp.float32] * np.abs(truth).max()
 
 
+@pytest.mark.parametrize(("q_tile", "kv_tile"), [(1, 2), (16, 1)])  # both loop shapes
+def test_soft_capped_scores_match_the_reference(q_tile, kv_tile):
+    # Gemma 2 caps scores s at softcap * tanh(s / softcap) before the softmax: a decode-like
+    # and a chunk-like pass, a cached prefix and a window, against the float32 truth. Queries
+    # of scale 2 give scores of several units, which a cap of 2 squashes visibly.
+    softcap, window = 2.0, 19
+    case = _case([(40, 16), (3, 9)], 4, 2, 3, 16, jnp.float32, q_tile, kv_tile, 0, 11, window)
+    q, k_pages, v_pages, positions, token_seq, table, tile_pass = case
+    positions = jnp.asarray(positions)
+    run = jax.jit(ragged_attention_xla, static_argnums=(5, 7))
+    ours = run(q, k_pages, v_pages, positions, (tile_pass,), CHUNK, jnp.int32(window), softcap)
+    truth, uncapped = (
+        ragged_attention_reference(
+            q, k_pages, v_pages, positions, jnp.asarray(token_seq), jnp.asarray(table), window, cap
+        )
+        for cap in (softcap, 0.0)
+    )
+    scale = np.abs(np.asarray(truth)).max()
+    assert np.max(np.abs(np.asarray(ours) - truth)) <= TOLERANCE[jnp.float32] * scale
+    assert np.max(np.abs(np.asarray(uncapped) - truth)) > 1e-2 * scale
+
+
 def test_a_prefill_chunk_reads_only_its_causal_part():
     # A 64-token chunk after 64 cached tokens, pages of 8, query tiles of 16 and key tiles of
     # one page: tile j (positions 64 + 16j .. 64 + 16j + 15) sees pages 0 .. 9 + 2j, so the

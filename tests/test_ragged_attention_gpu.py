@@ -38,7 +38,7 @@ PREFILL_TILES = (16, 4)  # the engine uses (64, 4)
 MAX_SEQS, MAX_CACHED, MAX_NEW, MAX_EXTRA = 4, 40, 24, 3
 
 
-def _case(lengths, page_size, kvh, groups, dtype, extra, seed, window=0):
+def _case(lengths, page_size, kvh, groups, dtype, extra, seed, window=0, softcap=0.0):
     # lengths: (cached, new) per sequence. Returns the kernel's and the reference's inputs.
     rng = np.random.default_rng(seed)
     width = -(-(MAX_CACHED + MAX_NEW + MAX_EXTRA) // page_size)
@@ -83,6 +83,7 @@ def _case(lengths, page_size, kvh, groups, dtype, extra, seed, window=0):
         jnp.asarray(token_seq),
         jnp.asarray(table),
         window,
+        softcap,
     )
     return (q, k_pages, v_pages, jnp.asarray(positions), tuple(passes)), np.asarray(truth)
 
@@ -145,6 +146,14 @@ def test_gpu_kernel_sliding_window(window):
     lengths = [(MAX_CACHED, 1), (13, MAX_NEW), (5, 1), (0, 7)]
     args, truth = _case(lengths, 4, 2, 3, jnp.float32, 2, seed=8, window=window)
     ours = ragged_attention_gpu(*args, interpret=INTERPRET, window=jnp.int32(window))
+    _check(ours, truth, jnp.float32, lengths)
+
+
+def test_gpu_kernel_soft_caps_scores():
+    # Gemma 2's cap on attention scores, with a window, against the reference's.
+    lengths = [(MAX_CACHED, 1), (13, MAX_NEW), (5, 1), (0, 7)]
+    args, truth = _case(lengths, 4, 2, 3, jnp.float32, 2, seed=9, window=9, softcap=2.0)
+    ours = ragged_attention_gpu(*args, interpret=INTERPRET, window=jnp.int32(9), softcap=2.0)
     _check(ours, truth, jnp.float32, lengths)
 
 

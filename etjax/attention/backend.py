@@ -29,17 +29,21 @@ class AttentionBackend:
     name: str = "xla"  # "xla", "pallas_tpu" or "pallas_gpu"
     interpret: bool = False  # run Pallas kernels interpreted (on a CPU)
 
-    def ragged(self, q, k_pages, v_pages, positions, passes, chunk, window) -> jax.Array:
+    def ragged(
+        self, q, k_pages, v_pages, positions, passes, chunk, window, softcap=0.0
+    ) -> jax.Array:
         """Dense ragged attention over the paged cache (the arguments of
         pallas_kernels/ragged_attention)."""
         if self.name == "pallas_gpu":
             from pallas_kernels.ragged_attention.pallas_gpu import ragged_attention_gpu
 
             kernel = functools.partial(ragged_attention_gpu, interpret=self.interpret)
-            return kernel(q, k_pages, v_pages, positions, passes, chunk, window=window)
+            return kernel(
+                q, k_pages, v_pages, positions, passes, chunk, window=window, softcap=softcap
+            )
         from pallas_kernels.ragged_attention import ragged_attention_xla
 
-        return ragged_attention_xla(q, k_pages, v_pages, positions, passes, chunk, window)
+        return ragged_attention_xla(q, k_pages, v_pages, positions, passes, chunk, window, softcap)
 
     @property
     def reads_shared_prefixes(self) -> bool:

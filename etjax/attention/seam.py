@@ -38,15 +38,18 @@ def attend(
     plan: AttentionPlan,
     first_page: jax.Array | int = 0,
     local: jax.Array | bool = False,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """q: [T, H, hd] (RoPE applied); k_pages, v_pages: [N, KVH, ps, hd] a pool of pages already
     holding the step's keys; positions: [T] int32; first_page: the pool page of the plan's page
     0 (a layer's offset in the cache's pool, etjax/cache/kv_cache.py); local: whether this is
     a sliding-window layer (a traced bool inside the layer scan): it then sees only the last
-    `plan.window` positions and reads only their pages. Returns [T, H, hd] in q's dtype."""
+    `plan.window` positions and reads only their pages; softcap: scores s become
+    softcap * tanh(s / softcap) (Gemma 2's attention logit cap, a model constant; 0: none).
+    Returns [T, H, hd] in q's dtype."""
     passes, window = plan.passes, 0
     if plan.window > 0:
         passes = jax.tree.map(lambda a, b: jnp.where(local, a, b), plan.local, plan.passes)
         window = jnp.where(local, plan.window, 0).astype(jnp.int32)
     passes = tuple(p._replace(item_pages=p.item_pages + first_page) for p in passes)
-    return plan.backend.ragged(q, k_pages, v_pages, positions, passes, plan.chunk, window)
+    return plan.backend.ragged(q, k_pages, v_pages, positions, passes, plan.chunk, window, softcap)

@@ -92,6 +92,8 @@ class Placement:
         fields = {}
         for field in dataclasses.fields(tree):
             value = getattr(tree, field.name)
+            if not field.metadata.get("pytree_node", True):
+                continue  # a static field (Weights.logit_softcap) is no array to place
             if field.name in axes and value is not None:
                 fields[field.name] = self.named_sharding(value.shape, axes[field.name])
             else:

@@ -87,7 +87,7 @@ def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights
         for i in range(cfg.num_layers)
     )
     model = {name: build(name, leaf, None) for name, leaf in model_leaves(cfg).items()}
-    return Weights(layers=layers, **model)
+    return Weights(layers=layers, logit_softcap=cfg.final_logit_softcapping, **model)
 
 
 def _built_shape(leaf: Leaf, parts: Sequence[SourceTensor]) -> tuple[int, ...] | None:

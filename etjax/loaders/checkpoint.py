@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
 from etjax.loaders.loaded_model import Model
-from etjax.model.config import Llama3RopeScaling, ModelConfig
+from etjax.model.config import ModelConfig, RopeScaling
 from etjax.model.weights import Weights, abstract_weights
 from etjax.tokenizer import Tokenizer
 
@@ -75,7 +75,10 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
             )
         raw = dict(manifest["config"])
         if raw.get("rope_scaling"):
-            raw["rope_scaling"] = Llama3RopeScaling(**raw["rope_scaling"])
+            # Manifests written before other types existed hold llama3 scaling, untyped.
+            scaling = {"rope_type": "llama3", **raw["rope_scaling"]}
+            scaling["frequency_factors"] = tuple(scaling.get("frequency_factors", ()))
+            raw["rope_scaling"] = RopeScaling(**scaling)
         if "local_layers" in raw:  # JSON keeps the tuple as a list; the config is hashable
             raw["local_layers"] = tuple(raw["local_layers"])
         # Checkpoints written before `architecture` existed hold Llama or Qwen2 weights, which

@@ -21,6 +21,7 @@ from gguf.quants import dequantize
 from etjax.errors import ModelLoadError
 from etjax.loaders.assemble import SourceTensor, assemble_weights
 from etjax.loaders.gguf_file import GGUFFile, read_gguf
+from etjax.loaders.hf_config import every_layer_windowed
 from etjax.model.config import ModelConfig
 from etjax.model.families import gguf_architectures
 from etjax.model.leaves import Part
@@ -61,10 +62,13 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
             f"allowed: {tuple(families)}"
         )
     fam = families[arch]
-    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+    factors = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+    found = sorted(factors & {t.name for t in reader.tensors})
+    if found:
         raise ModelLoadError(
-            f"{reader.path}: per-frequency RoPE factors (rope_freqs, Llama 3.1 scaling) "
-            "are not supported in GGUF; load the Hugging Face directory of the model instead"
+            f"{reader.path}: per-frequency RoPE factors ({', '.join(found)}: Llama 3.1 or "
+            "longrope scaling) are not supported in GGUF; load the Hugging Face directory of "
+            "the model instead"
         )
     num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
@@ -77,9 +81,15 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
         )
     )
     num_layers = int(gguf_field(reader, f"{arch}.block_count"))
+    max_positions = int(gguf_field(reader, f"{arch}.context_length", 4096))
     window = {}
     if fam.name == "gemma3":
         window = _gemma3_window(reader, arch, num_layers, head_dim)
+    elif fam.name == "gemma2":
+        window = _gemma2_window(reader, arch, num_layers, head_dim, hidden // num_heads)
+    elif fam.name == "phi3":  # Phi-3's window covers every layer
+        sliding = gguf_field(reader, f"{arch}.attention.sliding_window", None)
+        window = every_layer_windowed(sliding, num_layers, max_positions)
     return ModelConfig(
         vocab_size=_vocab_size(reader, arch),
         hidden_size=hidden,
@@ -90,7 +100,7 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
         head_dim=head_dim,
         rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(gguf_field(reader, f"{arch}.context_length", 4096)),
+        max_position_embeddings=max_positions,
         # Optional leaves are there when their tensors are (the first part, of layer 0).
         tie_word_embeddings=(fam.model or MODEL_LEAVES)["lm_head"].parts[0].gguf_name(None)
         not in tensor_names,
@@ -114,6 +124,24 @@ def _gemma3_window(reader: GGUFFile, arch: str, num_layers: int, head_dim: int) 
         local_layers=tuple(i for i in range(num_layers) if (i + 1) % pattern),
         rope_local_theta=10000.0,
         query_pre_attn_scalar=float(head_dim),
+    )
+
+
+def _gemma2_window(
+    reader: GGUFFile, arch: str, num_layers: int, head_dim: int, hidden_per_head: int
+) -> dict:
+    # llama.cpp's Gemma 2: even layers see the last `attention.sliding_window` positions, one
+    # RoPE base for all, the soft caps in the metadata. The file stores no query scale:
+    # llama.cpp takes hidden / heads for the 27B model (46 layers), head_dim otherwise.
+    cap = functools.partial(gguf_field, reader, default=0.0)
+    rope_theta = float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    return dict(
+        sliding_window=int(gguf_field(reader, f"{arch}.attention.sliding_window")),
+        local_layers=tuple(range(0, num_layers, 2)),
+        rope_local_theta=rope_theta,
+        query_pre_attn_scalar=float(hidden_per_head if num_layers == 46 else head_dim),
+        attn_logit_softcapping=float(cap(f"{arch}.attn_logit_softcapping") or 0.0),
+        final_logit_softcapping=float(cap(f"{arch}.final_logit_softcapping") or 0.0),
     )
 
 

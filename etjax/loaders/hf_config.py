@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from etjax.errors import ModelLoadError
-from etjax.model.config import Llama3RopeScaling, ModelConfig
+from etjax.loaders.hf_rope import rope_scaling_of
+from etjax.model.config import ModelConfig, RopeScaling
 from etjax.model.families import hf_model_types
 
 
@@ -49,29 +50,46 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
     max_positions = int(field("max_position_embeddings", 4096))
     if architecture == "gemma3":
         return _gemma3_config(raw, field, dtype, source)
+    if architecture == "gemma2":
+        return _gemma2_config(raw, field, dtype, source)
 
     act = field("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
     rope_theta = float(rope_params.get("rope_theta", field("rope_theta", 10000.0)))
-    max_positions = min(max_positions, _sliding_window_limit(raw, model_type) or max_positions)
+    num_layers = int(field("num_hidden_layers"))
+    head_dim = int(field("head_dim", hidden // num_heads))
+    rotary = rope_params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if float(rotary) != 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor={rotary!r}; only 1.0 is supported")
+    rope_scaling, max_positions = rope_scaling_of(raw, rope_params, head_dim, max_positions, source)
+    windows: dict[str, Any] = {}
+    if architecture == "qwen3":
+        if field("attention_bias", False):
+            raise ModelLoadError(f"{source}: attention_bias=true is not supported for Qwen3")
+        windows = _qwen3_windows(raw, num_layers, max_positions, source)
+    elif architecture == "phi3":
+        windows = every_layer_windowed(raw.get("sliding_window"), num_layers, max_positions)
+    else:
+        max_positions = min(max_positions, _sliding_window_limit(raw, model_type) or max_positions)
 
     return ModelConfig(
         vocab_size=int(field("vocab_size")),
         hidden_size=hidden,
         intermediate_size=int(field("intermediate_size")),
-        num_layers=int(field("num_hidden_layers")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(field("num_key_value_heads", num_heads)),
-        head_dim=int(field("head_dim", hidden // num_heads)),
+        head_dim=head_dim,
         rope_theta=rope_theta,
         rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(field("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(field("attention_bias", False)),
-        rope_scaling=_rope_scaling(raw, rope_params, source),
+        rope_scaling=rope_scaling,
         dtype=dtype,
         architecture=architecture,
+        **windows,
     )
 
 
@@ -99,20 +117,30 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
             f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
             f"of the {num_layers} layers"
         )
-    # transformers 5 keeps one RoPE table per layer type; transformers 4 two fields.
+    # transformers 5 keeps one RoPE table per layer type; transformers 4 two fields. Gemma 3
+    # 4B and larger slow their global layers' rotation linearly (factor 8; transformers 4
+    # wrote it as `rope_scaling`); local layers are never scaled.
     rope = raw.get("rope_parameters") or {}
     full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
-    for name, table in (("full_attention", full), ("sliding_attention", local)):
-        kind = table.get("rope_type", "default")
-        if kind != "default":
-            raise ModelLoadError(
-                f"{source}: rope_parameters.{name}.rope_type={kind!r} is not supported; "
-                "allowed: default"
-            )
+    kind = local.get("rope_type", "default")
+    if kind != "default":
+        raise ModelLoadError(
+            f"{source}: rope_parameters.sliding_attention.rope_type={kind!r} is not "
+            "supported; allowed: default"
+        )
+    scaling, name = full, "rope_parameters.full_attention"
+    if full.get("rope_type", "default") == "default" and raw.get("rope_scaling"):
+        scaling, name = raw["rope_scaling"], "rope_scaling"
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ModelLoadError(
+            f"{source}: {name}.rope_type={kind!r} is not supported; allowed: default, linear"
+        )
+    rope_scaling = None
+    if kind == "linear":
+        rope_scaling = RopeScaling("linear", factor=float(scaling["factor"]))
     if field("attention_bias", False):
         raise ModelLoadError(f"{source}: attention_bias=true is not supported for Gemma 3")
-    if (raw.get("rope_scaling") or {}).get("rope_type", "default") != "default":
-        raise ModelLoadError(f"{source}: rope_scaling is not supported for Gemma 3 (null only)")
     num_heads = int(field("num_attention_heads"))
     hidden = int(field("hidden_size"))
     head_dim = int(field("head_dim", hidden // num_heads))
@@ -125,6 +153,7 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
         num_kv_heads=int(field("num_key_value_heads", num_heads)),
         head_dim=head_dim,
         rope_theta=float(full.get("rope_theta", field("rope_theta", 1_000_000.0))),
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(field("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(field("tie_word_embeddings", True)),
@@ -137,27 +166,97 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
     )
 
 
-def _rope_scaling(raw: dict, rope_params: dict, source: str) -> Llama3RopeScaling | None:
-    # transformers 4 writes `rope_scaling`; transformers 5 folds it into `rope_parameters`.
-    scaling = raw.get("rope_scaling") or rope_params
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if rope_type == "default":
-        return None
-    if rope_type != "llama3":
+def _gemma2_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
+    # Gemma 2: every other layer (the first, third, ...) sees the last `sliding_window`
+    # positions unless `layer_types` says otherwise; one RoPE base for all; soft caps on the
+    # attention scores and the final logits (null: none).
+    num_layers = int(field("num_hidden_layers"))
+    act = field("hidden_activation", field("hidden_act", "gelu_pytorch_tanh"))
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(
-            f"{source}: rope_scaling type {rope_type!r} is not supported; allowed: default, llama3"
+            f"{source}: hidden_activation={act!r}; Gemma 2 supports 'gelu_pytorch_tanh'"
         )
-    try:
-        return Llama3RopeScaling(
-            factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        )
-    except KeyError as e:
+    if field("attention_bias", False):
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported for Gemma 2")
+    if not field("tie_word_embeddings", True):  # as every Gemma 2 is, and llama.cpp's
         raise ModelLoadError(
-            f"{source}: llama3 rope_scaling lacks the field {e.args[0]!r}"
-        ) from None
+            f"{source}: tie_word_embeddings=false is not supported for Gemma 2 (tied only)"
+        )
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ModelLoadError(
+            f"{source}: rope_scaling type {kind!r} is not supported for Gemma 2; allowed: default"
+        )
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(
+            f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
+            f"of the {num_layers} layers"
+        )
+    num_heads = int(field("num_attention_heads"))
+    hidden = int(field("hidden_size"))
+    head_dim = int(field("head_dim", hidden // num_heads))
+    max_positions = int(field("max_position_embeddings", 8192))
+    window = raw.get("sliding_window")
+    local = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    windows = {}
+    if window and local and int(window) < max_positions:
+        windows = dict(sliding_window=int(window), local_layers=local)
+    rope_theta = float(rope.get("rope_theta", field("rope_theta", 10000.0)))
+    return ModelConfig(
+        vocab_size=int(field("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(field("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(field("num_key_value_heads", num_heads)),
+        head_dim=head_dim,
+        rope_theta=rope_theta,
+        rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        dtype=dtype,
+        architecture="gemma2",
+        rope_local_theta=rope_theta,
+        query_pre_attn_scalar=float(field("query_pre_attn_scalar", head_dim)),
+        attn_logit_softcapping=float(field("attn_logit_softcapping", 0.0)),
+        final_logit_softcapping=float(field("final_logit_softcapping", 0.0)),
+        **windows,
+    )
+
+
+def _qwen3_windows(raw: dict, num_layers: int, max_positions: int, source: str) -> dict:
+    # Qwen3's sliding-window layers (off unless `use_sliding_window`) are the ones `layer_types`
+    # marks, or else those from `max_window_layers` on, as transformers reads the config. A
+    # window as long as the context never binds, and is dropped.
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first = int(raw.get("max_window_layers", num_layers))
+        layer_types = [
+            "sliding_attention" if window and i >= first else "full_attention"
+            for i in range(num_layers)
+        ]
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise ModelLoadError(
+            f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
+            f"of the {num_layers} layers"
+        )
+    local = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    if not local or not window or int(window) >= max_positions:
+        return {}
+    return dict(sliding_window=int(window), local_layers=local)
+
+
+def every_layer_windowed(window: int | None, num_layers: int, max_positions: int) -> dict:
+    """The `ModelConfig` fields of a model whose every layer sees the last `window` positions
+    (Phi-3); none when it has no window or one as long as its context, which never binds."""
+    if not window or int(window) >= max_positions:
+        return {}
+    return dict(sliding_window=int(window), local_layers=tuple(range(num_layers)))
 
 
 def _sliding_window_limit(raw: dict, model_type: str) -> int | None:

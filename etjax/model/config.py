@@ -28,14 +28,40 @@ def resolve_dtype(dtype: str, platform: str | None = None) -> str:
     return "float32" if platform == "cpu" else "bfloat16"
 
 
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama-3.1 style frequency-dependent RoPE scaling (`rope_type: "llama3"`)."""
+ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
 
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a model's RoPE frequencies are scaled (config.json `rope_scaling`, in transformers 5
+    `rope_parameters`): `rope_type` is one of `ROPE_TYPES`, each reading the fields marked for
+    it (etjax/model/rope.py computes them).
+
+    - linear: every frequency divided by `factor`.
+    - llama3 (Llama 3.1): long wavelengths slowed by `factor`, short ones kept, the band
+      between (`low_freq_factor`, `high_freq_factor` of `original_max_position_embeddings`)
+      interpolated.
+    - yarn: frequencies blended between `factor`-slowed and unchanged over the band of
+      rotation counts `beta_slow`..`beta_fast` within `original_max_position_embeddings`.
+    - longrope (Phi-3): frequency i divided by `frequency_factors[i]`; etjax reads the short
+      factors and serves contexts up to `original_max_position_embeddings`, where they hold.
+    `attention_factor` (yarn, longrope) multiplies the cosines and sines, so queries and keys.
+    """
+
+    rope_type: str
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    low_freq_factor: float = 0.0
+    high_freq_factor: float = 0.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    frequency_factors: tuple[float, ...] = ()
+    attention_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"RopeScaling.rope_type={self.rope_type!r}; allowed: {ROPE_TYPES}")
 
 
 @dataclass(frozen=True)
@@ -59,7 +85,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 adds a bias to the q, k and v projections.
-    rope_scaling: Llama3RopeScaling | None = None
+    rope_scaling: RopeScaling | None = None
     dtype: str = "float32"
     architecture: str = "llama"
     # Sliding-window attention (Gemma 3): the layers in `local_layers` see only the last
@@ -70,6 +96,10 @@ class ModelConfig:
     rope_local_theta: float = 10000.0
     # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (0: head_dim, the usual).
     query_pre_attn_scalar: float = 0.0
+    # Gemma 2's soft caps: attention scores s and final logits z become c * tanh(s / c) with
+    # their own c (0: none).
+    attn_logit_softcapping: float = 0.0
+    final_logit_softcapping: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:

@@ -27,7 +27,8 @@ from etjax.attention import XLA, AttentionBackend, AttentionPlan, attend, pruned
 from etjax.cache.kv_cache import NULL_PAGE, KVCache, PagePool, cache_from_pool, page_pool, write_kv
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
-from etjax.model.layers import apply_rope, rms_norm, rope_inverse_frequencies
+from etjax.model.layers import rms_norm
+from etjax.model.rope import apply_rope, rope_attention_factor, rope_inverse_frequencies
 from etjax.model.weights import Weights
 from etjax.pruning.config import PruningShape, PruningThresholds
 
@@ -68,6 +69,12 @@ def forward(
             f"an attention plan for a window of {plan.window} positions; the model's local "
             f"layers have {cfg.attention_window} (plan_passes(window=cfg.attention_window))"
         )
+    if sparse is not None and cfg.attn_logit_softcapping:
+        raise ValueError(
+            "pruned attention does not soft-cap attention scores "
+            f"(attn_logit_softcapping={cfg.attn_logit_softcapping}, Gemma 2): decode without "
+            "pruning"
+        )
     if sparse is not None and cfg.local_layers and plan is None:
         raise ValueError(
             "pruned attention on a model with sliding-window layers needs a plan: its local "
@@ -81,11 +88,14 @@ def forward(
 
     t, hd = tokens.shape[0], cfg.head_dim
     q_width, kv_width = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    # Local (sliding-window) layers rotate with their own base; a traced flag per layer.
+    # Local (sliding-window) layers rotate with their own base where the family says so
+    # (Gemma 3); a traced flag per layer.
     inv_freq = rope_inverse_frequencies(cfg)
     local_inv_freq = rope_inverse_frequencies(
         dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
     )
+    own_local_rope = bool(cfg.local_layers) and fam.local_rope
+    rope_scale = rope_attention_factor(cfg)  # 1 for a Gemma 3 local layer, unscaled
     is_local = jnp.asarray([i in cfg.local_layers for i in range(cfg.num_layers)])
 
     per_layer_qkv = [
@@ -99,17 +109,31 @@ def forward(
         x, pool = carry
         qkv = jax.lax.switch(index, per_layer_qkv, x)
         local = is_local[index]
-        freq = jnp.where(local, local_inv_freq, inv_freq) if cfg.local_layers else inv_freq
-        q = apply_rope(qkv[:, :q_width].reshape(t, cfg.num_heads, hd), positions, freq)
+        freq, scale = inv_freq, rope_scale
+        if own_local_rope:
+            freq = jnp.where(local, local_inv_freq, inv_freq)
+            scale = scale if scale == 1.0 else jnp.where(local, 1.0, scale)
+        q = apply_rope(qkv[:, :q_width].reshape(t, cfg.num_heads, hd), positions, freq, scale)
         k = apply_rope(
             qkv[:, q_width : q_width + kv_width].reshape(t, cfg.num_kv_heads, hd),
             positions,
             freq,
+            scale,
         )
         v = qkv[:, q_width + kv_width :].reshape(t, cfg.num_kv_heads, hd)
         first_page = index * pool.pages_per_layer
         heads, pool = _attention(
-            q, k, v, pool, first_page, positions, write_pages, plan, sparse, local
+            q,
+            k,
+            v,
+            pool,
+            first_page,
+            positions,
+            write_pages,
+            plan,
+            sparse,
+            local,
+            cfg.attn_logit_softcapping,
         )
         x = jax.lax.switch(index, per_layer_rest, x, heads.reshape(t, q_width))
         return (x, pool), None
@@ -141,9 +165,11 @@ class SparsePlan:
 
 def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
     """Project hidden states [..., D] to float32 logits [..., V] (tied or untied head, both
-    [V, D])."""
+    [V, D]), soft-capped where the model caps them (`Weights.logit_softcap`, Gemma 2)."""
     table = weights.embed if weights.lm_head is None else weights.lm_head
-    return jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
+    cap = weights.logit_softcap
+    return logits if not cap else cap * jnp.tanh(logits / cap)
 
 
 def _attention(
@@ -157,13 +183,15 @@ def _attention(
     plan: AttentionPlan | None,
     sparse: SparsePlan | None,
     local: jax.Array | bool = False,
+    softcap: float = 0.0,
 ) -> tuple[jax.Array, PagePool]:
     # q: [T, H, hd], k, v: [T, KVH, hd] (RoPE applied) -> attention heads [T, H, hd] and the
     # pool with this layer's pages updated; first_page: the pool page of this layer's page 0;
-    # local: a sliding-window layer (the plan's local passes).
+    # local: a sliding-window layer (the plan's local passes); softcap: Gemma 2's cap on
+    # scores (dense attention only: forward refuses pruning with one).
     pool = write_kv(pool, k, v, write_pages, positions, first_page)
     if sparse is None:
-        return attend(q, pool.k, pool.v, positions, plan, first_page, local), pool
+        return attend(q, pool.k, pool.v, positions, plan, first_page, local, softcap), pool
     if plan is None or plan.window == 0:
         return _pruned_attention(q, pool, first_page, positions, write_pages, plan, sparse)
 

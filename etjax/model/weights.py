@@ -51,6 +51,10 @@ class Weights:
     layers: tuple[Any, ...]
     final_norm: jax.Array  # [D] float32
     lm_head: jax.Array | None  # [V, D], or None when tied to `embed`
+    # Gemma 2's final soft cap (`ModelConfig.final_logit_softcapping`; 0: none), static. It is
+    # part of what the head computes, so it travels with the head: every caller of
+    # `logits_from_hidden` (the steps, speculation's verifier, the perplexity bench) applies it.
+    logit_softcap: float = flax.struct.field(pytree_node=False, default=0.0)
 
     # Each array's dimensions by name, for the mesh placement (etjax/distributed/placement.py);
     # `layers` hold their own.
@@ -63,7 +67,11 @@ def abstract_weights(cfg: ModelConfig) -> Weights:
     fam = family(cfg.architecture)
     layer = fam.layer_type(**{name: leaf.abstract(cfg) for name, leaf in fam.layer.items()})
     model = {name: leaf.abstract(cfg) for name, leaf in model_leaves(cfg).items()}
-    return Weights(layers=tuple(layer for _ in range(cfg.num_layers)), **model)
+    return Weights(
+        layers=tuple(layer for _ in range(cfg.num_layers)),
+        logit_softcap=cfg.final_logit_softcapping,
+        **model,
+    )
 
 
 def model_leaves(cfg: ModelConfig) -> Table:

@@ -74,6 +74,7 @@ def _kernel(
     norm_ref,  # [R] float32 normaliser of this split
     *,
     scale: float,
+    softcap: float,
     page_size: int,
     kv_tile: int,
     row_blocks: int,
@@ -130,6 +131,8 @@ def _kernel(
                 key_pos[None, :] > hidden_to[:, None]
             )  # [R, ps]
             s = scores_of(k_pages_ref[page, head]) * scale
+            if softcap:  # Gemma 2's cap on attention logits (static: no cost without one)
+                s = softcap * jnp.tanh(s / softcap)
             pages.append(page)
             scores.append(jnp.where(seen, s, _MASKED))
             visible.append(seen)
@@ -156,7 +159,7 @@ def _kernel(
     norm_ref[...] = norm
 
 
-@functools.partial(jax.jit, static_argnames=("chunk", "interpret", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("chunk", "interpret", "num_splits", "softcap"))
 def ragged_attention_gpu(
     q: jax.Array,
     k_pages: jax.Array,
@@ -168,13 +171,14 @@ def ragged_attention_gpu(
     interpret: bool = False,
     num_splits: int | None = None,
     window: jax.Array | int = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """q: [T, H, hd]; k_pages, v_pages: [N, KVH, ps, hd]; q_positions: [T] int32; `passes`
     together cover every real token once (work_items.py). Returns [T, H, hd] in q's dtype;
     tokens in no tile get zeros. `chunk` is ignored (module docstring); `num_splits` programs
     share each tile's items (None: enough for about 256 programs per pass); `interpret=True`
     runs the kernel on any backend; window: a sliding window in positions (0: none), as in
-    the XLA backend."""
+    the XLA backend; softcap: Gemma 2's cap on scores, as in the XLA backend (0: none)."""
     t, h, hd = q.shape
     if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} must match")
@@ -187,14 +191,16 @@ def ragged_attention_gpu(
     del chunk
     out = jnp.zeros((t, h, hd), jnp.float32)
     for tile_pass in passes:
-        part = _run_pass(q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits, window)
+        part = _run_pass(
+            q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits, window, softcap
+        )
         tokens = jnp.asarray(tile_pass.tile_tokens).reshape(-1)
         out = out.at[tokens].add(part.reshape(-1, h, hd), mode="drop")
     return out.astype(q.dtype)
 
 
 def _run_pass(
-    q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits, window
+    q, k_pages, v_pages, q_positions, tile_pass, interpret, num_splits, window, softcap
 ) -> jax.Array:
     # -> [Nq, Qt, H, hd] float32
     from jax.experimental.pallas import triton as plgpu
@@ -232,6 +238,7 @@ def _run_pass(
     kernel = functools.partial(
         _kernel,
         scale=hd**-0.5,
+        softcap=softcap,
         page_size=ps,
         kv_tile=kt,
         row_blocks=row_blocks,

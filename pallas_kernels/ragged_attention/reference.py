@@ -14,9 +14,11 @@ def ragged_attention_reference(
     token_seq: jax.Array,
     page_table: jax.Array,
     window: int = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """Each token attends to its sequence's keys at positions <= its own (and, with a sliding
-    `window` > 0, > its own minus the window: the last `window` positions).
+    `window` > 0, > its own minus the window: the last `window` positions). With `softcap`
+    > 0, each scaled score s is softcap * tanh(s / softcap) before the softmax (Gemma 2).
 
     q: [T, H, hd]; k_pages, v_pages: [N, KVH, ps, hd]; q_positions: [T] int32; token_seq: [T]
     int32 row of `page_table` [S, P] holding the token's sequence, < 0 for padding tokens.
@@ -32,6 +34,8 @@ def ragged_attention_reference(
     values = values.transpose(0, 2, 1, 3, 4).reshape(t, kvh, p * ps, hd)
     qg = q.astype(jnp.float32).reshape(t, kvh, h // kvh, hd)
     scores = jnp.einsum("tkgd,tksd->tkgs", qg, keys) * hd**-0.5
+    if softcap:
+        scores = softcap * jnp.tanh(scores / softcap)
     key_pos = jnp.arange(p * ps)[None, :]
     visible = key_pos <= q_positions[:, None]  # [T, P * ps]
     if window:

@@ -63,17 +63,19 @@ def ragged_attention_xla(
     passes: tuple[TilePass, ...],
     chunk: int = 16,
     window: jax.Array | int = 0,
+    softcap: float = 0.0,
 ) -> jax.Array:
     """q: [T, H, hd]; k_pages, v_pages: [N, KVH, ps, hd]; q_positions: [T] int32; `passes`
     together cover every real token once (work_items.py); window: a sliding window in
-    positions (0: none). Returns [T, H, hd] in q's dtype; tokens in no tile get zeros."""
+    positions (0: none); softcap: scores s become softcap * tanh(s / softcap) (Gemma 2; 0:
+    none). Returns [T, H, hd] in q's dtype; tokens in no tile get zeros."""
     t, h, hd = q.shape
     out = jnp.zeros((t, h, hd), jnp.float32)
     lse = jnp.full((t, h), _MASKED, jnp.float32)
     for tile_pass in passes:
         wide = tile_pass.tile_tokens.shape[1] >= TILE_LOOP_MIN_QUERIES
         run = _tile_loop_pass if wide else _item_chunk_pass
-        part, part_lse = run(q, k_pages, v_pages, q_positions, tile_pass, chunk, window)
+        part, part_lse = run(q, k_pages, v_pages, q_positions, tile_pass, chunk, window, softcap)
         tokens = tile_pass.tile_tokens.reshape(-1)
         part = jnp.zeros_like(out).at[tokens].set(part.reshape(-1, h, hd), mode="drop")
         part_lse = jnp.full_like(lse, _MASKED).at[tokens].set(part_lse.reshape(-1, h), mode="drop")
@@ -99,8 +101,14 @@ def visible_keys(key_pos: jax.Array, q_pos: jax.Array, window: jax.Array | int) 
     return seen & ((window <= 0) | (key_pos > q_pos - window))
 
 
+def soft_capped(scores: jax.Array, softcap: float) -> jax.Array:
+    """softcap * tanh(scores / softcap): scores squashed into (-softcap, softcap), as Gemma 2
+    caps its attention logits; scores as they are when softcap is 0."""
+    return scores if not softcap else softcap * jnp.tanh(scores / softcap)
+
+
 def _item_chunk_pass(
-    q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int, window
+    q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int, window, softcap
 ) -> jax.Array:
     _, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
@@ -143,7 +151,7 @@ def _item_chunk_pass(
         rows = queries[tiles].transpose(0, 2, 1, 3, 4).reshape(size, kvh, qt * g, hd)
         scores = jnp.einsum("ckrd,cksd->ckrs", rows, keys, preferred_element_type=jnp.float32)
         scores = scores.reshape(size, kvh, qt, g, -1).transpose(0, 2, 1, 3, 4)
-        scores = jnp.where(visible, scores, _MASKED)
+        scores = jnp.where(visible, soft_capped(scores, softcap), _MASKED)
         new_best = best.at[tiles].max(scores.max(axis=-1))
         rescale = jnp.exp(best - new_best)
         weights = jnp.where(visible, jnp.exp(scores - new_best[tiles][..., None]), 0.0)
@@ -176,7 +184,9 @@ def _item_chunk_pass(
     return out.reshape(nq, qt, h, hd), lse.reshape(nq, qt, h)
 
 
-def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int, window):
+def _tile_loop_pass(
+    q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk: int, window, softcap
+):
     del chunk  # one item per inner trip: a wide tile's product is large enough on its own
     _, h, hd = q.shape
     _, kvh, ps, _ = k_pages.shape
@@ -213,6 +223,7 @@ def _tile_loop_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk
             values = v_pages[pages].transpose(1, 0, 2, 3).reshape(kvh, kt * ps, hd)
             key_pos = item_key_start[i] + key_offsets
             scores = jnp.einsum("krd,ksd->krs", queries, keys, preferred_element_type=jnp.float32)
+            scores = soft_capped(scores, softcap)
 
             def merge(visible):
                 # Fold the item's scores into the tile's online softmax; `visible` None: every

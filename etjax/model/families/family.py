@@ -38,6 +38,10 @@ class Family:
     model: Table | None = None
     # Whether the embedding is scaled by sqrt(hidden_size) before the first layer (Gemma).
     scales_embedding: bool = False
+    # Whether sliding-window layers (`ModelConfig.local_layers`) rotate with their own base,
+    # `rope_local_theta`, and no RoPE scaling (Gemma 3); otherwise they rotate as every other
+    # layer does (Qwen3's and Phi-3's windows only limit what a layer reads).
+    local_rope: bool = False
 
     def __post_init__(self) -> None:
         fields = tuple(f.name for f in dataclasses.fields(self.layer_type))

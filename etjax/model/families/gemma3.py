@@ -129,4 +129,5 @@ GEMMA3 = Family(
     gguf_architectures=("gemma3",),
     model=MODEL,
     scales_embedding=True,
+    local_rope=True,
 )
