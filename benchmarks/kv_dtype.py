@@ -2,8 +2,8 @@
 quality and what it saves in memory and time, side by side in one run.
 
 - perplexity: teacher-forced perplexity of the last 512 tokens of D long documents
-  (etjax/bench/perplexity.py), dense and with pruning at its defaults, float32 and bfloat16
-  caches prefilled from the same tokens;
+  (etjax/bench/perplexity.py), float32 and bfloat16 caches prefilled from the same tokens
+  (`--pruned`: also with pruning at its defaults; slow on a CPU, as bfloat16 pages are);
 - fidelity: P greedy `decode()` continuations of Lee articles' openings, N new tokens: how
   many are identical with a bfloat16 cache, and the mean number of tokens before the first
   difference;
@@ -14,8 +14,8 @@ quality and what it saves in memory and time, side by side in one run.
 
 Writes the "kv_dtype" section of docs/PERF.md unless --no-write.
 
-    .venv/bin/python benchmarks/kv_dtype.py [--documents 4] [--length 2048] [--prompts 8]
-        [--new 128] [--context 2048] [--batch 8] [--repeats 3] [--no-write]
+    .venv/bin/python benchmarks/kv_dtype.py [--documents 2] [--length 1024] [--pruned]
+        [--prompts 4] [--new 64] [--context 1024] [--batch 4] [--repeats 2] [--no-write]
 """
 
 from __future__ import annotations
@@ -37,13 +37,14 @@ STEPS = 64
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--documents", type=int, default=4)
-    parser.add_argument("--length", type=int, default=2048)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new", type=int, default=128)
-    parser.add_argument("--context", type=int, default=2048)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--documents", type=int, default=2)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--pruned", action="store_true")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     import etjax
@@ -54,7 +55,7 @@ def main() -> None:
     articles = lee_articles()
     raw = {"machine": machine_line(), "date": str(datetime.date.today()), "args": vars(args)}
     raw["bytes_per_token"] = {d: kv_cache_bytes(model.config, 1, 1, d) for d in DTYPES}
-    raw["perplexity"] = _perplexity(model, articles, args.documents, args.length)
+    raw["perplexity"] = _perplexity(model, articles, args.documents, args.length, args.pruned)
     print("perplexity:", raw["perplexity"], flush=True)
     raw["fidelity"] = _fidelity(model, articles, args.prompts, args.new)
     print("fidelity:", raw["fidelity"], flush=True)
@@ -64,7 +65,7 @@ def main() -> None:
         write_section("kv_dtype", _markdown(raw), raw)
 
 
-def _perplexity(model, articles: list[str], count: int, length: int) -> dict:
+def _perplexity(model, articles: list[str], count: int, length: int, pruned: bool) -> dict:
     from etjax.bench.perplexity import long_documents, perplexity, prefill_documents
     from etjax.pruning.config import PruningConfig
 
@@ -72,11 +73,14 @@ def _perplexity(model, articles: list[str], count: int, length: int) -> dict:
     out = {}
     for dtype in DTYPES:
         prefilled = prefill_documents(model, docs, dtype)
-        for name, pruning in (("dense", PruningConfig()), ("pruned", PruningConfig(True))):
+        settings = [("dense", PruningConfig())] + [("pruned", PruningConfig(True))] * pruned
+        for name, pruning in settings:
+            started = time.perf_counter()
             result = perplexity(model, prefilled, pruning)
             out[f"{dtype}_{name}"] = {
                 "ppl": statistics.fmean(result["ppl"]),
                 "kept_fraction": result["kept_fraction"],
+                "seconds": time.perf_counter() - started,  # compile included
             }
     return out
 
@@ -147,7 +151,8 @@ def _markdown(raw: dict) -> str:
         "## A bfloat16 KV cache against float32 (SmolLM2-135M, float32 weights)",
         "",
         f"{raw['machine']}, {raw['date']}. `benchmarks/kv_dtype.py --documents "
-        f"{a['documents']} --length {a['length']} --prompts {a['prompts']} --new {a['new']} "
+        f"{a['documents']} --length {a['length']}{' --pruned' * a['pruned']} --prompts "
+        f"{a['prompts']} --new {a['new']} "
         f"--context {a['context']} --batch {a['batch']} --repeats {a['repeats']}`.",
         "",
         "| what | float32 cache | bfloat16 cache | bfloat16 / float32 |",
@@ -156,7 +161,7 @@ def _markdown(raw: dict) -> str:
         f"{raw['bytes_per_token']['bfloat16']:,} | "
         f"{raw['bytes_per_token']['bfloat16'] / raw['bytes_per_token']['float32']:.2f}x |",
     ]
-    for name in ("dense", "pruned"):
+    for name in ("dense", "pruned") if a["pruned"] else ("dense",):
         lo, hi = p[f"float32_{name}"], p[f"bfloat16_{name}"]
         kept = f" (kept {lo['kept_fraction']:.2f} / {hi['kept_fraction']:.2f})"
         lines.append(
@@ -171,6 +176,9 @@ def _markdown(raw: dict) -> str:
         f"| warm decode step, batch {a['batch']} at {a['context']} tokens of context, ms "
         f"(`decode()`, 65 vs 1 new tokens) | {median_spread(t['float32']['step_ms'])} | "
         f"{median_spread(t['bfloat16']['step_ms'])} | {step['bfloat16'] / step['float32']:.2f}x |",
+        f"| teacher-forced perplexity run, 512 steps, dense, s (compile included) | "
+        f"{p['float32_dense']['seconds']:.0f} | {p['bfloat16_dense']['seconds']:.0f} | "
+        f"{p['bfloat16_dense']['seconds'] / p['float32_dense']['seconds']:.1f}x |",
     ]
     return "\n".join(lines) + "\n"
 

@@ -130,10 +130,14 @@ def decode(
         outputs are the same as without it. With `pruning` too, a row verifying drafts reads
         its whole context that step.
       prefix_cache: requests (and the n samples of a prompt) whose prompts start alike share
-        the KV pages of that beginning: it is prefilled once, by the first of them. The
-        cache lives for this call; outputs are the same with it off.
-      kv_dtype: of the KV cache: "model" (the weights' dtype), "float32" or "bfloat16" (half
-        the memory per token of context; keys and values rounded, attention in float32).
+        the KV pages of that beginning: it is prefilled once, by the first of them, and
+        decode steps read it once for the rows holding it (etjax/attention/cascade.py). The
+        cache lives for this call. Greedy outputs are the same with it off; log-probabilities
+        agree to float rounding (a seeded draw can differ where rounding moves it across a
+        token boundary).
+      kv_dtype: of the KV cache: "model" (the weights' dtype), "float32", "float16" or
+        "bfloat16" (half the memory per token of context; keys and values rounded, attention
+        in float32). On a CPU float16 is also faster and bfloat16 slower (see README).
       mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(result_index, text_piece)` while text is produced (the

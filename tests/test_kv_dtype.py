@@ -1,20 +1,21 @@
-"""A bfloat16 KV cache (`RuntimeOptions.kv_dtype`): its only difference from float32 is that
-keys and values are rounded when stored.
+"""16-bit KV caches (`RuntimeOptions.kv_dtype` bfloat16 and float16): their only difference
+from float32 is that keys and values are rounded when stored.
 
 The truth is transformers in float32 with its keys (after RoPE, as the cache holds them) and
-values rounded to bfloat16 by hooks: everything else (projections, softmax, accumulation)
-computes in float32 on both sides, so the engine's outputs with a bfloat16 cache must match
-that reference as closely as float32 ones match the plain one.
+values rounded to the cache's dtype by hooks: everything else (projections, softmax,
+accumulation) computes in float32 on both sides, so the engine's outputs with a 16-bit cache
+must match that reference as closely as float32 ones match the plain one.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import etjax
-from etjax.cache.kv_cache import kv_cache_bytes
+from etjax.cache.kv_cache import init_kv_cache, kv_cache_bytes, page_pool, write_kv
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.entropy.estimators import exact_entropy
 from etjax.errors import FieldError
@@ -22,14 +23,13 @@ from etjax.errors import FieldError
 PROMPT_LEN, NEW = 21, 10
 
 
-def _rounded(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.bfloat16).to(torch.float32)
-
-
-def _reference_logits(directory, ids: np.ndarray) -> np.ndarray:
-    """transformers' float32 logits [S, V] with keys and values rounded to bfloat16."""
+def _reference_logits(directory, ids: np.ndarray, dtype: str) -> np.ndarray:
+    """transformers' float32 logits [S, V] with keys and values rounded to `dtype`."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
+
+    def _rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(getattr(torch, dtype)).to(torch.float32)
 
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     for layer in model.model.layers:
@@ -48,16 +48,17 @@ def _reference_logits(directory, ids: np.ndarray) -> np.ndarray:
         modeling_llama.apply_rotary_pos_emb = rotate
 
 
-def test_bfloat16_cache_matches_transformers_with_rounded_keys_and_values(tiny_hf_dir):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_cache_matches_transformers_with_rounded_keys_and_values(tiny_hf_dir, dtype):
     directory = tiny_hf_dir("llama")
     tiny = etjax.load_model(directory)
     prompt = np.random.default_rng(3).integers(3, tiny.config.vocab_size, PROMPT_LEN).tolist()
-    # Chunked prefill, then decode bursts: both read keys the engine stored in bfloat16.
-    options = RuntimeOptions(page_size=4, steps_per_sync=4, prefill_chunk=8, kv_dtype="bfloat16")
+    # Chunked prefill, then decode bursts: both read keys the engine stored in 16 bits.
+    options = RuntimeOptions(page_size=4, steps_per_sync=4, prefill_chunk=8, kv_dtype=dtype)
     settings = RequestSettings(max_new_tokens=NEW, ignore_eos=True)
     (out,) = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, [prompt], [settings], options)
 
-    logits = _reference_logits(directory, np.array(prompt + out.token_ids))
+    logits = _reference_logits(directory, np.array(prompt + out.token_ids), dtype)
     predicting = logits[PROMPT_LEN - 1 : PROMPT_LEN - 1 + NEW]
     np.testing.assert_array_equal(predicting.argmax(-1), out.token_ids)
     np.testing.assert_allclose(out.entropy, exact_entropy(predicting), rtol=1e-4, atol=1e-5)
@@ -73,7 +74,16 @@ def test_bfloat16_cache_takes_half_the_bytes(tiny_hf_dir):
     assert kv_cache_bytes(cfg, 10, 4, "bfloat16") == 10 * 4 * per_token * 2
 
 
-@pytest.mark.parametrize("value", ["float16", "bf16", None])
+def test_float16_cache_saturates_instead_of_overflowing(tiny_hf_dir):
+    cfg = etjax.load_model(tiny_hf_dir("llama")).config
+    pool = page_pool(init_kv_cache(cfg, 4, 4, dtype="float16"))
+    big = jnp.full((1, cfg.num_kv_heads, cfg.head_dim), 1e6, jnp.float32)
+    pool = write_kv(pool, big, -big, jnp.asarray([1]), jnp.asarray([0]))
+    assert float(pool.k[1, 0, 0, 0]) == 65504.0 and float(pool.v[1, 0, 0, 0]) == -65504.0
+    assert float(pool.k_max[1, 0, 0]) == 65504.0  # the bounds are of what is stored
+
+
+@pytest.mark.parametrize("value", ["float64", "bf16", None])
 def test_unknown_kv_dtype_is_refused_by_name(value):
     with pytest.raises(FieldError, match="kv_dtype"):
         RuntimeOptions(kv_dtype=value)

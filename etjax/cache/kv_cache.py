@@ -135,7 +135,8 @@ def init_kv_cache(
 
 
 def kv_jnp_dtype(cfg: ModelConfig, dtype: str | None = None) -> jnp.dtype:
-    """The keys' and values' dtype: `dtype` ("float32", "bfloat16") or, None, the model's."""
+    """The keys' and values' dtype: `dtype` ("float32", "float16", "bfloat16") or, None, the
+    model's."""
     return cfg.jnp_dtype if dtype is None else jnp.dtype(dtype)
 
 
@@ -168,12 +169,21 @@ def write_kv(
     pages = pages + first_page
     # The bounds are of the keys as stored (rounded to a narrower cache dtype), so they bound
     # what attention reads.
-    k_new = k_new.astype(pool.k.dtype)
+    k_new, v_new = _storable(k_new, pool.k.dtype), _storable(v_new, pool.v.dtype)
     # Advanced indices on axes 0 and 2 around the head slice put [T] first: [T, KVH, hd].
     k = pool.k.at[pages, :, slot].set(k_new, mode="drop")
-    v = pool.v.at[pages, :, slot].set(v_new.astype(pool.v.dtype), mode="drop")
+    v = pool.v.at[pages, :, slot].set(v_new, mode="drop")
     k_min, k_max = update_key_bounds(pool.k_min, pool.k_max, k_new, pages, slot)
     return pool.replace(k=k, v=v, k_min=k_min, k_max=k_max)
+
+
+def _storable(x: jax.Array, dtype) -> jax.Array:
+    # float16 tops out at 65504: a larger key or value is stored as the largest finite one
+    # (saturated), never as inf, which would turn every score it meets into NaN.
+    if jnp.dtype(dtype) == jnp.float16:
+        limit = float(jnp.finfo(jnp.float16).max)
+        x = jnp.clip(x, -limit, limit)
+    return x.astype(dtype)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

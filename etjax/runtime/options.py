@@ -14,7 +14,7 @@ from etjax.pruning.config import PruningConfig
 from etjax.request_fields import RequestSettings as RequestSettings  # where the engine reads it
 
 POLICIES = ("fcfs", "priority", "entropic")
-KV_DTYPES = ("model", "float32", "bfloat16")
+KV_DTYPES = ("model", "float32", "float16", "bfloat16")
 MAX_PAGE_SIZE = 1024
 
 
@@ -56,12 +56,15 @@ class RuntimeOptions:
     prefix_cache: share the KV pages of a context's cached beginning between requests
       (etjax/cache/prefix_cache.py): a prompt whose first pages an earlier or running
       request holds, or left behind, prefills only the rest. Cached pages live as long as
-      the engine, evicted least recently used when the pool needs them.
-    kv_dtype: of the cached keys and values: "model" (the model's dtype), "float32" or
-      "bfloat16". bfloat16 halves the cache's memory (twice the context per GiB) and the
-      bytes each step reads; attention still computes in float32. On a CPU it is slower:
-      XLA:CPU gathers bfloat16 pages no faster than float32 ones and converts them
-      (docs/PERF.md, "kv_dtype").
+      the engine, evicted least recently used when the pool needs them. Dense decode bursts
+      read pages that rows share once for all of them (etjax/attention/cascade.py).
+    kv_dtype: of the cached keys and values: "model" (the model's dtype), "float32",
+      "float16" or "bfloat16". A 16-bit cache halves the memory per token of context and
+      the bytes each step reads; attention still computes in float32. On a CPU, float16 is
+      the fast one (half the bytes to gather; keys and values past 65504 saturate), while
+      XLA:CPU writes into a bfloat16 pool by converting all of it to float32 and back, so
+      bfloat16 is several times slower there (docs/PERF.md, "kv_dtype"); on accelerators
+      bfloat16 is native.
     """
 
     page_size: int = 16
