@@ -47,7 +47,10 @@ class Result:
     after drawing token i (all of them unless `pruning` is on). With `logprobs=k`,
     `top_logprobs[i]` holds the k most likely `(token_id, logprob)` pairs at token i, most
     likely first, of the same distribution as `logprob[i]`: the model's at temperature 1,
-    before penalties, temperature and filters (None when not asked). `finish_reason` is "eos",
+    before penalties, temperature and filters (None when not asked). With
+    `prompt_logprobs=True`, `prompt_logprobs[j]` is prompt token j's log-probability given
+    the tokens before it, of the model's distribution at temperature 1 (None for the first
+    token; the whole list None when not asked). `finish_reason` is "eos",
     "stop", "length", or None when the prompt was rejected, in which case `error` says why and
     nothing was generated.
     """
@@ -65,6 +68,7 @@ class Result:
     cost_bytes: list[float] = field(default_factory=list)
     kept_blocks: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
     finish_reason: str | None = None
     error: str | None = None
     seed: int = 0  # the sampling seed it used: `decode(..., seed=[r.seed])` replays it
@@ -88,6 +92,7 @@ def decode(
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
     logprobs: int = 0,
+    prompt_logprobs: bool = False,
     chat: bool = False,
     system_prompt: str | None = None,
     trusted_chat: bool = False,
@@ -225,7 +230,7 @@ def decode(
         r.text, r.token_ids, r.finish_reason = out.text, out.token_ids, out.finish_reason
         for name in TRACE_FIELDS:
             setattr(r, name, getattr(out, name))
-        r.top_logprobs = out.top_logprobs
+        r.top_logprobs, r.prompt_logprobs = out.top_logprobs, out.prompt_logprobs
         r.cached_tokens = int(out.metrics.get("cached_tokens", 0))
     return results
 

@@ -197,6 +197,13 @@ class RequestSettings:
         f"at temperature 1 before penalties (0 to {MAX_LOGPROBS}; 0: none)",
         doors=(DECODE, RECORD, TOML),
     )
+    prompt_logprobs: bool = request_field(
+        False,
+        switch,
+        "each prompt token's log-probability given the tokens before it, at temperature 1 "
+        "(None for the first); such a prompt is prefilled whole, not served by the prefix cache",
+        doors=(DECODE, RECORD, TOML),
+    )
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
 
     def __post_init__(self) -> None:

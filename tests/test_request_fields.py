@@ -33,6 +33,7 @@ DOORS = {
     "n": {"decode", "record", "cli"},
     "priority": {"record"},
     "logprobs": {"decode", "record", "toml"},
+    "prompt_logprobs": {"decode", "record", "toml"},
 }
 OPENAI = {"max_new_tokens": ("max_tokens", "max_completion_tokens"), "stop": ("stop",), "n": ("n",)}
 # A good value of each field, as JSON writes it, and as the request holds it.
@@ -46,6 +47,7 @@ GOOD = {
     "n": (2, 2),
     "priority": (2, 2.0),
     "logprobs": (3, 3),
+    "prompt_logprobs": (True, True),
 }
 FLAGS = {
     "max_new_tokens": (["--max-new-tokens", "3"], 3),

@@ -149,11 +149,12 @@ class DeviceBackend:
         budgets: list[float],
         jobs: list[PrefillJob],
         drafts: list[list[int]] | None = None,
-    ) -> tuple[StepOutputs, np.ndarray, list[tuple[float, float]]]:
+    ) -> tuple[StepOutputs, np.ndarray, list[tuple[float, float]], list[np.ndarray | None]]:
         """One step: each row of `rows` (with its pages, cached length and budget fraction)
         decodes one token, and each job appends its chunk. Returns the rows' outputs
-        [steps, len(rows)], their budget fractions, and the (FLOPs, bytes) of each job; a
-        job's logits are kept for `insert`. Under pruning the rows read only their kept blocks.
+        [steps, len(rows)], their budget fractions, the (FLOPs, bytes) of each job, and the
+        log-probabilities of each job's `targets` (None without); a job's logits are kept
+        for `insert`. Under pruning the rows read only their kept blocks.
         With speculation on, `drafts[j]` (at most max_draft tokens) run after row j's token
         and are verified; the outputs then have 1 + max_draft steps, emitted where
         committed."""
@@ -180,6 +181,7 @@ class DeviceBackend:
         # A step without chunks computes no prefill logits (and plans no prefill passes).
         last_index = np.zeros(self.prefill_rows if jobs else 0, np.int32)
         draft_len = np.zeros(width, np.int32)
+        targets = np.full(num_tokens, -1, np.int32)  # no prompt log-probabilities asked
         decoding, windowed, verifying, chunks = [], [], [], []
         start = 0
         for j, (row, row_pages, n, draft) in enumerate(
@@ -208,6 +210,8 @@ class DeviceBackend:
             positions[span] = job.start + np.arange(n)
             write_pages[span] = np.asarray(job.pages, np.int32)[positions[span] // opts.page_size]
             last_index[j] = start + n - 1
+            if job.targets is not None:
+                targets[span] = job.targets
             reach = job.start + n - 1
             chunks.append(
                 Segment(start, n, job.start, reach, job.pages[: reach // opts.page_size + 1])
@@ -228,11 +232,13 @@ class DeviceBackend:
             cfg.attention_window,
             local_groups=[decoding + windowed, *groups[1:], *routed],
         )
-        batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index, draft_len)
+        batch = FlatBatch(
+            tokens, positions, write_pages, decode_slot, last_index, draft_len, targets
+        )
         table, max_kept = None, 0
         if opts.pruning.enabled:
             table, max_kept = self._pruned_tables(pages, [n + 1 for n in lengths], budgets, width)
-        self.store, self.cache, out, logits = mixed_step(
+        self.store, self.cache, out, logits, target_logprobs = mixed_step(
             self.weights,
             self.cache,
             self.store,
@@ -246,10 +252,20 @@ class DeviceBackend:
         )
         for j, job in enumerate(jobs):
             self._logits[job.row] = (logits, np.int32(j))  # sliced inside the insert program
-        out, budget = jax.device_get((out, self.store.entropy.budget))
+        asked = any(job.targets is not None for job in jobs)
+        out, budget, target_logprobs = jax.device_get(
+            (out, self.store.entropy.budget, target_logprobs if asked else None)
+        )
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
         budget = np.asarray(budget)[index[: len(rows)]]
-        return out, budget, [self._prefill_cost(job, len(jobs)) for job in jobs]
+        spans, start = [], sum(row_tokens)
+        for job in jobs:
+            n = len(job.tokens)
+            asks = job.targets is not None
+            spans.append(np.asarray(target_logprobs[start : start + n]) if asks else None)
+            start += n
+        costs = [self._prefill_cost(job, len(jobs)) for job in jobs]
+        return out, budget, costs, spans
 
     def mixed_width(self, num_rows: int, prefilling: bool) -> int:
         """Padded decoding rows of a ragged step. With chunks, `max_batch_size` (bucketed):

@@ -182,6 +182,9 @@ class SequenceOutput:
     # With logprobs=k: per token, its k most likely (token id, log-probability) pairs at
     # T = 1 before penalties, most likely first; None when not asked.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With prompt_logprobs: prompt token j's log-probability given the tokens before it, at
+    # T = 1 (None for the first); None when not asked.
+    prompt_logprobs: list[float | None] | None = None
     text: str = ""
     finish_reason: str = ""  # "eos", "stop" (a stop string), "length" or "cancelled"
     metrics: dict[str, float] = field(default_factory=dict)  # latencies (s), see engine.py
