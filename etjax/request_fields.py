@@ -182,7 +182,10 @@ class RequestSettings:
         openai=("max_tokens", "max_completion_tokens"),
     )
     ignore_eos: bool = request_field(
-        False, switch, "keep generating past end-of-sequence tokens (exactly max_new_tokens)"
+        False,
+        switch,
+        "keep generating past end-of-sequence tokens (exactly max_new_tokens)",
+        openai=("ignore_eos",),  # vLLM's name in an OpenAI body
     )
     stop: tuple[str, ...] = request_field(
         (),

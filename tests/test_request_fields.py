@@ -35,7 +35,12 @@ DOORS = {
     "logprobs": {"decode", "record", "toml"},
     "prompt_logprobs": {"decode", "record", "toml"},
 }
-OPENAI = {"max_new_tokens": ("max_tokens", "max_completion_tokens"), "stop": ("stop",), "n": ("n",)}
+OPENAI = {
+    "max_new_tokens": ("max_tokens", "max_completion_tokens"),
+    "ignore_eos": ("ignore_eos",),
+    "stop": ("stop",),
+    "n": ("n",),
+}
 # A good value of each field, as JSON writes it, and as the request holds it.
 GOOD = {
     "max_new_tokens": (3, 3),
@@ -120,7 +125,7 @@ def test_a_field_is_taken_by_its_doors_and_refused_by_name_at_the_others(tiny, t
         assert rec.settings.logprobs == held
         rec = _openai(tiny, config, logprobs=written)
         assert rec.error == f"line 1: body.logprobs={written!r}; must be true or false"
-    elif name not in ("n", "stop"):  # the fields whose OpenAI name is their own
+    elif name not in ("n", "stop", "ignore_eos"):  # the fields whose OpenAI name is their own
         rec = _openai(tiny, config, **{name: written})
         assert rec.error.startswith(f"line 1: body.{name} is not supported; allowed: ")
     # A run config's [request] table.
@@ -224,3 +229,30 @@ def test_the_device_ends_a_row_at_eos_and_the_host_reports_it(tiny, monkeypatch)
     assert ended.token_ids == free.token_ids[: first + 1]
     (ignored,) = etjax.decode("The river", model=tiny, max_new_tokens=8, ignore_eos=True)
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_openai_body_fields_are_mapped_ignored_or_refused_by_name(tiny):
+    config = RunConfig("test")
+    plain = _openai(tiny, config)
+    rec = _openai(tiny, config, top_k=5, min_p=0.1, repetition_penalty=1.2, stream=False)
+    assert rec.error is None, rec.error
+    sampler = rec.settings.sampler
+    assert (sampler.top_k, sampler.min_p, sampler.repetition_penalty) == (5, 0.1, 1.2)
+    assert _openai(tiny, config, top_k=-1).settings.sampler.top_k == 0  # vLLM's "off"
+    # The sampler's own check, by the record's name.
+    assert _openai(tiny, config, top_k=-3).error == "line 1: top_k=-3; must be an int >= 0"
+    # Accounting metadata: taken, and nothing about the request changes.
+    quiet = _openai(tiny, config, user="u-1", metadata={"batch": "7"}, store=False)
+    assert quiet.error is None and quiet.settings == plain.settings
+    assert quiet.fingerprint == plain.fingerprint
+    refused = {
+        "tools": "etjax generates text only; it does not call tools or functions",
+        "logit_bias": "etjax's sampler has no per-token logit bias",
+        "min_tokens": "etjax has no minimum length",
+    }
+    for name, why in refused.items():
+        error = _openai(tiny, config, **{name: [1]}).error
+        assert error.startswith(f"line 1: body.{name} is not supported: {why}"), error
+    assert _openai(tiny, config, stream=True).error.startswith("line 1: body.stream=True")
+    error = _openai(tiny, config, frobnicate=1).error
+    assert error.startswith("line 1: body.frobnicate is not supported; allowed: ")
