@@ -34,12 +34,20 @@ DOORS = {
     "priority": {"record"},
     "logprobs": {"decode", "record", "toml"},
     "prompt_logprobs": {"decode", "record", "toml"},
+    "json_schema": {"decode", "record"},
+    "regex": {"decode", "record"},
+    "choices": {"decode", "record"},
+    "grammar": {"decode", "record"},
 }
 OPENAI = {
     "max_new_tokens": ("max_tokens", "max_completion_tokens"),
     "ignore_eos": ("ignore_eos",),
     "stop": ("stop",),
     "n": ("n",),
+    "json_schema": ("guided_json",),  # vLLM's names
+    "regex": ("guided_regex",),
+    "choices": ("guided_choice",),
+    "grammar": ("guided_grammar",),
 }
 # A good value of each field, as JSON writes it, and as the request holds it.
 GOOD = {
@@ -53,6 +61,10 @@ GOOD = {
     "priority": (2, 2.0),
     "logprobs": (3, 3),
     "prompt_logprobs": (True, True),
+    "json_schema": ('{"type": "string"}', '{"type": "string"}'),
+    "regex": ("[a-z]+", "[a-z]+"),
+    "choices": (["yes", "no"], ("yes", "no")),
+    "grammar": ('start: "a" | "b"', 'start: "a" | "b"'),
 }
 FLAGS = {
     "max_new_tokens": (["--max-new-tokens", "3"], 3),
@@ -171,6 +183,21 @@ BAD = [
     ("logprobs", 21, None, "logprobs=21; must be an integer from 0 to 20"),
     ("logprobs", -1, None, "logprobs=-1; must be an integer from 0 to 20"),
     ("logprobs", "x", None, "logprobs='x'; must be an integer from 0 to 20"),
+    (
+        "json_schema",
+        {"type": "foo"},
+        None,
+        "json_schema={'type': 'foo'}; must be a valid JSON schema (an object, or its JSON "
+        "text) (Invalid type: foo)",
+    ),
+    (
+        "regex",
+        "((",
+        None,
+        "regex='(('; must be a valid regular expression (at 1(8): invalid regex \"((\" (in "
+        "regex): regex parse error: (( ^ error: unclosed group 1 | start: /((/ ^)",
+    ),
+    ("choices", [], None, "choices=[]; must be a non-empty list of non-empty strings"),
 ]
 
 
@@ -256,3 +283,29 @@ def test_openai_body_fields_are_mapped_ignored_or_refused_by_name(tiny):
     assert _openai(tiny, config, stream=True).error.startswith("line 1: body.stream=True")
     error = _openai(tiny, config, frobnicate=1).error
     assert error.startswith("line 1: body.frobnicate is not supported; allowed: ")
+
+
+def test_openai_response_format_is_a_json_schema_constraint(tiny):
+    config = RunConfig("test")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    formats = {
+        "json_object": ({"type": "json_object"}, '{"type": "object"}'),
+        "json_schema": (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}},
+            json.dumps(schema),
+        ),
+        "text": ({"type": "text"}, None),
+    }
+    for given, held in formats.values():
+        rec = _openai(tiny, config, response_format=given)
+        assert rec.error is None, rec.error
+        assert rec.settings.json_schema == held
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+    assert _openai(tiny, config, response_format=bad).error == (
+        "line 1: body.response_format.json_schema.schema: must be a valid JSON schema (an "
+        "object, or its JSON text) (Invalid type: foo)"
+    )
+    both = _openai(tiny, config, response_format={"type": "json_object"}, guided_regex="a")
+    assert both.error == "line 1: body.response_format and body.guided_regex are both given"
+    two = _record(tiny, config, regex="a+", choices=["a"])
+    assert two.error == "line 1: regex and choices are both given; a request takes one"

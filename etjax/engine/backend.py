@@ -42,6 +42,7 @@ class RowInit:
     saved: object  # what `Backend.save` returned when the row was preempted, or None
     prefill_flops: float
     prefill_bytes: float
+    grammar: int = -1  # the id of its constraint's matcher (etjax/constraints), -1 for none
 
 
 class Backend(Protocol):

@@ -30,6 +30,7 @@ from etjax.attention import (
 from etjax.cache.kv_cache import forget_row_mass, init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.calibration.signal import identity_params, row_params
+from etjax.constraints.matcher import ALL_TOKENS, initial_mask, mask_words
 from etjax.distributed.mesh import make_mesh
 from etjax.distributed.placement import Placement
 from etjax.engine.backend import PrefillJob, RowInit
@@ -123,6 +124,7 @@ class DeviceBackend:
         self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self.prefill_rows = batch_bucket(options.max_prefill_rows)  # chunks per step, padded
         self._burst_buckets: set[int] = set()  # row buckets of the bursts run so far
+        self._constrained: set[int] = set()  # rows whose requests have a grammar
         # The pruning's thresholds, traced (engines that differ only in them share the
         # programs) and on the device once; its shape is in the statics.
         self.thresholds = jax.device_put(
@@ -247,7 +249,7 @@ class DeviceBackend:
             plan,
             table,
             self.thresholds,
-            dataclasses.replace(self.statics, max_kept=max_kept),
+            self._statics(rows, max_kept),
             spec.max_draft if spec.enabled else 0,
         )
         for j, job in enumerate(jobs):
@@ -308,6 +310,8 @@ class DeviceBackend:
         length = len(init.prompt) + len(init.generated)
         if self.cache.block_mass.shape[1] > 1:  # a new sequence remembers no block's mass
             self.cache = forget_row_mass(self.cache, np.int32(row))
+        if init.grammar >= 0:
+            self._constrained.add(row)
         if init.saved is None:
             in_prompt = np.zeros((1, self.cfg.vocab_size), bool)
             in_prompt[0, np.asarray(init.prompt, np.int64)] = True
@@ -321,6 +325,8 @@ class DeviceBackend:
                 np.int32(init.settings.max_new_tokens),
                 np.bool_(not init.settings.ignore_eos),
                 np.int32(init.settings.logprobs),
+                self._first_mask(init.grammar),
+                np.int32(init.grammar),
                 in_prompt,
                 np.float32(init.prefill_flops),
                 np.float32(init.prefill_bytes),
@@ -342,6 +348,19 @@ class DeviceBackend:
         """Forget a row whose sequence finished or was preempted (its state is overwritten by
         the next `insert`; only prefill logits not yet inserted need dropping)."""
         self._logits.pop(row, None)
+        self._constrained.discard(row)
+
+    def _first_mask(self, grammar: int) -> np.ndarray:
+        # [W] uint32 the tokens a new row may draw first: its grammar's, or all.
+        if grammar < 0:
+            return np.full(mask_words(self.cfg.vocab_size), ALL_TOKENS, np.uint32)
+        return initial_mask(grammar)
+
+    def _statics(self, rows: list[int], max_kept: int) -> StepStatics:
+        # The call's statics: the engine's, its kept-table width, and whether a row is
+        # constrained (a program of its own, which only such calls pay for).
+        constrained = any(row in self._constrained for row in rows)
+        return dataclasses.replace(self.statics, max_kept=max_kept, constrained=constrained)
 
     def save(self, row: int) -> DecodeState:
         """The row's state on the host, to restore after its KV is recomputed."""
@@ -424,7 +443,7 @@ class DeviceBackend:
             base,
             plan,
             self.thresholds,
-            dataclasses.replace(self.statics, max_kept=max_kept),
+            self._statics(rows, max_kept),
             k,
         )
         out, budget = jax.device_get((out, self.store.entropy.budget))
@@ -469,6 +488,8 @@ def _insert_new_row(
     max_new_tokens,
     stop_on_eos,
     logprobs,
+    allowed,
+    grammar,
     in_prompt,
     flops,
     nbytes,
@@ -488,6 +509,8 @@ def _insert_new_row(
         token_counts=jnp.zeros((1, store.token_counts.shape[1]), jnp.int32),
         in_prompt=in_prompt,
         logprobs=logprobs[None],
+        allowed=allowed[None],
+        grammar=grammar[None],
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(flops[None], nbytes[None]),
@@ -533,6 +556,8 @@ def _empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> Decod
         token_counts=jnp.zeros((rows, cfg.vocab_size), jnp.int32),
         in_prompt=jnp.zeros((rows, cfg.vocab_size), bool),
         logprobs=jnp.zeros(rows, jnp.int32),
+        allowed=jnp.full((rows, mask_words(cfg.vocab_size)), ALL_TOKENS, jnp.uint32),
+        grammar=jnp.full(rows, -1, jnp.int32),
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(jnp.asarray(zeros), jnp.asarray(zeros.copy())),

@@ -39,6 +39,8 @@ import numpy as np
 
 from etjax.cache.page_allocator import pages_needed
 from etjax.cache.prefix_cache import PrefixCache
+from etjax.constraints.matcher import register as register_grammar
+from etjax.constraints.matcher import release as release_grammar
 from etjax.drafting import DraftHistory, draft_lengths, lookup_draft
 from etjax.engine import scheduler
 from etjax.engine.backend import Backend, PrefillJob, RowInit
@@ -183,6 +185,15 @@ class Engine:
         )
         if settings.prompt_logprobs:  # filled as its chunks run (None: the first token)
             seq.output.prompt_logprobs = [None] * len(prompt)
+        if settings.constraint is not None:
+            if self.options.mesh_shape.size > 1:
+                raise RequestError(
+                    f"{settings.constraint[0]}: constrained output runs on one device "
+                    f"(mesh 1x1), not on mesh {self.options.mesh}"
+                )
+            seq.grammar = register_grammar(
+                *settings.constraint, self.tokenizer, self.backend.vocab_size
+            )
         seq.waiting_since = self.round
         self.submitted += 1
         self.live.append(seq)
@@ -345,6 +356,8 @@ class Engine:
         signal = [s.output.calibrated_entropy for s in batch]
         entropies = [h[-1] if h else None for h in signal]
         lengths = draft_lengths(entropies, [s.drafts for s in batch], spec, budget)
+        # A constrained row draws each token under its grammar's mask: it drafts nothing.
+        lengths = [0 if s.grammar >= 0 else n for s, n in zip(batch, lengths, strict=True)]
         # The lookup continues the committed text, so its first token predicts the one the
         # device samples this step; the drafts are what follows that prediction.
         return [
@@ -412,6 +425,7 @@ class Engine:
                 saved=seq.saved_row,
                 prefill_flops=seq.recompute_flops,
                 prefill_bytes=seq.recompute_bytes,
+                grammar=seq.grammar,
             ),
         )
         seq.saved_row, seq.recompute_flops, seq.recompute_bytes = None, 0.0, 0.0
@@ -534,6 +548,8 @@ class Engine:
                 self._stamp_finish(seq, now)
 
     def _stamp_finish(self, seq: Sequence, now: float) -> None:
+        if seq.grammar >= 0:
+            release_grammar(seq.grammar)
         seq.finish_time, seq.finish_round = now, self.round
         out, n = seq.output, len(seq.output.token_ids)
         out.metrics = {

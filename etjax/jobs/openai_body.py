@@ -6,7 +6,7 @@ A body field is one of four kinds:
   etjax/request_fields.py, or a sampler setting of the same meaning), read and checked as a
   record's field is, so a bad value gets the same message;
 - special: read by code of its own (`logprobs`/`top_logprobs` into the record's `logprobs`,
-  `stream`, vLLM's `top_k` of -1);
+  `stream`, vLLM's `top_k` of -1, `response_format` into the record's `json_schema`);
 - ignored: accounting metadata OpenAI keeps and that changes no output (`user`, `metadata`,
   `store`, `service_tier`): accepted, and without effect here either;
 - refused: a field whose meaning etjax cannot give (tool calls, logit biases, audio, ...), an
@@ -17,6 +17,7 @@ Anything else is an unknown field, refused with the list of known ones.
 
 from __future__ import annotations
 
+from etjax.constraints import grammar as constraint_checks
 from etjax.errors import RequestError
 from etjax.request_fields import FIELDS
 
@@ -43,7 +44,7 @@ MAPPED: dict[str, str | None] = {
 }
 
 # Read by code of their own (openai_format.py and `special_fields` below).
-SPECIAL = ("logprobs", "top_logprobs", "stream", "top_k")
+SPECIAL = ("logprobs", "top_logprobs", "stream", "top_k", "response_format")
 
 IGNORED = ("user", "metadata", "store", "service_tier")
 
@@ -95,4 +96,32 @@ def special_fields(body: dict) -> dict:
         # sampler's own top_k (checked there).
         top_k = body["top_k"]
         record["top_k"] = 0 if top_k == -1 and not isinstance(top_k, bool) else top_k
+    if "response_format" in body:
+        schema = _response_format(body["response_format"])
+        if schema is not None:
+            given = [k for k in body if MAPPED.get(k) in constraint_checks.KINDS]
+            if given:
+                raise RequestError(f"body.response_format and body.{given[0]} are both given")
+            record["json_schema"] = schema
     return record
+
+
+def _response_format(value: object) -> dict | None:
+    # OpenAI's {"type": "text"} (no constraint), {"type": "json_object"} (any JSON object) or
+    # {"type": "json_schema", "json_schema": {"name", "schema", "strict", ...}}: the schema.
+    where = "body.response_format"
+    kinds = ("text", "json_object", "json_schema")
+    if not isinstance(value, dict) or value.get("type") not in kinds:
+        raise RequestError(f"{where}={value!r}; must be an object with a type in {kinds}")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return {"type": "object"}
+    inner = value.get("json_schema")
+    if not isinstance(inner, dict) or not isinstance(inner.get("schema"), dict | bool):
+        raise RequestError(f"{where}.json_schema must be an object holding a schema")
+    try:
+        constraint_checks.json_schema(inner["schema"])
+    except constraint_checks.Refused as refused:
+        raise RequestError(f"{where}.json_schema.schema: must be {refused}") from None
+    return inner["schema"]

@@ -153,6 +153,7 @@ FINISH_REASONS = ("", "eos", "length")  # "": the row goes on
 # declared where it is computed and stored, and named here once.
 TRACE_FIELDS: dict[str, str] = {
     "entropy": "model_entropy",
+    "raw_entropy": "raw_entropy",
     "calibrated_entropy": "calibrated_entropy",
     "logprob": "logprob",
     "sampled_entropy": "sampled_entropy",
@@ -169,7 +170,10 @@ class SequenceOutput:
     """What one prompt produced, with the per-token trace of the entropy signal."""
 
     token_ids: list[int] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)  # model entropy, T = 1, nats
+    # entropy at T = 1 (nats) of the distribution drawn from: the model's, or for a
+    # constrained request the model's renormalised over the tokens its grammar allowed
+    entropy: list[float] = field(default_factory=list)
+    raw_entropy: list[float] = field(default_factory=list)  # the model's, whole vocabulary
     # the signal the engine read: the calibrated entropy (= entropy without a calibration)
     calibrated_entropy: list[float] = field(default_factory=list)
     logprob: list[float] = field(default_factory=list)  # of the token under the model, T = 1

@@ -41,6 +41,7 @@ from etjax.runtime.commit import commit_tokens, finishes, sample_rows
 from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.target_logprobs import target_logprobs
+from etjax.runtime.token_mask import mask_logits, next_masks
 from etjax.runtime.verify import accept_drafts
 
 DENSE = PruningConfig().shape()  # pruning disabled: every block of the context is read
@@ -58,6 +59,10 @@ class StepStatics:
     max_kept: int = 0  # under pruning, the blocks a row's token may read per layer, at most
     placement: Placement | None = None  # the mesh the arrays keep, or None on one device
     attention_backend: AttentionBackend = XLA  # its kernels (etjax/attention/backend.py)
+    # A row of the call is constrained: each step masks the logits by the rows' allowed
+    # tokens and asks the host for the next masks (etjax/runtime/token_mask.py). Calls
+    # without one compile and run programs with none of it.
+    constrained: bool = False
 
 
 @flax.struct.dataclass
@@ -293,14 +298,26 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, dense_row
     # through the plan, and so does its token).
     cost, pruning, max_kept = statics.cost, statics.pruning, statics.max_kept
     active = state.active
-    tokens, info, sampler_state = sample_rows(state)
+    raw_logits = state.logits
+    if statics.constrained:
+        # The grammar's mask comes before everything that reads the distribution (penalties,
+        # temperature, truncation, the controller, the draw, the top-k); the raw logits stay
+        # the entropy signal's.
+        state = state.replace(logits=mask_logits(raw_logits, state.allowed))
+        tokens, info, sampler_state = sample_rows(state, raw_logits)
+        # Issued before the forward pass, which it does not wait for.
+        allowed = next_masks(
+            state.grammar, tokens, state.num_generated, active, state.allowed.shape[1]
+        )
+    else:
+        tokens, info, sampler_state = sample_rows(state)
     runs = active & ~finishes(state, tokens, active)
 
     num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
     if pruning.enabled:
         # The calibrated signal (the model entropy itself without a calibration).
         signal = budget_entropy(
-            state.logits, info.calibrated_entropy, pruning, state.calibration.temperature
+            raw_logits, info.calibrated_entropy, pruning, state.calibration.temperature
         )
         fraction = kept_fraction(signal, thresholds)
         kept = jnp.minimum(kept_block_count(fraction, num_blocks, thresholds), max_kept)
@@ -340,6 +357,8 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, dense_row
         flops,
         nbytes,
     )
+    if statics.constrained:
+        state = state.replace(allowed=allowed)
     return state, cache, outputs, after
 
 
