@@ -180,6 +180,7 @@ def _bare_stage(logits, params, state, counts, in_prompt, token_index):
         sampled_entropy=zeros,
         temperature=zeros,
         calibrated_entropy=zeros,
+        raw_entropy=zeros,
     )
     return first_argmax(logits), info, state
 

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from etjax.constraints.matcher import mask_words
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
@@ -222,6 +224,8 @@ def greedy_state(cfg, table, logits, context) -> DecodeState:
         token_counts=jnp.zeros((rows, vocab), jnp.int32),
         in_prompt=jnp.zeros((rows, vocab), bool),
         logprobs=jnp.zeros((rows,), jnp.int32),
+        allowed=jnp.full((rows, mask_words(vocab)), 0xFFFFFFFF, jnp.uint32),
+        grammar=jnp.full((rows,), -1, jnp.int32),
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(jnp.zeros((rows,)), jnp.zeros((rows,))),

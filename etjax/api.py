@@ -34,9 +34,14 @@ __all__ = ["Result", "decode", "load_model"]
 class Result:
     """The outcome of one prompt.
 
-    Per generated token i (the trace): `entropy[i]` is the model's next-token entropy in nats at
-    temperature 1 of the distribution `token_ids[i]` was drawn from; `logprob[i]` the token's
-    log-probability under that distribution; `sampled_entropy[i]` the
+    Per generated token i (the trace): `entropy[i]` is the next-token entropy in nats at
+    temperature 1 of the distribution `token_ids[i]` was drawn from: the model's, or for a
+    constrained request (`json_schema`, `regex`, `choices`, `grammar`) the model's
+    renormalised over the tokens the constraint allowed (0 where it allowed one token; the
+    entropic controller holds its target over it); `raw_entropy[i]` the model's entropy over
+    the whole vocabulary (equal to `entropy[i]` without a constraint; pruning, the scheduler
+    and drafting read it); `logprob[i]` the token's log-probability under the distribution it
+    was drawn from at T = 1; `sampled_entropy[i]` the
     entropy of the distribution actually sampled (after penalties, temperature and filters; 0
     when greedy); `temperature[i]` the temperature used; `tau[i]` entropic time so far;
     `calibrated_entropy[i]` the entropy signal pruning, the scheduler and drafting read: the
@@ -46,9 +51,14 @@ class Result:
     (`etjax.entropy.cost`); `kept_blocks[i]` the KV blocks per layer and KV head the model read
     after drawing token i (all of them unless `pruning` is on). With `logprobs=k`,
     `top_logprobs[i]` holds the k most likely `(token_id, logprob)` pairs at token i, most
-    likely first, of the same distribution as `logprob[i]`: the model's at temperature 1,
-    before penalties, temperature and filters (None when not asked). `finish_reason` is "eos",
-    "stop", "length", or None when the prompt was rejected, in which case `error` says why and
+    likely first, of the same distribution as `logprob[i]`: the model's at temperature 1
+    (renormalised over the allowed tokens under a constraint), before penalties, temperature
+    and filters (None when not asked). With
+    `prompt_logprobs=True`, `prompt_logprobs[j]` is prompt token j's log-probability given
+    the tokens before it, of the model's distribution at temperature 1 (None for the first
+    token; the whole list None when not asked). `finish_reason` is "eos",
+    "stop", "length" (also for a constrained output cut by `max_new_tokens`, which then
+    need not parse), or None when the prompt was rejected, in which case `error` says why and
     nothing was generated.
     """
 
@@ -56,6 +66,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
+    raw_entropy: list[float] = field(default_factory=list)
     calibrated_entropy: list[float] = field(default_factory=list)
     logprob: list[float] = field(default_factory=list)
     sampled_entropy: list[float] = field(default_factory=list)
@@ -65,6 +76,7 @@ class Result:
     cost_bytes: list[float] = field(default_factory=list)
     kept_blocks: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
     finish_reason: str | None = None
     error: str | None = None
     seed: int = 0  # the sampling seed it used: `decode(..., seed=[r.seed])` replays it
@@ -88,6 +100,11 @@ def decode(
     stop: str | Sequence[str] | None = None,
     ignore_eos: bool = False,
     logprobs: int = 0,
+    prompt_logprobs: bool = False,
+    json_schema: dict | str | None = None,
+    regex: str | None = None,
+    choices: Sequence[str] | None = None,
+    grammar: str | None = None,
     chat: bool = False,
     system_prompt: str | None = None,
     trusted_chat: bool = False,
@@ -233,7 +250,7 @@ def decode(
         r.text, r.token_ids, r.finish_reason = out.text, out.token_ids, out.finish_reason
         for name in TRACE_FIELDS:
             setattr(r, name, getattr(out, name))
-        r.top_logprobs = out.top_logprobs
+        r.top_logprobs, r.prompt_logprobs = out.top_logprobs, out.prompt_logprobs
         r.cached_tokens = int(out.metrics.get("cached_tokens", 0))
     return results
 

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 
 # field -> (axis label, unit)
 TRACE_FIELDS = {
-    "entropy": ("model entropy (T = 1)", "nats"),
+    "entropy": ("entropy of the distribution drawn from (T = 1)", "nats"),
+    "raw_entropy": ("model entropy, whole vocabulary (T = 1)", "nats"),
     "calibrated_entropy": ("calibrated entropy (the engine's signal)", "nats"),
     "sampled_entropy": ("sampled entropy", "nats"),
     "temperature": ("temperature", ""),

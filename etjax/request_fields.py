@@ -29,6 +29,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from etjax.constraints import grammar as constraint_checks
 from etjax.errors import FieldError, RequestError
 from etjax.sampling.settings import SamplerSettings
 
@@ -165,6 +166,18 @@ def logprob_count(value: object) -> int:
     return value
 
 
+def _constraint(kind: str) -> Callable[[object], object]:
+    # A constraint's check (etjax/constraints/grammar.py), its refusal as this table's.
+    def check(value: object) -> object:
+        try:
+            return constraint_checks.CHECKS[kind](value)
+        except constraint_checks.Refused as refused:
+            text = str(refused)
+            raise Refused(text) from None
+
+    return check
+
+
 def finite_number(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise Refused("a finite number")
@@ -182,7 +195,10 @@ class RequestSettings:
         openai=("max_tokens", "max_completion_tokens"),
     )
     ignore_eos: bool = request_field(
-        False, switch, "keep generating past end-of-sequence tokens (exactly max_new_tokens)"
+        False,
+        switch,
+        "keep generating past end-of-sequence tokens (exactly max_new_tokens)",
+        openai=("ignore_eos",),  # vLLM's name in an OpenAI body
     )
     stop: tuple[str, ...] = request_field(
         (),
@@ -197,12 +213,63 @@ class RequestSettings:
         f"at temperature 1 before penalties (0 to {MAX_LOGPROBS}; 0: none)",
         doors=(DECODE, RECORD, TOML),
     )
+    prompt_logprobs: bool = request_field(
+        False,
+        switch,
+        "each prompt token's log-probability given the tokens before it, at temperature 1 "
+        "(None for the first); such a prompt is prefilled whole, not served by the prefix cache",
+        doors=(DECODE, RECORD, TOML),
+    )
+    # Constrained output, one kind per request (etjax/constraints/grammar.py).
+    json_schema: str | None = request_field(
+        None,
+        _constraint("json_schema"),
+        "a JSON schema (an object or its JSON text) the output is a JSON value of; "
+        "written compactly",
+        doors=(DECODE, RECORD),
+        openai=("guided_json",),  # vLLM's name; OpenAI's response_format is read apart
+    )
+    regex: str | None = request_field(
+        None,
+        _constraint("regex"),
+        "a regular expression the whole output matches",
+        doors=(DECODE, RECORD),
+        openai=("guided_regex",),
+    )
+    choices: tuple[str, ...] | None = request_field(
+        None,
+        _constraint("choices"),
+        "strings the output is exactly one of",
+        doors=(DECODE, RECORD),
+        openai=("guided_choice",),
+    )
+    grammar: str | None = request_field(
+        None,
+        _constraint("grammar"),
+        "a context-free grammar (llguidance's Lark syntax, or GBNF) the output follows",
+        doors=(DECODE, RECORD),
+        openai=("guided_grammar",),
+    )
     sampler: SamplerSettings = field(default_factory=SamplerSettings)
 
     def __post_init__(self) -> None:
         _check_rows(self)
         if not isinstance(self.sampler, SamplerSettings):
             raise FieldError("sampler", self.sampler, "a SamplerSettings")
+        given = [kind for kind in constraint_checks.KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise RequestError(f"{given[0]} and {given[1]} are both given; a request takes one")
+        if given and self.ignore_eos:
+            # The grammar ends the output with an end-of-sequence token.
+            raise RequestError(f"{given[0]} and ignore_eos are both given; a grammar ends at eos")
+
+    @property
+    def constraint(self) -> tuple[str, object] | None:
+        """(kind, value) of the request's constraint, or None."""
+        for kind in constraint_checks.KINDS:
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
 
 @dataclass(frozen=True)

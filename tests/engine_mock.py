@@ -101,10 +101,12 @@ class MockBackend:
     def mixed(self, rows, pages, lengths, budgets, jobs: list[PrefillJob], drafts=None):
         # One step: the rows decode one token each, the jobs are cached.
         costs = self._prefill(jobs)
+        # Prompt log-probabilities by hand: minus the target token's id.
+        logprobs = [None if j.targets is None else -np.asarray(j.targets, np.float32) for j in jobs]
         if not rows:
-            return None, np.ones(0, np.float32), costs
+            return None, np.ones(0, np.float32), costs, logprobs
         out, budgets = self._decode(rows, pages, lengths, 1)
-        return out, budgets, costs
+        return out, budgets, costs, logprobs
 
     def _prefill(self, jobs: list[PrefillJob]) -> list[tuple[float, float]]:
         for job in jobs:

@@ -48,7 +48,9 @@ def _check(exported: export.Exported, cfg, platform: str, pruning: bool) -> None
     # runs a Pallas kernel, lowered for the device, not interpreted.
     assert (KERNEL_CALL[platform] in text) == (pruning or platform == "cuda")
     # The StableHLO a deployment would ship, at the model's shapes: the last output is the
-    # prefill chunks' float32 logits over the whole vocabulary.
+    # prefill chunks' float32 logits over the whole vocabulary, then the prompt tokens'
+    # float32 log-probabilities, one per flat token.
     assert exported.mlir_module_serialized
-    logits = exported.out_avals[-1]
+    logits, prompt_logprobs = exported.out_avals[-2:]
     assert logits.dtype == np.float32 and logits.shape[-1] == cfg.vocab_size
+    assert prompt_logprobs.dtype == np.float32 and prompt_logprobs.ndim == 1

@@ -33,19 +33,31 @@ def test_greedy_continuations_match_transformers(smollm2, hf_smollm2, lee):
         assert result.finish_reason == "length"
 
 
-def test_top_logprobs_match_transformers_log_softmax(smollm2, hf_smollm2, lee):
-    # The top-k at each greedy token against log_softmax of transformers' logits over the same
-    # tokens (one teacher-forced pass over prompt + output).
+def test_top_and_prompt_logprobs_match_transformers_log_softmax(smollm2, hf_smollm2, lee):
+    # The top-k at each greedy token, and each prompt token's log-probability, against
+    # log_softmax of transformers' logits over the same tokens (one teacher-forced pass over
+    # prompt + output).
     k, new_tokens = 5, 8
     prompts = _prompts(lee)[:1]
     results = etjax.decode(
-        prompts, model=smollm2, max_new_tokens=new_tokens, ignore_eos=True, logprobs=k
+        prompts,
+        model=smollm2,
+        max_new_tokens=new_tokens,
+        ignore_eos=True,
+        logprobs=k,
+        prompt_logprobs=True,
     )
     for result in results:
         ids = torch.tensor([result.prompt_token_ids + result.token_ids])
         with torch.no_grad():
             logits = hf_smollm2(ids).logits[0].float()
         start = len(result.prompt_token_ids) - 1
+        prompt = torch.log_softmax(logits[:start], dim=-1)
+        prompt = prompt[torch.arange(start), ids[0, 1 : start + 1]]
+        assert result.prompt_logprobs[0] is None
+        torch.testing.assert_close(
+            torch.tensor(result.prompt_logprobs[1:]), prompt, atol=1e-4, rtol=0
+        )
         reference = torch.log_softmax(logits[start : start + new_tokens], dim=-1)
         top_values, top_ids = torch.topk(reference, k, dim=-1)
         assert len(result.top_logprobs) == new_tokens

@@ -1,6 +1,7 @@
 """Top-k log-probabilities of generated tokens (`decode(..., logprobs=k)`): against
 log_softmax of the distribution each token was drawn from, beside rows that do not ask, and
-under speculation."""
+under speculation. Prompt log-probabilities (`prompt_logprobs=True`): against transformers'
+log_softmax on the same weights, over prompts prefilled in several chunks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 import etjax
 from etjax.drafting import SpeculationConfig
@@ -18,6 +20,8 @@ from etjax.jobs.batch import run_batch
 from etjax.run_config import load_run_config
 from etjax.sampling import SamplerSettings
 from tests.compile_counter import counting_new_programs
+
+OPTIONS = RuntimeOptions(num_pages=64, prefill_chunk=64)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +46,7 @@ def _check_pairs(out, k: int) -> None:
 def test_a_row_with_logprobs_leaves_its_neighbours_unchanged_and_compiles_nothing(tiny):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (9, 14, 5)]
-    options = RuntimeOptions(num_pages=64)
+    options = OPTIONS
 
     def run(ks: list[int]):
         settings = [
@@ -68,6 +72,49 @@ def test_a_row_with_logprobs_leaves_its_neighbours_unchanged_and_compiles_nothin
     _check_pairs(other[1], 20)
     _check_pairs(other[2], 1)
     assert [p[:5] for p in other[1].top_logprobs] == mixed[1].top_logprobs
+
+
+def _reference(directory, prompt: list[int]) -> np.ndarray:
+    # log p(prompt[j] | prompt[:j]) for j >= 1 from one transformers pass.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    logprobs = torch.log_softmax(logits[:-1], dim=-1)
+    return logprobs[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].numpy()
+
+
+def test_prompt_logprobs_match_transformers_and_leave_neighbours_unchanged(tiny, tiny_hf_dir):
+    rng = np.random.default_rng(5)
+    # 90 tokens in chunks of 64 (targets cross a chunk's edge, and the first chunk a tile's:
+    # it sits at flat tokens 9-72), beside two short prompts that do not ask.
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (9, 90, 5)]
+    options = OPTIONS
+
+    def run(asks: list[bool]):
+        settings = [
+            RequestSettings(
+                max_new_tokens=4,
+                prompt_logprobs=a,
+                sampler=SamplerSettings(temperature=0.8, seed=i),
+            )
+            for i, a in enumerate(asks)
+        ]
+        return generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts, settings, options)
+
+    plain = run([False] * 3)
+    assert all(out.prompt_logprobs is None for out in plain)
+    with counting_new_programs() as compiles:
+        mixed = run([False, True, False])
+    assert compiles[0] == 0  # asking changes no shape
+    for a, b in zip(plain, mixed, strict=True):
+        assert a.token_ids == b.token_ids and a.logprob == b.logprob
+    assert mixed[0].prompt_logprobs is None and mixed[2].prompt_logprobs is None
+    ours = mixed[1].prompt_logprobs
+    assert len(ours) == len(prompts[1]) and ours[0] is None
+    reference = _reference(tiny_hf_dir("llama"), prompts[1])
+    np.testing.assert_allclose(ours[1:], reference, atol=1e-4, rtol=0)
 
 
 def test_accepted_drafts_carry_their_top_logprobs(tiny, monkeypatch):
@@ -112,7 +159,7 @@ def test_batch_records_and_openai_lines_carry_the_top_logprobs_decode_gives(tiny
     config = load_run_config(config_path)
     conversation = [{"role": "user", "content": "Name a river."}]
     lines = [
-        {"id": "plain", "prompt": "The river bank", "logprobs": 2},
+        {"id": "plain", "prompt": "The river bank", "logprobs": 2, "prompt_logprobs": True},
         {"id": "none", "prompt": "The river bank"},
         {
             "custom_id": "chat",
@@ -145,7 +192,12 @@ def test_batch_records_and_openai_lines_carry_the_top_logprobs_decode_gives(tiny
         r.get("custom_id", r.get("id")): r for r in map(json.loads, out.read_text().splitlines())
     }
     (plain,) = etjax.decode(
-        "The river bank", model=tiny, max_new_tokens=4, ignore_eos=True, logprobs=2
+        "The river bank",
+        model=tiny,
+        max_new_tokens=4,
+        ignore_eos=True,
+        logprobs=2,
+        prompt_logprobs=True,
     )
     # Another batch than decode's: the same tokens, the values up to float rounding.
     got = by_id["plain"]["top_logprobs"]
@@ -157,7 +209,10 @@ def test_batch_records_and_openai_lines_carry_the_top_logprobs_decode_gives(tiny
         [[v for _, v in top] for top in plain.top_logprobs],
         atol=1e-5,
     )
-    assert "top_logprobs" not in by_id["none"]
+    prompt = by_id["plain"]["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == len(plain.prompt_token_ids)
+    np.testing.assert_allclose(prompt[1:], plain.prompt_logprobs[1:], atol=1e-5)
+    assert "top_logprobs" not in by_id["none"] and "prompt_logprobs" not in by_id["none"]
     (chat,) = etjax.decode(
         [conversation], model=tiny, max_new_tokens=4, ignore_eos=True, logprobs=2
     )

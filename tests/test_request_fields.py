@@ -33,8 +33,22 @@ DOORS = {
     "n": {"decode", "record", "cli"},
     "priority": {"record"},
     "logprobs": {"decode", "record", "toml"},
+    "prompt_logprobs": {"decode", "record", "toml"},
+    "json_schema": {"decode", "record"},
+    "regex": {"decode", "record"},
+    "choices": {"decode", "record"},
+    "grammar": {"decode", "record"},
 }
-OPENAI = {"max_new_tokens": ("max_tokens", "max_completion_tokens"), "stop": ("stop",), "n": ("n",)}
+OPENAI = {
+    "max_new_tokens": ("max_tokens", "max_completion_tokens"),
+    "ignore_eos": ("ignore_eos",),
+    "stop": ("stop",),
+    "n": ("n",),
+    "json_schema": ("guided_json",),  # vLLM's names
+    "regex": ("guided_regex",),
+    "choices": ("guided_choice",),
+    "grammar": ("guided_grammar",),
+}
 # A good value of each field, as JSON writes it, and as the request holds it.
 GOOD = {
     "max_new_tokens": (3, 3),
@@ -46,6 +60,11 @@ GOOD = {
     "n": (2, 2),
     "priority": (2, 2.0),
     "logprobs": (3, 3),
+    "prompt_logprobs": (True, True),
+    "json_schema": ('{"type": "string"}', '{"type": "string"}'),
+    "regex": ("[a-z]+", "[a-z]+"),
+    "choices": (["yes", "no"], ("yes", "no")),
+    "grammar": ('start: "a" | "b"', 'start: "a" | "b"'),
 }
 FLAGS = {
     "max_new_tokens": (["--max-new-tokens", "3"], 3),
@@ -118,7 +137,7 @@ def test_a_field_is_taken_by_its_doors_and_refused_by_name_at_the_others(tiny, t
         assert rec.settings.logprobs == held
         rec = _openai(tiny, config, logprobs=written)
         assert rec.error == f"line 1: body.logprobs={written!r}; must be true or false"
-    elif name not in ("n", "stop"):  # the fields whose OpenAI name is their own
+    elif name not in ("n", "stop", "ignore_eos"):  # the fields whose OpenAI name is their own
         rec = _openai(tiny, config, **{name: written})
         assert rec.error.startswith(f"line 1: body.{name} is not supported; allowed: ")
     # A run config's [request] table.
@@ -164,6 +183,21 @@ BAD = [
     ("logprobs", 21, None, "logprobs=21; must be an integer from 0 to 20"),
     ("logprobs", -1, None, "logprobs=-1; must be an integer from 0 to 20"),
     ("logprobs", "x", None, "logprobs='x'; must be an integer from 0 to 20"),
+    (
+        "json_schema",
+        {"type": "foo"},
+        None,
+        "json_schema={'type': 'foo'}; must be a valid JSON schema (an object, or its JSON "
+        "text) (Invalid type: foo)",
+    ),
+    (
+        "regex",
+        "((",
+        None,
+        "regex='(('; must be a valid regular expression (at 1(8): invalid regex \"((\" (in "
+        "regex): regex parse error: (( ^ error: unclosed group 1 | start: /((/ ^)",
+    ),
+    ("choices", [], None, "choices=[]; must be a non-empty list of non-empty strings"),
 ]
 
 
@@ -222,3 +256,56 @@ def test_the_device_ends_a_row_at_eos_and_the_host_reports_it(tiny, monkeypatch)
     assert ended.token_ids == free.token_ids[: first + 1]
     (ignored,) = etjax.decode("The river", model=tiny, max_new_tokens=8, ignore_eos=True)
     assert ignored.token_ids == free.token_ids and ignored.finish_reason == "length"
+
+
+def test_openai_body_fields_are_mapped_ignored_or_refused_by_name(tiny):
+    config = RunConfig("test")
+    plain = _openai(tiny, config)
+    rec = _openai(tiny, config, top_k=5, min_p=0.1, repetition_penalty=1.2, stream=False)
+    assert rec.error is None, rec.error
+    sampler = rec.settings.sampler
+    assert (sampler.top_k, sampler.min_p, sampler.repetition_penalty) == (5, 0.1, 1.2)
+    assert _openai(tiny, config, top_k=-1).settings.sampler.top_k == 0  # vLLM's "off"
+    # The sampler's own check, by the record's name.
+    assert _openai(tiny, config, top_k=-3).error == "line 1: top_k=-3; must be an int >= 0"
+    # Accounting metadata: taken, and nothing about the request changes.
+    quiet = _openai(tiny, config, user="u-1", metadata={"batch": "7"}, store=False)
+    assert quiet.error is None and quiet.settings == plain.settings
+    assert quiet.fingerprint == plain.fingerprint
+    refused = {
+        "tools": "etjax generates text only; it does not call tools or functions",
+        "logit_bias": "etjax's sampler has no per-token logit bias",
+        "min_tokens": "etjax has no minimum length",
+    }
+    for name, why in refused.items():
+        error = _openai(tiny, config, **{name: [1]}).error
+        assert error.startswith(f"line 1: body.{name} is not supported: {why}"), error
+    assert _openai(tiny, config, stream=True).error.startswith("line 1: body.stream=True")
+    error = _openai(tiny, config, frobnicate=1).error
+    assert error.startswith("line 1: body.frobnicate is not supported; allowed: ")
+
+
+def test_openai_response_format_is_a_json_schema_constraint(tiny):
+    config = RunConfig("test")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    formats = {
+        "json_object": ({"type": "json_object"}, '{"type": "object"}'),
+        "json_schema": (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}},
+            json.dumps(schema),
+        ),
+        "text": ({"type": "text"}, None),
+    }
+    for given, held in formats.values():
+        rec = _openai(tiny, config, response_format=given)
+        assert rec.error is None, rec.error
+        assert rec.settings.json_schema == held
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
+    assert _openai(tiny, config, response_format=bad).error == (
+        "line 1: body.response_format.json_schema.schema: must be a valid JSON schema (an "
+        "object, or its JSON text) (Invalid type: foo)"
+    )
+    both = _openai(tiny, config, response_format={"type": "json_object"}, guided_regex="a")
+    assert both.error == "line 1: body.response_format and body.guided_regex are both given"
+    two = _record(tiny, config, regex="a+", choices=["a"])
+    assert two.error == "line 1: regex and choices are both given; a request takes one"

@@ -21,6 +21,7 @@ import pytest
 from scipy import stats
 
 from etjax.calibration.signal import identity_params
+from etjax.constraints.matcher import mask_words
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
 from etjax.model.weights import Weights
@@ -64,6 +65,8 @@ def _rows(sampler: SamplerSettings, first_seed: int) -> DecodeState:
         token_counts=jnp.zeros((ROWS, VOCAB), jnp.int32),
         in_prompt=jnp.zeros((ROWS, VOCAB), bool),
         logprobs=jnp.zeros(ROWS, jnp.int32),
+        allowed=jnp.full((ROWS, mask_words(VOCAB)), 0xFFFFFFFF, jnp.uint32),
+        grammar=jnp.full(ROWS, -1, jnp.int32),
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(zeros, zeros + 0.0),

@@ -27,6 +27,9 @@ class PrefillJob:
     tokens: list[int]
     start: int  # position of tokens[0]
     pages: list[int]  # the sequence's pages (covering start + len(tokens))
+    # For prompt log-probabilities: the context token after each of `tokens`, -1 where none
+    # is asked for; None when the sequence asks for none.
+    targets: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class RowInit:
     saved: object  # what `Backend.save` returned when the row was preempted, or None
     prefill_flops: float
     prefill_bytes: float
+    grammar: int = -1  # the id of its constraint's matcher (etjax/constraints), -1 for none
 
 
 class Backend(Protocol):
@@ -53,11 +57,13 @@ class Backend(Protocol):
         budgets: list[float],
         jobs: list[PrefillJob],
         drafts: list[list[int]] | None = None,
-    ) -> tuple[StepOutputs | None, np.ndarray, list[tuple[float, float]]]:
+    ) -> tuple[StepOutputs | None, np.ndarray, list[tuple[float, float]], list[np.ndarray | None]]:
         """One step: `rows` decode a token each (at their budget fractions, under pruning),
         `jobs` append their chunks, and (speculation on) each row's `drafts` are run after its
         token and verified. Returns the rows' outputs [steps, len(rows)] (emitted where a
-        token was committed), their next budget fractions, and each job's (FLOPs, bytes)."""
+        token was committed), their next budget fractions, each job's (FLOPs, bytes), and
+        for each job with `targets` the log-probability of each target after its token
+        (float [len(tokens)], T = 1; None for a job without targets)."""
 
     def decode(
         self,

@@ -30,6 +30,7 @@ from etjax.attention import (
 from etjax.cache.kv_cache import forget_row_mass, init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.calibration.signal import identity_params, row_params
+from etjax.constraints.matcher import ALL_TOKENS, initial_mask, mask_words
 from etjax.distributed.mesh import make_mesh
 from etjax.distributed.placement import Placement
 from etjax.engine.backend import PrefillJob, RowInit
@@ -125,6 +126,7 @@ class DeviceBackend:
         self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self.prefill_rows = batch_bucket(options.max_prefill_rows)  # chunks per step, padded
         self._burst_buckets: set[int] = set()  # row buckets of the bursts run so far
+        self._constrained: set[int] = set()  # rows whose requests have a grammar
         # The pruning's thresholds, traced (engines that differ only in them share the
         # programs) and on the device once; its shape is in the statics.
         self.thresholds = jax.device_put(
@@ -151,11 +153,12 @@ class DeviceBackend:
         budgets: list[float],
         jobs: list[PrefillJob],
         drafts: list[list[int]] | None = None,
-    ) -> tuple[StepOutputs, np.ndarray, list[tuple[float, float]]]:
+    ) -> tuple[StepOutputs, np.ndarray, list[tuple[float, float]], list[np.ndarray | None]]:
         """One step: each row of `rows` (with its pages, cached length and budget fraction)
         decodes one token, and each job appends its chunk. Returns the rows' outputs
-        [steps, len(rows)], their budget fractions, and the (FLOPs, bytes) of each job; a
-        job's logits are kept for `insert`. Under pruning the rows read only their kept blocks.
+        [steps, len(rows)], their budget fractions, the (FLOPs, bytes) of each job, and the
+        log-probabilities of each job's `targets` (None without); a job's logits are kept
+        for `insert`. Under pruning the rows read only their kept blocks.
         With speculation on, `drafts[j]` (at most max_draft tokens) run after row j's token
         and are verified; the outputs then have 1 + max_draft steps, emitted where
         committed."""
@@ -182,6 +185,7 @@ class DeviceBackend:
         # A step without chunks computes no prefill logits (and plans no prefill passes).
         last_index = np.zeros(self.prefill_rows if jobs else 0, np.int32)
         draft_len = np.zeros(width, np.int32)
+        targets = np.full(num_tokens, -1, np.int32)  # no prompt log-probabilities asked
         decoding, windowed, verifying, chunks = [], [], [], []
         start = 0
         for j, (row, row_pages, n, draft) in enumerate(
@@ -210,6 +214,8 @@ class DeviceBackend:
             positions[span] = job.start + np.arange(n)
             write_pages[span] = np.asarray(job.pages, np.int32)[positions[span] // opts.page_size]
             last_index[j] = start + n - 1
+            if job.targets is not None:
+                targets[span] = job.targets
             reach = job.start + n - 1
             chunks.append(
                 Segment(start, n, job.start, reach, job.pages[: reach // opts.page_size + 1])
@@ -230,11 +236,13 @@ class DeviceBackend:
             cfg.attention_window,
             local_groups=[decoding + windowed, *groups[1:], *routed],
         )
-        batch = FlatBatch(tokens, positions, write_pages, decode_slot, last_index, draft_len)
+        batch = FlatBatch(
+            tokens, positions, write_pages, decode_slot, last_index, draft_len, targets
+        )
         table, max_kept = None, 0
         if opts.pruning.enabled:
             table, max_kept = self._pruned_tables(pages, [n + 1 for n in lengths], budgets, width)
-        self.store, self.cache, out, logits = mixed_step(
+        self.store, self.cache, out, logits, target_logprobs = mixed_step(
             self.weights,
             self.cache,
             self.store,
@@ -243,15 +251,25 @@ class DeviceBackend:
             plan,
             table,
             self.thresholds,
-            dataclasses.replace(self.statics, max_kept=max_kept),
+            self._statics(rows, max_kept),
             spec.max_draft if spec.enabled else 0,
         )
         for j, job in enumerate(jobs):
             self._logits[job.row] = (logits, np.int32(j))  # sliced inside the insert program
-        out, budget = jax.device_get((out, self.store.entropy.budget))
+        asked = any(job.targets is not None for job in jobs)
+        out, budget, target_logprobs = jax.device_get(
+            (out, self.store.entropy.budget, target_logprobs if asked else None)
+        )
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
         budget = np.asarray(budget)[index[: len(rows)]]
-        return out, budget, [self._prefill_cost(job, len(jobs)) for job in jobs]
+        spans, start = [], sum(row_tokens)
+        for job in jobs:
+            n = len(job.tokens)
+            asks = job.targets is not None
+            spans.append(np.asarray(target_logprobs[start : start + n]) if asks else None)
+            start += n
+        costs = [self._prefill_cost(job, len(jobs)) for job in jobs]
+        return out, budget, costs, spans
 
     def mixed_width(self, num_rows: int, prefilling: bool) -> int:
         """Padded decoding rows of a ragged step. With chunks, `max_batch_size` (bucketed):
@@ -308,6 +326,8 @@ class DeviceBackend:
         length = len(init.prompt) + len(init.generated)
         if self.cache.block_mass.shape[1] > 1:  # a new sequence remembers no block's mass
             self.cache = forget_row_mass(self.cache, np.int32(row))
+        if init.grammar >= 0:
+            self._constrained.add(row)
         if init.saved is None:
             in_prompt = np.zeros((1, self.cfg.vocab_size), bool)
             in_prompt[0, np.asarray(init.prompt, np.int64)] = True
@@ -321,6 +341,8 @@ class DeviceBackend:
                 np.int32(init.settings.max_new_tokens),
                 np.bool_(not init.settings.ignore_eos),
                 np.int32(init.settings.logprobs),
+                self._first_mask(init.grammar),
+                np.int32(init.grammar),
                 in_prompt,
                 np.float32(init.prefill_flops),
                 np.float32(init.prefill_bytes),
@@ -342,6 +364,19 @@ class DeviceBackend:
         """Forget a row whose sequence finished or was preempted (its state is overwritten by
         the next `insert`; only prefill logits not yet inserted need dropping)."""
         self._logits.pop(row, None)
+        self._constrained.discard(row)
+
+    def _first_mask(self, grammar: int) -> np.ndarray:
+        # [W] uint32 the tokens a new row may draw first: its grammar's, or all.
+        if grammar < 0:
+            return np.full(mask_words(self.cfg.vocab_size), ALL_TOKENS, np.uint32)
+        return initial_mask(grammar)
+
+    def _statics(self, rows: list[int], max_kept: int) -> StepStatics:
+        # The call's statics: the engine's, its kept-table width, and whether a row is
+        # constrained (a program of its own, which only such calls pay for).
+        constrained = any(row in self._constrained for row in rows)
+        return dataclasses.replace(self.statics, max_kept=max_kept, constrained=constrained)
 
     def save(self, row: int) -> DecodeState:
         """The row's state on the host, to restore after its KV is recomputed."""
@@ -430,7 +465,7 @@ class DeviceBackend:
             base,
             plan,
             self.thresholds,
-            dataclasses.replace(self.statics, max_kept=max_kept),
+            self._statics(rows, max_kept),
             k,
         )
         out, budget = jax.device_get((out, self.store.entropy.budget))
@@ -475,6 +510,8 @@ def _insert_new_row(
     max_new_tokens,
     stop_on_eos,
     logprobs,
+    allowed,
+    grammar,
     in_prompt,
     flops,
     nbytes,
@@ -494,6 +531,8 @@ def _insert_new_row(
         token_counts=jnp.zeros((1, store.token_counts.shape[1]), jnp.int32),
         in_prompt=in_prompt,
         logprobs=logprobs[None],
+        allowed=allowed[None],
+        grammar=grammar[None],
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(flops[None], nbytes[None]),
@@ -539,6 +578,8 @@ def _empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> Decod
         token_counts=jnp.zeros((rows, cfg.vocab_size), jnp.int32),
         in_prompt=jnp.zeros((rows, cfg.vocab_size), bool),
         logprobs=jnp.zeros(rows, jnp.int32),
+        allowed=jnp.full((rows, mask_words(cfg.vocab_size)), ALL_TOKENS, jnp.uint32),
+        grammar=jnp.full(rows, -1, jnp.int32),
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(jnp.asarray(zeros), jnp.asarray(zeros.copy())),

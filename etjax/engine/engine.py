@@ -39,6 +39,8 @@ import numpy as np
 
 from etjax.cache.page_allocator import pages_needed
 from etjax.cache.prefix_cache import PrefixCache
+from etjax.constraints.matcher import register as register_grammar
+from etjax.constraints.matcher import release as release_grammar
 from etjax.drafting import DraftHistory, draft_lengths, lookup_draft
 from etjax.engine import scheduler
 from etjax.engine.backend import Backend, PrefillJob, RowInit
@@ -181,6 +183,17 @@ class Engine:
             context=list(prompt),
             detokenizer=IncrementalDetokenizer(self.tokenizer) if self.tokenizer else None,
         )
+        if settings.prompt_logprobs:  # filled as its chunks run (None: the first token)
+            seq.output.prompt_logprobs = [None] * len(prompt)
+        if settings.constraint is not None:
+            if self.options.mesh_shape.size > 1:
+                raise RequestError(
+                    f"{settings.constraint[0]}: constrained output runs on one device "
+                    f"(mesh 1x1), not on mesh {self.options.mesh}"
+                )
+            seq.grammar = register_grammar(
+                *settings.constraint, self.tokenizer, self.backend.vocab_size
+            )
         seq.waiting_since = self.round
         self.submitted += 1
         self.live.append(seq)
@@ -284,7 +297,9 @@ class Engine:
         for seq in scheduler.admission_order(waiting, self.policy, self.round):
             # The cached pages its context starts with; at least its last token is prefilled
             # (the first logits come from that chunk).
-            found = cache.lookup(seq.context, (len(seq.context) - 1) // opts.page_size)
+            # A sequence that still needs its prompt's log-probabilities prefills all of it.
+            reuse = 0 if _prompt_targets(seq, 0, len(seq.prompt)) else len(seq.context) - 1
+            found = cache.lookup(seq.context, reuse // opts.page_size)
             if found.pending:
                 # An admitted sequence is prefilling the next page of this context: wait for
                 # it (a round or a few) rather than compute the same page twice.
@@ -322,7 +337,8 @@ class Engine:
                 break
             end = min(seq.prefilled + opts.prefill_chunk, len(seq.context), seq.prefilled + budget)
             chunk = seq.context[seq.prefilled : end]
-            jobs.append((seq, PrefillJob(seq.row, chunk, seq.prefilled, seq.pages)))
+            targets = _prompt_targets(seq, seq.prefilled, end)
+            jobs.append((seq, PrefillJob(seq.row, chunk, seq.prefilled, seq.pages, targets)))
             budget -= len(chunk)
         return jobs
 
@@ -340,6 +356,8 @@ class Engine:
         signal = [s.output.calibrated_entropy for s in batch]
         entropies = [h[-1] if h else None for h in signal]
         lengths = draft_lengths(entropies, [s.drafts for s in batch], spec, budget)
+        # A constrained row draws each token under its grammar's mask: it drafts nothing.
+        lengths = [0 if s.grammar >= 0 else n for s, n in zip(batch, lengths, strict=True)]
         # The lookup continues the committed text, so its first token predicts the one the
         # device samples this step; the drafts are what follows that prediction.
         return [
@@ -365,7 +383,7 @@ class Engine:
         order = sorted(range(len(batch)), key=lambda i: batch[i].row)
         batch, drafts = [batch[i] for i in order], [drafts[i] for i in order]
         started = time.perf_counter()
-        out, budgets, costs = self.backend.mixed(
+        out, budgets, costs, prompt_logprobs = self.backend.mixed(
             [s.row for s in batch],
             [s.pages for s in batch],
             [s.length for s in batch],
@@ -384,7 +402,9 @@ class Engine:
                     accepted = max(int(committed[j]) - 1, 0)
                     seq.drafts.record(len(drafts[j]), accepted, self.options.speculation)
             self._collect(batch, out, budgets, one_pass=True)
-        for (seq, job), (flops, nbytes) in zip(jobs, costs, strict=True):
+        for (seq, job), (flops, nbytes), values in zip(jobs, costs, prompt_logprobs, strict=True):
+            if values is not None:
+                _record_prompt_logprobs(seq, job, values)
             self._prefilled(seq, seq.prefilled + len(job.tokens), flops, nbytes)
         return elapsed
 
@@ -405,6 +425,7 @@ class Engine:
                 saved=seq.saved_row,
                 prefill_flops=seq.recompute_flops,
                 prefill_bytes=seq.recompute_bytes,
+                grammar=seq.grammar,
             ),
         )
         seq.saved_row, seq.recompute_flops, seq.recompute_bytes = None, 0.0, 0.0
@@ -527,6 +548,8 @@ class Engine:
                 self._stamp_finish(seq, now)
 
     def _stamp_finish(self, seq: Sequence, now: float) -> None:
+        if seq.grammar >= 0:
+            release_grammar(seq.grammar)
         seq.finish_time, seq.finish_round = now, self.round
         out, n = seq.output, len(seq.output.token_ids)
         out.metrics = {
@@ -571,3 +594,24 @@ class Engine:
     def pages_in_use(self) -> int:
         """Pages live sequences hold (cached pages nobody holds are not in use)."""
         return self.page_cache.num_held
+
+
+def _prompt_targets(seq: Sequence, start: int, end: int) -> list[int] | None:
+    # What a chunk of context [start, end) asks for prompt log-probabilities: at each position
+    # p the prompt token p + 1, where its value is still missing (a recomputed context after
+    # a preemption asks for nothing); -1 elsewhere. None when nothing is asked.
+    if not seq.settings.prompt_logprobs:
+        return None
+    prompt, done = seq.prompt, seq.output.prompt_logprobs
+    targets = [
+        prompt[p + 1] if p + 1 < len(prompt) and done[p + 1] is None else -1
+        for p in range(start, end)
+    ]
+    return targets if any(t >= 0 for t in targets) else None
+
+
+def _record_prompt_logprobs(seq: Sequence, job: PrefillJob, values: np.ndarray) -> None:
+    # Prompt token p + 1's log-probability is what position p's logits give it.
+    for i, target in enumerate(job.targets):
+        if target >= 0:
+            seq.output.prompt_logprobs[job.start + i + 1] = float(values[i])

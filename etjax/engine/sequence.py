@@ -59,6 +59,7 @@ class Sequence:
     drafts: DraftHistory | None = None  # how its speculation fared (speculation on)
     history: TokenHistory = field(default_factory=TokenHistory)  # prompt + output, for lookup
     decode_passes: int = 0  # model passes that gave it tokens (speculation: < tokens)
+    grammar: int = -1  # its constraint's matcher id (etjax/constraints/matcher.py), or -1
     # Metrics, in the engine's clock.
     admitted_time: float | None = None
     first_token_time: float | None = None

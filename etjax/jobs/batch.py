@@ -308,7 +308,11 @@ def _sample(out: SequenceOutput, seed: int) -> dict:
         "token_ids": out.token_ids,
         "metrics": out.metrics | {"mean_entropy": float(np.mean(out.entropy)) if n else 0.0},
         "seed": seed,
-    } | ({} if out.top_logprobs is None else {"top_logprobs": out.top_logprobs})
+    } | {
+        name: getattr(out, name)
+        for name in ("top_logprobs", "prompt_logprobs")
+        if getattr(out, name) is not None
+    }
 
 
 def _error_record(rec: ParsedRecord) -> dict:

@@ -6,9 +6,11 @@ Input lines (what vLLM's `run-batch` and many pipelines produce):
      "body": {"model": "...", "messages": [...], "max_tokens": 64, "temperature": 0.7}}
 
 `url` is "/v1/chat/completions" (`body.messages`) or "/v1/completions" (`body.prompt`, a
-string). `body` may hold the OpenAI names of request fields (`max_tokens` or
-`max_completion_tokens`, `stop`, `n`: etjax/request_fields.py) and `temperature`, `top_p`,
-`seed`, `presence_penalty`, `frequency_penalty`, and `logprobs` (true or false) with
+string). What each body field means here is one table (etjax/jobs/openai_body.py): the
+OpenAI names of request fields (`max_tokens` or `max_completion_tokens`, `stop`, `n`) and
+sampler settings (`temperature`, `top_p`, `seed`, `presence_penalty`, `frequency_penalty`, and
+vLLM's `top_k`, `min_p`, `repetition_penalty`), accounting fields that change no output
+(`user`, `metadata`, ...), fields refused with the reason, and `logprobs` (true or false) with
 `top_logprobs` (0 to 20, with logprobs only) on chat completions, answered as OpenAI answers
 them: per choice,
 `logprobs.content` holds each generated token's `{token, logprob, bytes, top_logprobs}`, the
@@ -28,29 +30,16 @@ import uuid
 from collections.abc import Callable
 
 from etjax.errors import FieldError, RequestError
+from etjax.jobs.openai_body import MAPPED, check_names, known_fields, special_fields
 from etjax.request_fields import FIELDS, MAX_LOGPROBS
 from etjax.runtime.options import SequenceOutput
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-# Body names of request fields (etjax/request_fields.py, their `openai` names) and of sampler
-# settings, each with the etjax record field it becomes; "model" is only echoed back.
-_BODY_FIELDS = {
-    "model": None,
-    "messages": "messages",
-    "prompt": "prompt",
-    **{body: name for name, row in FIELDS.items() for body in row.openai},
-    **{k: k for k in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty")},
-    # Both read by `_logprobs` into the record's `logprobs` (k).
-    "logprobs": "logprobs",
-    "top_logprobs": "logprobs",
-}
 
 
 def body_fields() -> list[str]:
     """The body names a line may set, besides messages or prompt and the echoed model."""
-    return [
-        name for name, field in _BODY_FIELDS.items() if field not in (None, "messages", "prompt")
-    ]
+    return [name for name in known_fields() if name not in ("model", "messages", "prompt")]
 
 
 def is_openai(raw: object) -> bool:
@@ -69,9 +58,7 @@ def to_record(raw: dict) -> dict:
         raise RequestError(f"url={url!r}; must be {CHAT!r} or {COMPLETIONS!r}")
     if not isinstance(body, dict):
         raise RequestError(f"body is a {type(body).__name__}; must be an object")
-    unknown = sorted(set(body) - set(_BODY_FIELDS))
-    if unknown:
-        raise RequestError(f"body.{unknown[0]} is not supported; allowed: {sorted(_BODY_FIELDS)}")
+    check_names(body)
     for row in FIELDS.values():
         both = [name for name in row.openai if name in body]
         if len(both) > 1:
@@ -82,11 +69,8 @@ def to_record(raw: dict) -> dict:
     wrong = "prompt" if url == CHAT else "messages"
     if wrong in body:
         raise RequestError(f"body.{wrong} does not belong to {url}; use body.{needed}")
-    record = {
-        _BODY_FIELDS[k]: v
-        for k, v in body.items()
-        if _BODY_FIELDS[k] is not None and k not in ("logprobs", "top_logprobs")
-    }
+    record = {MAPPED[k]: v for k, v in body.items() if MAPPED.get(k) is not None}
+    record |= special_fields(body)
     if wants_logprobs(body, url):
         record["logprobs"] = body.get("top_logprobs", 0)
     return record

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from etjax.calibration.signal import calibrated_entropy
 from etjax.distributed.topk import top_k
+from etjax.entropy.estimators import entropy_and_log_normaliser
 from etjax.entropy.state import advance_tau
 from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.options import FINISH_REASONS
@@ -20,11 +21,16 @@ from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.sampling.sampler import SampleInfo, SamplerState, sample_next
 
 
-def sample_rows(state: DecodeState) -> tuple[jax.Array, SampleInfo, SamplerState]:
+def sample_rows(
+    state: DecodeState, raw_logits: jax.Array | None = None
+) -> tuple[jax.Array, SampleInfo, SamplerState]:
     """Each row's next token drawn from its logits with its sampler, keyed by the token's
     index in the row's output (what makes a draw the same in any step that makes it), and
     the entropy signal of the distribution under the row's calibration (the draw reads the
-    raw logits: calibration changes what the engine steers by, not what is sampled)."""
+    raw logits: calibration changes what the engine steers by, not what is sampled).
+    `raw_logits` [B, V]: the model's logits when `state.logits` are a grammar's masking of
+    them; the raw entropy and the signal are theirs (pruning and the scheduler read the
+    model, not the constraint)."""
     tokens, info, sampler_state = sample_next(
         state.logits,
         state.sampler,
@@ -33,8 +39,12 @@ def sample_rows(state: DecodeState) -> tuple[jax.Array, SampleInfo, SamplerState
         state.in_prompt,
         state.num_generated,
     )
-    signal = calibrated_entropy(state.logits, info.model_entropy, state.calibration)
-    return tokens, info.replace(calibrated_entropy=signal), sampler_state
+    if raw_logits is None:
+        raw_logits, raw = state.logits, info.model_entropy
+    else:
+        raw, _ = entropy_and_log_normaliser(raw_logits)
+    signal = calibrated_entropy(raw_logits, raw, state.calibration)
+    return tokens, info.replace(calibrated_entropy=signal, raw_entropy=raw), sampler_state
 
 
 _EOS, _LENGTH = FINISH_REASONS.index("eos"), FINISH_REASONS.index("length")
@@ -100,6 +110,7 @@ def commit_tokens(
     outputs = StepOutputs(
         tokens=tokens,
         model_entropy=info.model_entropy,
+        raw_entropy=info.raw_entropy,
         calibrated_entropy=info.calibrated_entropy,
         logprob=info.logprob,
         sampled_entropy=info.sampled_entropy,

@@ -170,6 +170,7 @@ FINISH_REASONS = ("", "eos", "length")  # "": the row goes on
 # declared where it is computed and stored, and named here once.
 TRACE_FIELDS: dict[str, str] = {
     "entropy": "model_entropy",
+    "raw_entropy": "raw_entropy",
     "calibrated_entropy": "calibrated_entropy",
     "logprob": "logprob",
     "sampled_entropy": "sampled_entropy",
@@ -186,7 +187,10 @@ class SequenceOutput:
     """What one prompt produced, with the per-token trace of the entropy signal."""
 
     token_ids: list[int] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)  # model entropy, T = 1, nats
+    # entropy at T = 1 (nats) of the distribution drawn from: the model's, or for a
+    # constrained request the model's renormalised over the tokens its grammar allowed
+    entropy: list[float] = field(default_factory=list)
+    raw_entropy: list[float] = field(default_factory=list)  # the model's, whole vocabulary
     # the signal the engine read: the calibrated entropy (= entropy without a calibration)
     calibrated_entropy: list[float] = field(default_factory=list)
     logprob: list[float] = field(default_factory=list)  # of the token under the model, T = 1
@@ -199,6 +203,9 @@ class SequenceOutput:
     # With logprobs=k: per token, its k most likely (token id, log-probability) pairs at
     # T = 1 before penalties, most likely first; None when not asked.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With prompt_logprobs: prompt token j's log-probability given the tokens before it, at
+    # T = 1 (None for the first); None when not asked.
+    prompt_logprobs: list[float | None] | None = None
     text: str = ""
     finish_reason: str = ""  # "eos", "stop" (a stop string), "length" or "cancelled"
     metrics: dict[str, float] = field(default_factory=dict)  # latencies (s), see engine.py

@@ -34,6 +34,11 @@ class DecodeState:
     # [B] int32 top log-probabilities the row reports per token (0: none). An array, not a
     # static: any mix of k shares one program, which computes MAX_LOGPROBS and the host keeps k.
     logprobs: jax.Array
+    # [B, W] uint32 bitmask of the tokens the row's grammar allows next (W = ceil(V / 32);
+    # all ones for an unconstrained row), and [B] int32 the id of its host matcher (-1: none).
+    # Read only by programs compiled for constrained rows (etjax/runtime/token_mask.py).
+    allowed: jax.Array
+    grammar: jax.Array
     sampler: SamplerParams
     sampler_state: SamplerState  # the adaptive samplers' state (controller, Mirostat)
     entropy: EntropyState
@@ -45,11 +50,14 @@ class StepOutputs:
     """What `decode_steps` produced over K steps, for the host to collect. All [K, B]."""
 
     tokens: jax.Array  # int32 sampled tokens
-    model_entropy: jax.Array  # float32 entropy at T = 1 of the distribution sampled from
+    # float32 entropy at T = 1 of the distribution sampled from: for a constrained row, the
+    # model's renormalised over the tokens its grammar allows
+    model_entropy: jax.Array
+    raw_entropy: jax.Array  # float32 the model's entropy over the whole vocabulary, T = 1
     # float32 the signal pruning, the scheduler and drafting read: model_entropy, or its
     # calibration (etjax/calibration/signal.py) where one is loaded
     calibrated_entropy: jax.Array
-    logprob: jax.Array  # float32 log-probability of the token under the model (T = 1)
+    logprob: jax.Array  # float32 log-probability of the token under that distribution (T = 1)
     sampled_entropy: jax.Array  # float32 entropy of the distribution actually sampled
     temperature: jax.Array  # float32 temperature used (0 = greedy)
     tau: jax.Array  # float32 entropic time after the step

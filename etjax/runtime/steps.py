@@ -40,6 +40,8 @@ from etjax.pruning.config import PruningConfig, PruningShape, PruningThresholds
 from etjax.runtime.commit import commit_tokens, finishes, sample_rows
 from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
+from etjax.runtime.target_logprobs import target_logprobs
+from etjax.runtime.token_mask import mask_logits, next_masks
 from etjax.runtime.verify import accept_drafts
 
 DENSE = PruningConfig().shape()  # pruning disabled: every block of the context is read
@@ -57,6 +59,10 @@ class StepStatics:
     max_kept: int = 0  # under pruning, the blocks a row's token may read per layer, at most
     placement: Placement | None = None  # the mesh the arrays keep, or None on one device
     attention_backend: AttentionBackend = XLA  # its kernels (etjax/attention/backend.py)
+    # A row of the call is constrained: each step masks the logits by the rows' allowed
+    # tokens and asks the host for the next masks (etjax/runtime/token_mask.py). Calls
+    # without one compile and run programs with none of it.
+    constrained: bool = False
 
 
 @flax.struct.dataclass
@@ -72,6 +78,9 @@ class FlatBatch:
     # [Bm] int32 tokens drafted after each row's token, in the slots that follow it (0 for a
     # row that does not speculate); the host writes them into `tokens`.
     draft_len: jax.Array
+    # [T] int32 the context token after each prefill token, where its request asks for
+    # prompt log-probabilities; -1 elsewhere (etjax/runtime/target_logprobs.py).
+    targets: jax.Array
 
 
 @functools.partial(
@@ -88,7 +97,7 @@ def mixed_step(
     thresholds: PruningThresholds | None,
     statics: StepStatics,
     max_draft: int = 0,
-) -> tuple[DecodeState, KVCache, StepOutputs, jax.Array]:
+) -> tuple[DecodeState, KVCache, StepOutputs, jax.Array, jax.Array]:
     """One ragged step: every row in `rows` [Bm] (the store's pad row for padding) samples its
     next token, which runs through the model together with the prefill tokens of `batch`.
 
@@ -104,8 +113,9 @@ def mixed_step(
     whole page tables `page_table` [Bm, W], and `plan` holds the chunks' work and that of
     the rows that verify drafts: those read their whole context, so their drafts are checked
     against the model itself, not against a pruned approximation of it.
-    Returns the store, the cache, the rows' outputs [1, Bm] and float32 logits [Sp, V] after
-    each prefill sequence's last token.
+    Returns the store, the cache, the rows' outputs [1, Bm], float32 logits [Sp, V] after
+    each prefill sequence's last token, and float32 [T] the log-probability of
+    `batch.targets` after each token (0 where there is none).
     """
     cfg, placement = statics.cfg, statics.placement
     with _on_mesh(placement):
@@ -136,14 +146,15 @@ def mixed_step(
                 weights, cache, flat, batch.positions, write_pages, cfg, plan=plan, sparse=sparse
             )
             rows_hidden = hidden.at[row_slots].get(mode="fill", fill_value=0)
-            after = (hidden[batch.last_index], rows_hidden[:, 1:], own)
+            prompt_logprobs = target_logprobs(weights, hidden, batch.targets)
+            after = (hidden[batch.last_index], rows_hidden[:, 1:], own, prompt_logprobs)
             return rows_hidden[:, 0], new_cache, after
 
         start = state.lengths
         state, cache, outputs, after = _decode_step(
             weights, state, statics, thresholds, run_model, rows, dense_rows=verifying
         )
-        prefill_hidden, draft_hidden, row_pages = after
+        prefill_hidden, draft_hidden, row_pages, prompt_logprobs = after
         outputs = jax.tree.map(lambda x: x[None], outputs)
         if max_draft:
             drafts = batch.tokens.at[row_slots[:, 1:]].get(mode="fill", fill_value=0)
@@ -159,7 +170,7 @@ def mixed_step(
             logits = constrain(logits, placement.sharding(logits.shape, {0: DATA, 1: MODEL}))
             store = constrain(store, placement.state(store, cfg.vocab_size))
             cache = constrain(cache, placement.cache(cache))
-        return store, cache, outputs, logits
+        return store, cache, outputs, logits, prompt_logprobs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "placement"), donate_argnames="cache")
@@ -287,14 +298,26 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, dense_row
     # through the plan, and so does its token).
     cost, pruning, max_kept = statics.cost, statics.pruning, statics.max_kept
     active = state.active
-    tokens, info, sampler_state = sample_rows(state)
+    raw_logits = state.logits
+    if statics.constrained:
+        # The grammar's mask comes before everything that reads the distribution (penalties,
+        # temperature, truncation, the controller, the draw, the top-k); the raw logits stay
+        # the entropy signal's.
+        state = state.replace(logits=mask_logits(raw_logits, state.allowed))
+        tokens, info, sampler_state = sample_rows(state, raw_logits)
+        # Issued before the forward pass, which it does not wait for.
+        allowed = next_masks(
+            state.grammar, tokens, state.num_generated, active, state.allowed.shape[1]
+        )
+    else:
+        tokens, info, sampler_state = sample_rows(state)
     runs = active & ~finishes(state, tokens, active)
 
     num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
     if pruning.enabled:
         # The calibrated signal (the model entropy itself without a calibration).
         signal = budget_entropy(
-            state.logits, info.calibrated_entropy, pruning, state.calibration.temperature
+            raw_logits, info.calibrated_entropy, pruning, state.calibration.temperature
         )
         fraction = kept_fraction(signal, thresholds)
         kept = jnp.minimum(kept_block_count(fraction, num_blocks, thresholds), max_kept)
@@ -334,6 +357,8 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, dense_row
         flops,
         nbytes,
     )
+    if statics.constrained:
+        state = state.replace(allowed=allowed)
     return state, cache, outputs, after
 
 

@@ -114,6 +114,7 @@ def _nothing(state: DecodeState) -> StepOutputs:
     return StepOutputs(
         tokens=jnp.zeros_like(state.lengths),
         model_entropy=zeros,
+        raw_entropy=zeros,
         calibrated_entropy=zeros,
         logprob=zeros,
         sampled_entropy=zeros,

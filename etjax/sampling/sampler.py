@@ -41,6 +41,9 @@ class SampleInfo:
     # [B] the entropy signal the engine's levels read (pruning, scheduler, drafting): the
     # model entropy here; its calibration where one is loaded (etjax/runtime/commit.py).
     calibrated_entropy: jax.Array
+    # [B] H of the model's distribution over the whole vocabulary: model_entropy, unless the
+    # row's logits were masked by a grammar (etjax/runtime/commit.py).
+    raw_entropy: jax.Array
 
 
 def initial_sampler_state(p: SamplerParams) -> SamplerState:
@@ -130,6 +133,7 @@ def sample_next(
         sampled_entropy=sampled_entropy,
         temperature=jnp.where(greedy, 0.0, temperature),
         calibrated_entropy=model_entropy,
+        raw_entropy=model_entropy,
     )
     return tokens, info, new_state
 

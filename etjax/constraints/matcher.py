@@ -1,0 +1,132 @@
+"""Host-side grammar state of constrained rows, and the callback the device step calls.
+
+Each constrained request owns an llguidance matcher, registered under an integer id that its
+device row carries (`DecodeState.grammar`; -1 for an unconstrained row). The decode step calls
+`advance` (through `jax.experimental.io_callback`, etjax/runtime/token_mask.py) after every
+committed token: each constrained row's matcher consumes its token and returns the bitmask of
+the tokens allowed next, which the step applies before the next draw. The registry is keyed by
+id, not by row, so a preempted row keeps its grammar state wherever it is readmitted, and
+programs compiled once serve every engine (the callback finds matchers by id).
+
+`advance` is idempotent per token: it is given each token's index in the row's output and
+skips what its matcher already consumed, so a re-executed callback cannot advance a grammar
+twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+
+import numpy as np
+
+from etjax.constraints.grammar import grammar_text
+from etjax.errors import RequestError
+
+ALL_TOKENS = 0xFFFFFFFF  # a mask word allowing all 32 of its tokens
+
+
+def mask_words(vocab_size: int) -> int:
+    """uint32 words of a bitmask over `vocab_size` tokens (bit i of word i // 32 = token i)."""
+    return (vocab_size + 31) // 32
+
+
+class RowGrammar:
+    """One request's matcher and how many of its output tokens it has consumed."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.consumed = 0
+
+    def mask(self) -> np.ndarray:
+        """[W] uint32 the tokens allowed next (none past the vocabulary)."""
+        words = np.frombuffer(self.matcher.compute_bitmask(), np.uint32)
+        return _fit(words, mask_words(self.vocab_size))
+
+    def consume(self, index: int, token: int) -> None:
+        """Take output token `index` (ignored if already taken)."""
+        if index != self.consumed:
+            return
+        self.consumed += 1
+        # A token outside the mask cannot be drawn; an error state would show as an empty mask.
+        self.matcher.consume_token(token)
+
+
+def _fit(words: np.ndarray, width: int) -> np.ndarray:
+    # llguidance's mask covers its tokenizer; the model's vocabulary may be padded beyond it.
+    out = np.zeros(width, np.uint32)
+    n = min(width, words.shape[0])
+    out[:n] = words[:n]
+    return out
+
+
+_registry: dict[int, RowGrammar] = {}
+_ids = itertools.count()
+_lock = threading.Lock()
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _ll_tokenizer(tokenizer, vocab_size: int):
+    # Building one reads the whole vocabulary (about 0.5 s for 49K tokens): once per tokenizer.
+    import llguidance
+
+    cached = _tokenizers.get(tokenizer)
+    if cached is None or cached[0] != vocab_size:
+        eos = list(tokenizer.eos_token_ids) or None
+        built = llguidance.LLTokenizer(
+            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos
+        )
+        cached = (vocab_size, built)
+        _tokenizers[tokenizer] = cached
+    return cached[1]
+
+
+def register(kind: str, value, tokenizer, vocab_size: int) -> int:
+    """A fresh matcher for a request's constraint; returns its id."""
+    import llguidance
+
+    if tokenizer is None:
+        raise RequestError("a constrained request needs the model's tokenizer")
+    matcher = llguidance.LLMatcher(
+        _ll_tokenizer(tokenizer, vocab_size), grammar_text(kind, value), log_level=0
+    )
+    if matcher.is_error():
+        raise RequestError(f"{kind}: {matcher.get_error()}")
+    with _lock:
+        gid = next(_ids)
+        _registry[gid] = RowGrammar(matcher, vocab_size)
+    return gid
+
+
+def initial_mask(gid: int) -> np.ndarray:
+    """[W] uint32 the tokens a request's first output token may be."""
+    return _registry[gid].mask()
+
+
+def release(gid: int) -> None:
+    """Forget a finished request's matcher."""
+    with _lock:
+        _registry.pop(gid, None)
+
+
+def live_count() -> int:
+    """Matchers registered and not released (for tests)."""
+    return len(_registry)
+
+
+def advance(
+    gids: np.ndarray, tokens: np.ndarray, index: np.ndarray, committed: np.ndarray, width: int
+) -> np.ndarray:
+    """The device step's callback. gids, tokens, index: [B] int32 (the token's index in the
+    row's output), committed: [B] bool. Returns [B, width] uint32: for each constrained row
+    the tokens allowed after its committed token, all ones for the others."""
+    masks = np.full((gids.shape[0], width), ALL_TOKENS, np.uint32)
+    for b in np.nonzero(gids >= 0)[0]:
+        row = _registry.get(int(gids[b]))
+        if row is None:  # a pad row's stale id, or a request already released
+            continue
+        if committed[b]:
+            row.consume(int(index[b]), int(tokens[b]))
+        masks[b] = row.mask()
+    return masks

@@ -1,0 +1,133 @@
+"""Constrained output (`json_schema`, `regex`, `choices`, `grammar`) on SmolLM2, all in one
+engine: every output that ends by itself parses and validates (`jsonschema`, the regex, the
+grammar's language), one cut by max_new_tokens says so, the trace's entropy is the masked
+distribution's, and an unconstrained row beside the constrained ones decodes exactly as
+transformers' greedy search does."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from etjax.constraints import matcher
+from etjax.engine.build import RequestSettings, generate_ids
+
+SCHEMAS = {
+    "person": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 24},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "label": {
+        "type": "object",
+        "properties": {
+            "sentiment": {"enum": ["positive", "negative", "neutral"]},
+            "confidence": {"type": "integer", "minimum": 1, "maximum": 5},
+        },
+        "required": ["sentiment", "confidence"],
+        "additionalProperties": False,
+    },
+    "tags": {
+        "type": "array",
+        "items": {"type": "string", "maxLength": 12},
+        "minItems": 1,
+        "maxItems": 3,
+    },
+}
+REGEX = r"[A-Z][a-z]+, [0-9]{4}"
+GRAMMAR = 'start: "The answer is " answer "."\nanswer: "yes" | "no"'  # Lark, as llguidance reads
+CHOICES = ("yes", "no")
+PLAIN_TOKENS = 8
+
+
+def _chat(model, text: str) -> list[int]:
+    # A short system turn in place of the template's default: every prompt fits one ragged
+    # step (and no two start alike, which the prefix cache would serialise), so the prefill
+    # compiles one program and no constrained row shares a step with a chunk.
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+    return model.tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2):
+    # One engine, every row at once: three schemas, a regex, choices, a grammar, a schema cut
+    # short, and an unconstrained row, greedy.
+    asks = [
+        ("person", "Give a famous scientist as JSON with name and age.", 24),
+        ("label", "Label the sentiment of: 'I loved this film.'", 24),
+        ("tags", "Three tags for a post about rivers, as a JSON list.", 24),
+        ("regex", "Name a city and a year.", 12),
+        ("choices", "Is water wet? Answer yes or no.", 3),
+        ("grammar", "Is the sea salty?", 8),
+        ("cut", "Give a famous painter as JSON with name and age.", 4),
+        ("plain", "The river bank was", PLAIN_TOKENS),
+    ]
+    settings = []
+    for kind, _, new in asks:
+        if kind in SCHEMAS:
+            fields = {"json_schema": json.dumps(SCHEMAS[kind])}
+        elif kind == "cut":
+            fields = {"json_schema": json.dumps(SCHEMAS["person"])}
+        elif kind == "regex":
+            fields = {"regex": REGEX}
+        elif kind == "choices":
+            fields = {"choices": CHOICES}
+        elif kind == "grammar":
+            fields = {"grammar": GRAMMAR}
+        else:
+            fields = {"ignore_eos": True}
+        settings.append(RequestSettings(max_new_tokens=new, **fields))
+    prompts = [_chat(smollm2, text) for _, text, _ in asks]
+    outs = generate_ids(smollm2.weights, smollm2.config, smollm2.tokenizer, prompts, settings)
+    return {
+        kind: (prompt, out) for (kind, _, _), prompt, out in zip(asks, prompts, outs, strict=True)
+    }
+
+
+def test_constrained_outputs_parse_and_validate(runs):
+    for name, schema in SCHEMAS.items():
+        _, out = runs[name]
+        assert out.finish_reason == "eos", (name, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+    _, out = runs["regex"]
+    assert out.finish_reason == "eos" and re.fullmatch(REGEX, out.text), out.text
+    _, out = runs["choices"]
+    assert out.finish_reason == "eos" and out.text in CHOICES
+    _, out = runs["grammar"]
+    assert out.finish_reason == "eos"
+    assert re.fullmatch(r"The answer is (yes|no)\.", out.text), out.text
+    # Cut by max_new_tokens: said so, never an incomplete value called complete.
+    _, out = runs["cut"]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert matcher.live_count() == 0  # every request's matcher released
+
+
+def test_entropy_is_the_masked_distribution_s(runs):
+    # Where the grammar allows one token (the schema's braces, quotes and keys) the masked
+    # distribution has no entropy while the model's own has; unconstrained, they are one.
+    _, out = runs["person"]
+    forced = [h for h in out.entropy if h == 0.0]
+    assert len(forced) >= 4
+    assert any(raw > 0.1 for h, raw in zip(out.entropy, out.raw_entropy, strict=True) if h == 0.0)
+    _, plain = runs["plain"]
+    assert plain.entropy == plain.raw_entropy
+
+
+def test_an_unconstrained_row_beside_constrained_ones_decodes_as_transformers(runs, hf_smollm2):
+    # Greedy: each token is transformers' argmax after the prompt and the tokens before it
+    # (one teacher-forced pass).
+    prompt, out = runs["plain"]
+    with torch.no_grad():
+        logits = hf_smollm2(torch.tensor([prompt + out.token_ids])).logits[0]
+    reference = logits[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
+    assert len(out.token_ids) == PLAIN_TOKENS and out.token_ids == reference
+    assert np.all(np.isfinite(out.logprob))
