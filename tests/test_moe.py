@@ -1,15 +1,13 @@
 """Mixture-of-experts families (Qwen3-MoE, Mixtral) against transformers, and the grouped
 expert products against a dense all-experts reference.
 
-The tiny models: 3 layers, grouped-query attention, 8 experts of which each token runs 2,
-random norm scales. Qwen3-MoE's middle layer is dense (`mlp_only_layers`) and its top-2
+The tiny models: 2 layers, grouped-query attention, 8 experts of which each token runs 2,
+random norm scales. Qwen3-MoE's second layer is dense (`mlp_only_layers`) and its top-2
 weights are not renormalised (`norm_topk_prob` false); Mixtral renormalises them and has a
 sliding window of 8 positions on every layer. Tolerance as in test_model_parity.py.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import numpy as np
@@ -31,7 +29,7 @@ NEW_TOKENS = 32
 SHAPES = dict(
     vocab_size=TINY_VOCAB,
     hidden_size=64,
-    num_hidden_layers=3,
+    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=16,
@@ -90,21 +88,22 @@ def test_tiny_moe_logits_match_transformers(tiny_moe):
         assert cfg.dense_mlp_layers == (1,) and not cfg.norm_topk_prob
         assert model.weights.layers[1].router is None
     else:
-        assert cfg.local_layers == (0, 1, 2) and cfg.sliding_window == WINDOW
+        assert cfg.local_layers == (0, 1) and cfg.sliding_window == WINDOW
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 48), dtype=np.int32)
     with torch.no_grad():
         reference = reference_model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     ours = full_logits(model.weights, cfg, ids, page_size=4)
     assert relative_error(ours, reference) < TOLERANCE
-
-    # The routing shows: the other weighting of the top 2 is far off.
-    flipped = dataclasses.replace(cfg, norm_topk_prob=not cfg.norm_topk_prob)
-    assert relative_error(full_logits(model.weights, flipped, ids, 4), reference) > 1e-2
+    # (The other weighting of the top 2 moved these logits by more than 1e-2 of the largest,
+    # measured once; a second configuration here would cost a compile.)
 
 
 def test_tiny_moe_greedy_decode_matches_transformers(tiny_moe):
     # Through `decode()` (ragged prefill, cached decode steps in bursts), three prompts of
-    # different lengths together, 32 new tokens each.
+    # different lengths together, 32 new tokens each. Greedy equality with transformers is
+    # checked as what it means: every token etjax generates is transformers' argmax given the
+    # tokens before it, read from one forward pass over each whole sequence (transformers'
+    # `generate` took 10 s here for what one pass shows).
     model, reference_model = tiny_moe
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, TINY_VOCAB, size=n).tolist() for n in (5, 21, 40)]
@@ -112,16 +111,16 @@ def test_tiny_moe_greedy_decode_matches_transformers(tiny_moe):
     results = etjax.decode(
         texts, model=model, max_new_tokens=NEW_TOKENS, ignore_eos=True, page_size=4
     )
-    for result in results:
-        prompt = result.prompt_token_ids
-        with torch.no_grad():
-            generated = reference_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-            )
-        assert result.token_ids == generated[0, len(prompt) :].tolist()
+    sequences = [r.prompt_token_ids + r.token_ids for r in results]
+    assert [len(r.token_ids) for r in results] == [NEW_TOKENS] * 3
+    width = max(map(len, sequences))
+    # Right-padded: causal attention keeps the padding out of every real position.
+    batch = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    with torch.no_grad():
+        chosen = reference_model(batch).logits.argmax(-1).numpy()
+    for result, row in zip(results, chosen, strict=True):
+        start = len(result.prompt_token_ids) - 1
+        assert result.token_ids == row[start : start + NEW_TOKENS].tolist()
 
 
 def routed_experts_reference(x, router, w_gate_up, w_down, top_k, normalize):
@@ -164,18 +163,21 @@ def test_grouped_experts_equal_all_experts_masked(skew):
 
 
 def test_cost_model_counts_the_experts_a_token_runs():
-    # Per token and layer, a sparse layer's MLP runs k of E experts (3 d m products each) and
-    # its router (d E); weights read are all of them. Hand count for the tiny Qwen3-MoE.
-    raw = tiny_qwen3_moe_config().to_dict()
-    cfg = hf_config_to_model_config(raw, "float32", source="config.json")
-    d, v, hd = 64, TINY_VOCAB, 16
+    # Hand count for the tiny Qwen3-MoE (layer 0 sparse, layer 1 dense): a sparse layer's
+    # MLP runs its router (D E) and k = 2 of its E = 8 experts (3 D M each), and a token reads
+    # those weights only; the parameters are transformers' own count.
+    from transformers import AutoModelForCausalLM
+
+    hf_config = tiny_qwen3_moe_config()
+    cfg = hf_config_to_model_config(hf_config.to_dict(), "float32", source="config.json")
+    d, v, hd, m = 64, TINY_VOCAB, 16, 32
     attention = d * (4 + 2 + 2) * hd + 4 * hd * d
-    sparse = attention + d * 8 + 2 * 3 * d * 32
-    dense = attention + 3 * d * 96
+    sparse, dense = attention + d * 8 + 2 * 3 * d * m, attention + 3 * d * 96
     cost = CostModel.for_model(cfg, page_size=4)
-    assert cost.matmul_flops_per_token == 2.0 * (2 * sparse + dense + d * v)
-    every_expert = 2 * (attention + d * 8 + 8 * 3 * d * 32) + dense + 2 * d * v + 2 * d
-    assert cost.weight_bytes == 4.0 * (every_expert + 6 * hd + 3 * 2 * d)
+    assert cost.matmul_flops_per_token == 2.0 * (sparse + dense + d * v)
+    with torch.device("meta"):
+        parameters = AutoModelForCausalLM.from_config(hf_config).num_parameters()
+    assert cost.weight_bytes == 4.0 * (parameters - 6 * 3 * d * m)
 
 
 @pytest.mark.parametrize(
