@@ -41,9 +41,11 @@ QKV = Dim(lambda c: c.qkv_size, "heads")  # Q = (heads + 2 kv_heads) * head_dim
 ATTENTION = Dim(lambda c: c.num_heads * c.head_dim, "heads")  # A
 FFN = Dim(lambda c: c.intermediate_size, "ffn")  # F
 GATE_UP = Dim(lambda c: 2 * c.intermediate_size, "ffn")  # 2F
-# Mixture of experts (E experts of width M). Expert weights are never split: expert
-# parallelism is not built, so a mesh holds every expert on every device.
-EXPERTS = Dim(lambda c: c.num_experts, None)  # E
+# Mixture of experts (E experts of width M). Expert parallelism splits the stacked experts by
+# expert (each device holds E / n whole experts and runs their rows); the router's scores of
+# all E experts stay whole on every device, which ranks them.
+EXPERTS = Dim(lambda c: c.num_experts, "experts")  # E
+ROUTED = Dim(lambda c: c.num_experts, None)  # E, in the router
 EXPERT_GATE_UP = Dim(lambda c: 2 * c.moe_intermediate_size, None)  # 2M
 EXPERT_FFN = Dim(lambda c: c.moe_intermediate_size, None)  # M
 

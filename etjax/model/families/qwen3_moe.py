@@ -25,6 +25,7 @@ from etjax.model.leaves import (
     EXPERT_GATE_UP,
     EXPERTS,
     HIDDEN,
+    ROUTED,
     Leaf,
     Table,
     layer_part,
@@ -51,7 +52,7 @@ def expert_leaves(router: str, gate: str, up: str, down: str) -> Table:
 
     return {
         "router": Leaf(
-            (EXPERTS, HIDDEN), (layer_part(router, "ffn_gate_inp.weight"),), in_layer=_sparse
+            (ROUTED, HIDDEN), (layer_part(router, "ffn_gate_inp.weight"),), in_layer=_sparse
         ),
         "experts_gate_up": Leaf(  # [E, 2M, D]: expert e's rows gate | up
             (EXPERTS, EXPERT_GATE_UP, HIDDEN),
