@@ -195,3 +195,22 @@ def test_unsupported_moe_config_is_refused_by_name(family, change, named):
     raw = {**CONFIGS[family]().to_dict(), **change}
     with pytest.raises(ModelLoadError, match=named):
         hf_config_to_model_config(raw, "float32", source="config.json")
+
+
+def test_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
+    # llama.cpp writes Mixtral as `llama` with `llama.expert_count` and 3-D expert tensors,
+    # which etjax does not read: refused by the field, not by a missing tensor later.
+    import gguf
+
+    from etjax.loaders.gguf_weights import gguf_model_config, open_gguf
+
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_expert_count(8)
+    writer.add_block_count(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"llama\.expert_count=8"):
+        gguf_model_config(open_gguf(path), "float32")
