@@ -7,8 +7,10 @@ layout or architecture place themselves by naming their dimensions. The resultin
 
 - **Weights** are split along the `model` axis the Megatron way: the fused q|k|v and gate|up
   projections by output unit, the attention output and down projections by input unit, the
-  embedding table and LM head by vocabulary; norms are replicated. Each data group holds a
-  full copy.
+  embedding table and LM head by vocabulary; norms are replicated. A mixture of experts'
+  stacked experts are split by expert (expert parallelism: each device holds whole experts
+  and computes the rows routed to them; the partial sums meet in an all-reduce), its router
+  replicated. Each data group holds a full copy.
 - **KV pages** are split by KV head over `model` when the head count divides, else by head
   dimension (SmolLM2 has 3 KV heads); the page axis is shared by all rows, so it is not split.
 - **Decode state** rows are split over `data` and vocabulary-wide rows (logits, token counts)
@@ -41,7 +43,7 @@ if TYPE_CHECKING:
 # The pytrees name their arrays' dimensions (`AXES` of Weights, layers and KVCache); each
 # mesh axis splits the first of these names, in this order, that an array has and the axis
 # divides. So KV pages split by KV head, or by head dimension where the heads do not divide.
-SPLITS = {MODEL: ("vocab", "heads", "ffn", "kv_heads", "head_dim"), DATA: ("rows",)}
+SPLITS = {MODEL: ("vocab", "heads", "ffn", "experts", "kv_heads", "head_dim"), DATA: ("rows",)}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,14 @@ kept pages once attention is pruned), averaged over the layers: a sliding-window
 weights, read once per forward pass and shared by the n sequences in it. The scalar cost C of
 d tau / d C is the bytes: decoding at the batch sizes that matter is bound by memory traffic,
 and bytes are what pruning and batching change. FLOPs are reported alongside.
+
+A mixture-of-experts layer (Qwen3-MoE, Mixtral) counts what a token runs: its router (D * E)
+and its k experts of E (3 * D * M each), in P_matmul and in W alike; a token never reads the
+other E - k experts. W is then the weights one token's pass reads, exact for a pass of one
+sequence; a pass of n tokens reads the union of their experts, between k and min(E, n k) per
+layer, which W / n undercounts for large batches. (On XLA:CPU the grouped products run every
+expert, masked: etjax/model/experts.py; the model counts what the routing asks for, which is
+what an accelerator runs.)
 """
 
 from __future__ import annotations
@@ -47,14 +55,23 @@ class CostModel:
     def for_model(cls, cfg: ModelConfig, page_size: int, kv_dtype: str | None = None) -> CostModel:
         """kv_dtype: the KV cache's ("float32", "bfloat16"); None: the model's dtype."""
         d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-        per_layer = d * cfg.qkv_size + cfg.num_heads * cfg.head_dim * d + 3 * d * f
-        matmul_params = cfg.num_layers * per_layer + d * v  # the LM head, tied or not
+        attention = d * cfg.qkv_size + cfg.num_heads * cfg.head_dim * d
+        sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
+        expert = 3 * d * cfg.moe_intermediate_size  # one expert's gate, up and down
+        routed = d * cfg.num_experts + cfg.num_experts_per_tok * expert  # router and k experts
+        matmul_params = (
+            cfg.num_layers * attention
+            + (cfg.num_layers - sparse) * 3 * d * f
+            + sparse * routed
+            + d * v  # the LM head, tied or not
+        )
+        unread = sparse * (cfg.num_experts - cfg.num_experts_per_tok) * expert
         itemsize = cfg.jnp_dtype.itemsize
         kv_itemsize = itemsize if kv_dtype is None else jnp.dtype(kv_dtype).itemsize
         return cls(
             matmul_flops_per_token=2.0 * matmul_params,
             attention_flops_per_key=4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
-            weight_bytes=float(cfg.num_parameters * itemsize),
+            weight_bytes=float((cfg.num_parameters - unread) * itemsize),
             kv_bytes_per_key=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize,
             page_size=page_size,
             num_layers=cfg.num_layers,

@@ -68,10 +68,12 @@ def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights
     fam = family(cfg.architecture)
 
     def build(name: str, leaf: Leaf, layer: int | None) -> jax.Array | None:
-        if not leaf.present(cfg):
+        if not leaf.has(cfg, layer):
             return None
-        parts = [find(part, layer) for part in leaf.parts]
+        parts = [find(part, layer) for part in leaf.source_parts(cfg)]
         got, want = _built_shape(leaf, parts), leaf.shape(cfg)
+        if leaf.per_expert and got is not None and got[0] % cfg.num_experts == 0:
+            got = (cfg.num_experts, got[0] // cfg.num_experts, *got[1:])
         if got != want:
             where = name if layer is None else f"layer {layer} {name}"
             tensors = ", ".join(f"{p.name!r} {p.shape}" for p in parts)
@@ -80,7 +82,9 @@ def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights
                 f"gives {want}"
             )
         dtype = leaf.dtype(cfg)
-        return as_stored(parts[0], dtype) if leaf.layout == STORED else output_major(parts, dtype)
+        if leaf.layout == STORED:
+            return as_stored(parts[0], dtype)
+        return output_major(parts, dtype, shape=want)
 
     layers = tuple(
         fam.layer_type(**{name: build(name, leaf, i) for name, leaf in fam.layer.items()})
@@ -112,10 +116,13 @@ def as_stored(tensor: SourceTensor, dtype: np.dtype) -> jax.Array:
     return jax.device_put(out)
 
 
-def output_major(parts: Sequence[SourceTensor], dtype: np.dtype) -> jax.Array:
+def output_major(
+    parts: Sequence[SourceTensor], dtype: np.dtype, shape: tuple[int, ...] | None = None
+) -> jax.Array:
     """`parts` concatenated along their first (output) axis, cast to `dtype`.
 
-    `[out_i, in]` parts give `[sum(out_i), in]`; 1-D parts (biases) give `[sum(out_i)]`.
+    `[out_i, in]` parts give `[sum(out_i), in]`; 1-D parts (biases) give `[sum(out_i)]`;
+    `shape`: that array's final shape (per-expert leaves: `[E, sum(out_i) / E, in]`).
     """
     inner = parts[0].shape[1:]
     out = _empty_aligned((sum(p.shape[0] for p in parts), *inner), dtype)
@@ -126,7 +133,7 @@ def output_major(parts: Sequence[SourceTensor], dtype: np.dtype) -> jax.Array:
             out[row : row + len(rows)] = rows
             row += len(rows)
         _check_rows_read(row - first, part)
-    return jax.device_put(out)
+    return jax.device_put(out if shape is None else out.reshape(shape))
 
 
 def _rows_per_chunk(tensor: SourceTensor) -> int:

@@ -79,8 +79,9 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
             scaling = {"rope_type": "llama3", **raw["rope_scaling"]}
             scaling["frequency_factors"] = tuple(scaling.get("frequency_factors", ()))
             raw["rope_scaling"] = RopeScaling(**scaling)
-        if "local_layers" in raw:  # JSON keeps the tuple as a list; the config is hashable
-            raw["local_layers"] = tuple(raw["local_layers"])
+        for name in ("local_layers", "dense_mlp_layers"):  # JSON keeps tuples as lists
+            if name in raw:  # and the config is hashable
+                raw[name] = tuple(raw[name])
         # Checkpoints written before `architecture` existed hold Llama or Qwen2 weights, which
         # share the layer and its leaf names: "llama", the default, restores both.
         saved_cfg = ModelConfig(**raw)

@@ -70,6 +70,12 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
             "longrope scaling) are not supported in GGUF; load the Hugging Face directory of "
             "the model instead"
         )
+    experts = gguf_field(reader, f"{arch}.expert_count", 0)
+    if experts:  # llama.cpp's Mixtral is `llama` with 3-D expert tensors
+        raise ModelLoadError(
+            f"{reader.path}: {arch}.expert_count={experts} (a mixture of experts) is not "
+            "supported in GGUF; load the Hugging Face directory of the model instead"
+        )
     num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}

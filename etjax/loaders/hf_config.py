@@ -64,10 +64,20 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
         raise ModelLoadError(f"{source}: partial_rotary_factor={rotary!r}; only 1.0 is supported")
     rope_scaling, max_positions = rope_scaling_of(raw, rope_params, head_dim, max_positions, source)
     windows: dict[str, Any] = {}
+    experts: dict[str, Any] = {}
+    if architecture in ("qwen3", "qwen3_moe", "mixtral") and field("attention_bias", False):
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported for {model_type}")
     if architecture == "qwen3":
-        if field("attention_bias", False):
-            raise ModelLoadError(f"{source}: attention_bias=true is not supported for Qwen3")
         windows = _qwen3_windows(raw, num_layers, max_positions, source)
+    elif architecture == "qwen3_moe":
+        # transformers' Qwen3-MoE windows every layer when `use_sliding_window` (it has no
+        # `max_window_layers` or `layer_types`).
+        window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+        windows = every_layer_windowed(window, num_layers, max_positions)
+        experts = _moe_fields(raw, field, model_type, num_layers, source)
+    elif architecture == "mixtral":
+        windows = every_layer_windowed(raw.get("sliding_window"), num_layers, max_positions)
+        experts = _moe_fields(raw, field, model_type, num_layers, source)
     elif architecture == "phi3":
         windows = every_layer_windowed(raw.get("sliding_window"), num_layers, max_positions)
     else:
@@ -90,6 +100,55 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
         dtype=dtype,
         architecture=architecture,
         **windows,
+        **experts,
+    )
+
+
+# Fields of other mixture-of-experts designs, refused by name wherever they are set.
+_SHARED_EXPERT_FIELDS = (
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "num_shared_experts",
+)
+
+
+def _moe_fields(raw: dict, field, model_type: str, num_layers: int, source: str) -> dict:
+    # Qwen3-MoE: `num_experts` (transformers 5 writes `num_local_experts`) of width
+    # `moe_intermediate_size`; a layer is dense where `mlp_only_layers` lists it or
+    # (i + 1) % `decoder_sparse_step` != 0, as transformers builds it. Mixtral: every layer
+    # sparse, experts of width `intermediate_size`, top-k weights always renormalised.
+    for name in _SHARED_EXPERT_FIELDS:
+        if raw.get(name):
+            raise ModelLoadError(
+                f"{source}: {name}={raw[name]!r} (shared experts) is not supported for {model_type}"
+            )
+    num_experts = int(raw.get("num_experts") or field("num_local_experts"))
+    top_k = int(field("num_experts_per_tok"))
+    if not 0 < top_k <= num_experts:
+        raise ModelLoadError(
+            f"{source}: num_experts_per_tok={top_k}; must be 1..{num_experts} (the experts)"
+        )
+    if model_type == "mixtral":
+        return dict(
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=int(field("intermediate_size")),
+            norm_topk_prob=True,
+        )
+    step = int(field("decoder_sparse_step", 1))
+    only = [int(i) for i in field("mlp_only_layers", [])]
+    if step < 1 or any(not 0 <= i < num_layers for i in only):
+        raise ModelLoadError(
+            f"{source}: decoder_sparse_step={step} must be at least 1 and mlp_only_layers="
+            f"{only} list layers 0..{num_layers - 1}"
+        )
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(field("moe_intermediate_size")),
+        norm_topk_prob=bool(field("norm_topk_prob", False)),
+        dense_mlp_layers=dense,
     )
 
 

@@ -66,7 +66,8 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder (Llama 2/3, Mistral, Qwen2, SmolLM).
+    """Shape and numerics of a decoder (Llama 2/3, Mistral, Qwen2/3, SmolLM, Phi-3, Gemma 2/3,
+    Qwen3-MoE, Mixtral).
 
     `architecture` names its family in etjax/model/families/ (its weight leaves and what its
     layer computes). `dtype` is the dtype of weights, activations and the KV cache; norms,
@@ -100,6 +101,17 @@ class ModelConfig:
     # their own c (0: none).
     attn_logit_softcapping: float = 0.0
     final_logit_softcapping: float = 0.0
+    # Mixture of experts (Qwen3-MoE, Mixtral; 0 experts: a dense model): each token's MLP is
+    # the weighted sum of the `num_experts_per_tok` experts (each a SwiGLU of width
+    # `moe_intermediate_size`) its router ranks highest by softmax probability, weighted by
+    # those probabilities, renormalised to sum to 1 when `norm_topk_prob`. The layers in
+    # `dense_mlp_layers` have one dense MLP of `intermediate_size` instead (Qwen3-MoE's
+    # `mlp_only_layers` and `decoder_sparse_step`).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_mlp_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dtype not in SUPPORTED_DTYPES:
@@ -113,6 +125,14 @@ class ModelConfig:
         if any(not 0 <= i < self.num_layers for i in self.local_layers):
             raise ValueError(
                 f"local_layers={self.local_layers}: layers are 0..{self.num_layers - 1}"
+            )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok}; must be 1..{self.num_experts}"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.dense_mlp_layers):
+            raise ValueError(
+                f"dense_mlp_layers={self.dense_mlp_layers}: layers are 0..{self.num_layers - 1}"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -138,6 +158,10 @@ class ModelConfig:
     def qkv_size(self) -> int:
         """Width of the fused q|k|v projection."""
         return (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
+    def is_sparse_layer(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is routed experts (a mixture-of-experts layer)."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
 
     def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=dtype)

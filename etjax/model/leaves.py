@@ -11,6 +11,7 @@ loaders' name maps are all read from the tables, so a weight is added or changed
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -40,6 +41,13 @@ QKV = Dim(lambda c: c.qkv_size, "heads")  # Q = (heads + 2 kv_heads) * head_dim
 ATTENTION = Dim(lambda c: c.num_heads * c.head_dim, "heads")  # A
 FFN = Dim(lambda c: c.intermediate_size, "ffn")  # F
 GATE_UP = Dim(lambda c: 2 * c.intermediate_size, "ffn")  # 2F
+# Mixture of experts (E experts of width M). Expert parallelism splits the stacked experts by
+# expert (each device holds E / n whole experts and runs their rows); the router's scores of
+# all E experts stay whole on every device, which ranks them.
+EXPERTS = Dim(lambda c: c.num_experts, "experts")  # E
+ROUTED = Dim(lambda c: c.num_experts, None)  # E, in the router
+EXPERT_GATE_UP = Dim(lambda c: 2 * c.moe_intermediate_size, None)  # 2M
+EXPERT_FFN = Dim(lambda c: c.moe_intermediate_size, None)  # M
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,13 @@ class Part:
     def gguf_name(self, layer: int | None) -> str:
         return self.gguf.format(i=layer)
 
+    def of_expert(self, expert: int) -> Part:
+        """This part with "{e}" in its names replaced by `expert`."""
+        e = str(expert)
+        return dataclasses.replace(
+            self, hf=self.hf.replace("{e}", e), gguf=self.gguf.replace("{e}", e)
+        )
+
 
 # Layouts. Products are stored output-major, `[out, in]` as Hugging Face and GGUF files keep
 # them, and applied as `linear(x, w)` (etjax/model/layers.py); their parts are concatenated
@@ -80,6 +95,10 @@ def always(cfg: ModelConfig) -> bool:
     return True
 
 
+def every_layer(cfg: ModelConfig, layer: int) -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class Leaf:
     """One weight leaf: shape `[d.size(cfg) for d in dims]`, built from `parts`.
@@ -87,7 +106,11 @@ class Leaf:
     `float32`: kept in float32 whatever the model dtype (norm scales: tiny, and RMSNorm runs in
     float32). `present(cfg)`: whether the model has the leaf; an absent leaf is None in the
     pytree. `layout`: OUTPUT_MAJOR (parts `[out_i, in]` give `[sum(out_i), in]`; 1-D parts
-    give `[sum(out_i)]`) or STORED (one part, as it is).
+    give `[sum(out_i)]`) or STORED (one part, as it is). `in_layer(cfg, i)`: whether layer i
+    has the leaf (a mixture of experts' dense layers have no router); it is None there.
+    `per_expert`: the first dimension counts experts and every part's names hold "{e}": the
+    parts of expert 0, then of expert 1, ... (`source_parts`) fill the leaf's rows in order,
+    so expert e's parts `[out_i, in]` become its `[sum(out_i), in]` slice.
     """
 
     dims: tuple[Dim, ...]
@@ -95,6 +118,8 @@ class Leaf:
     layout: str = OUTPUT_MAJOR
     float32: bool = False
     present: Callable[[ModelConfig], bool] = always
+    in_layer: Callable[[ModelConfig, int], bool] = every_layer
+    per_expert: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in (OUTPUT_MAJOR, STORED):
@@ -112,9 +137,21 @@ class Leaf:
     def mesh_names(self) -> tuple[str | None, ...]:
         return tuple(d.mesh_name for d in self.dims)
 
-    def abstract(self, cfg: ModelConfig) -> jax.ShapeDtypeStruct | None:
-        """The leaf's shape and dtype, or None where the model has no such leaf."""
-        return jax.ShapeDtypeStruct(self.shape(cfg), self.dtype(cfg)) if self.present(cfg) else None
+    def has(self, cfg: ModelConfig, layer: int | None = None) -> bool:
+        """Whether the model has this leaf (in `layer`; None: a leaf outside the layers)."""
+        return self.present(cfg) and (layer is None or self.in_layer(cfg, layer))
+
+    def source_parts(self, cfg: ModelConfig) -> tuple[Part, ...]:
+        """The file tensors the leaf is built from, in row order (each expert's, per expert)."""
+        if not self.per_expert:
+            return self.parts
+        return tuple(p.of_expert(e) for e in range(cfg.num_experts) for p in self.parts)
+
+    def abstract(self, cfg: ModelConfig, layer: int | None = None) -> jax.ShapeDtypeStruct | None:
+        """The leaf's shape and dtype, or None where the model (`layer`) has no such leaf."""
+        if not self.has(cfg, layer):
+            return None
+        return jax.ShapeDtypeStruct(self.shape(cfg), self.dtype(cfg))
 
 
 Table = Mapping[str, Leaf]

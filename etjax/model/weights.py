@@ -65,10 +65,13 @@ def abstract_weights(cfg: ModelConfig) -> Weights:
     """A `Weights` tree of `jax.ShapeDtypeStruct`s (None where a leaf is absent) describing a
     model with this config: orbax's restore target, and the truth shape checks compare with."""
     fam = family(cfg.architecture)
-    layer = fam.layer_type(**{name: leaf.abstract(cfg) for name, leaf in fam.layer.items()})
+    layers = tuple(
+        fam.layer_type(**{name: leaf.abstract(cfg, i) for name, leaf in fam.layer.items()})
+        for i in range(cfg.num_layers)
+    )
     model = {name: leaf.abstract(cfg) for name, leaf in model_leaves(cfg).items()}
     return Weights(
-        layers=tuple(layer for _ in range(cfg.num_layers)),
+        layers=layers,
         logit_softcap=cfg.final_logit_softcapping,
         **model,
     )

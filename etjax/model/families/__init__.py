@@ -13,11 +13,15 @@ from etjax.model.families.family import Family
 from etjax.model.families.gemma2 import GEMMA2
 from etjax.model.families.gemma3 import GEMMA3
 from etjax.model.families.llama import LLAMA
+from etjax.model.families.mixtral import MIXTRAL
 from etjax.model.families.phi3 import PHI3
 from etjax.model.families.qwen2 import QWEN2
 from etjax.model.families.qwen3 import QWEN3
+from etjax.model.families.qwen3_moe import QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3)}
+FAMILIES: dict[str, Family] = {
+    f.name: f for f in (LLAMA, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3, QWEN3_MOE, MIXTRAL)
+}
 
 
 def family(architecture: str) -> Family:
