@@ -1,11 +1,11 @@
-"""A bfloat16 KV cache against float32 (SmolLM2-135M, float32 weights): what it costs in
-quality and what it saves in memory and time, side by side in one run.
+"""16-bit KV caches (float16, bfloat16) against float32 (SmolLM2-135M, float32 weights): what
+they cost in quality and save in memory and time, side by side in one run.
 
 - perplexity: teacher-forced perplexity of the last 512 tokens of D long documents
-  (etjax/bench/perplexity.py), float32 and bfloat16 caches prefilled from the same tokens
+  (etjax/bench/perplexity.py), caches of each dtype prefilled from the same tokens
   (`--pruned`: also with pruning at its defaults; slow on a CPU, as bfloat16 pages are);
 - fidelity: P greedy `decode()` continuations of Lee articles' openings, N new tokens: how
-  many are identical with a bfloat16 cache, and the mean number of tokens before the first
+  many are identical to the float32 cache's, and the mean number of tokens before the first
   difference;
 - time: one `decode()` of B questions after a shared C-token document (the prefix cache
   prefills it once), 65 new tokens against 1: the warm decode step is the difference over 64
@@ -31,7 +31,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, median_spread, write_section
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16")
 STEPS = 64
 
 
@@ -93,17 +93,14 @@ def _fidelity(model, articles: list[str], count: int, new: int) -> dict:
         d: etjax.decode(prompts, model=model, max_new_tokens=new, ignore_eos=True, kv_dtype=d)
         for d in DTYPES
     }
-    same_prefix = []
-    for a, b in zip(outs["float32"], outs["bfloat16"], strict=True):
-        pairs = enumerate(zip(a.token_ids, b.token_ids, strict=True))
-        n = next((i for i, (x, y) in pairs if x != y), new)
-        same_prefix.append(n)
-    return {
-        "identical": sum(n == new for n in same_prefix),
-        "prompts": count,
-        "new": new,
-        "same_prefix": same_prefix,
-    }
+    result: dict = {"prompts": count, "new": new}
+    for d in DTYPES:
+        same_prefix = []
+        for a, b in zip(outs["float32"], outs[d], strict=True):
+            pairs = enumerate(zip(a.token_ids, b.token_ids, strict=True))
+            same_prefix.append(next((i for i, (x, y) in pairs if x != y), new))
+        result[d] = {"identical": sum(n == new for n in same_prefix), "same_prefix": same_prefix}
+    return result
 
 
 def _step_time(model, articles: list[str], context: int, batch: int, repeats: int) -> dict:
@@ -146,40 +143,61 @@ def _step_time(model, articles: list[str], context: int, batch: int, repeats: in
 def _markdown(raw: dict) -> str:
     a, p, f, t = raw["args"], raw["perplexity"], raw["fidelity"], raw["time"]
     med = statistics.median
-    step = {d: med(t[d]["step_ms"]) for d in DTYPES}
     lines = [
-        "## A bfloat16 KV cache against float32 (SmolLM2-135M, float32 weights)",
+        "## 16-bit KV caches against float32 (SmolLM2-135M, float32 weights)",
         "",
         f"{raw['machine']}, {raw['date']}. `benchmarks/kv_dtype.py --documents "
         f"{a['documents']} --length {a['length']}{' --pruned' * a['pruned']} --prompts "
-        f"{a['prompts']} --new {a['new']} "
-        f"--context {a['context']} --batch {a['batch']} --repeats {a['repeats']}`.",
+        f"{a['prompts']} --new {a['new']} --context {a['context']} --batch {a['batch']} "
+        f"--repeats {a['repeats']}`. Ratios against the float32 cache of the same run.",
         "",
-        "| what | float32 cache | bfloat16 cache | bfloat16 / float32 |",
-        "|---|---|---|---|",
-        f"| KV bytes per token of context | {raw['bytes_per_token']['float32']:,} | "
-        f"{raw['bytes_per_token']['bfloat16']:,} | "
-        f"{raw['bytes_per_token']['bfloat16'] / raw['bytes_per_token']['float32']:.2f}x |",
+        "| what | " + " | ".join(f"{d} cache" for d in DTYPES) + " |",
+        "|---|" + "---|" * len(DTYPES),
     ]
+
+    def row(what: str, cells: list[str]) -> None:
+        lines.append(f"| {what} | " + " | ".join(cells) + " |")
+
+    base = raw["bytes_per_token"]["float32"]
+    row(
+        "KV bytes per token of context",
+        [
+            f"{raw['bytes_per_token'][d]:,} ({raw['bytes_per_token'][d] / base:.2f}x)"
+            for d in DTYPES
+        ],
+    )
     for name in ("dense", "pruned") if a["pruned"] else ("dense",):
-        lo, hi = p[f"float32_{name}"], p[f"bfloat16_{name}"]
-        kept = f" (kept {lo['kept_fraction']:.2f} / {hi['kept_fraction']:.2f})"
-        lines.append(
-            f"| perplexity, last 512 of {a['documents']} x {a['length']} tokens, {name}"
-            f"{kept if name == 'pruned' else ''} | {lo['ppl']:.4f} | {hi['ppl']:.4f} | "
-            f"{hi['ppl'] / lo['ppl']:.4f} |"
+        lo = p[f"float32_{name}"]["ppl"]
+        row(
+            f"perplexity, last 512 tokens of {a['documents']} x {a['length']}, {name}",
+            [
+                f"{p[f'{d}_{name}']['ppl']:.4f} ({p[f'{d}_{name}']['ppl'] / lo:.4f}x)"
+                for d in DTYPES
+            ],
         )
-    lines += [
-        f"| greedy continuations identical to float32's ({f['prompts']} prompts, {f['new']} "
-        f"tokens) | | {f['identical']} of {f['prompts']} | mean first difference at token "
-        f"{statistics.fmean(f['same_prefix']):.0f} |",
-        f"| warm decode step, batch {a['batch']} at {a['context']} tokens of context, ms "
-        f"(`decode()`, 65 vs 1 new tokens) | {median_spread(t['float32']['step_ms'])} | "
-        f"{median_spread(t['bfloat16']['step_ms'])} | {step['bfloat16'] / step['float32']:.2f}x |",
-        f"| teacher-forced perplexity run, 512 steps, dense, s (compile included) | "
-        f"{p['float32_dense']['seconds']:.0f} | {p['bfloat16_dense']['seconds']:.0f} | "
-        f"{p['bfloat16_dense']['seconds'] / p['float32_dense']['seconds']:.1f}x |",
-    ]
+    row(
+        f"greedy continuations identical to float32's ({f['prompts']} prompts, {f['new']} "
+        "tokens); mean first difference",
+        [
+            f"{f[d]['identical']} of {f['prompts']}; "
+            f"token {statistics.fmean(f[d]['same_prefix']):.0f}"
+            for d in DTYPES
+        ],
+    )
+    step = {d: med(t[d]["step_ms"]) for d in DTYPES}
+    row(
+        f"warm decode step, batch {a['batch']} at {a['context']} tokens of context, ms "
+        "(`decode()`, 65 vs 1 new tokens)",
+        [f"{median_spread(t[d]['step_ms'])} ({step[d] / step['float32']:.2f}x)" for d in DTYPES],
+    )
+    first = p["float32_dense"]["seconds"]
+    row(
+        "teacher-forced perplexity run, 512 steps, dense, s (compile included)",
+        [
+            f"{p[f'{d}_dense']['seconds']:.0f} ({p[f'{d}_dense']['seconds'] / first:.1f}x)"
+            for d in DTYPES
+        ],
+    )
     return "\n".join(lines) + "\n"
 
 
