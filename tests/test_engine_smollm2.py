@@ -43,11 +43,12 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
 
 
 def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
-    # A 3K-token document beside three short prompts: the short rows decode while the document
-    # is prefilled in the same ragged steps, then all four decode together, each reading only
-    # its own pages. So the dense engine never splits the batch by width (grouping.py pays
-    # only under pruning), and every row's tokens equal those it gets alone.
-    document = smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:3000]
+    # A 1.6K-token document (four prefill chunks) beside three short prompts: the short rows
+    # decode while the document is prefilled in the same ragged steps, then all four decode
+    # together, each reading only its own pages. So the dense engine never splits the batch
+    # by width (grouping.py pays only under pruning), and every row's tokens equal those it
+    # gets alone.
+    document = smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:1600]
     prompts = [document] + [smollm2.tokenizer.encode(lee[20 + i])[:40] for i in range(3)]
     options = RuntimeOptions(max_batch_size=4)
     # The pool decode() would size for them (all four at once).

@@ -259,13 +259,10 @@ def test_questions_and_samples_on_one_document_match_full_passes_on_smollm2(smol
         np.testing.assert_allclose(r.logprob, expected, atol=2e-3)
         if b < len(greedy):
             assert r.token_ids == predicting.argmax(-1).tolist()
-    uncached = etjax.decode(prompts, model=smollm2, max_new_tokens=12, prefix_cache=False)
-    assert [r.token_ids for r in uncached] == [r.token_ids for r in greedy]
     shared = [r.cached_tokens for r in results]
     # The first greedy request and the first sample prefill the document; the others find
     # its full pages (300 tokens and the question's start: at least 18 pages).
     assert shared[0] == shared[3] == 0 and min(shared[1:3] + shared[4:]) >= 18 * 16
-    assert all(r.cached_tokens == 0 for r in uncached)
 
 
 def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_dir):
@@ -281,7 +278,7 @@ def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_d
         cache: etjax.decode(
             prompts,
             model=tiny,
-            max_new_tokens=24,
+            max_new_tokens=16,
             temperature=0.8,
             seed=5,
             n=2,
