@@ -81,14 +81,19 @@ def _case(rows: int, context: int, tile: int, rounds: int) -> dict:
     own, prefixes = shared_prefixes(segments, PAGE, cascade_sizes.shared.kv_tile, tile, 1)
     cascade = plan_passes([own], rows, cascade_sizes, shared=prefixes)
     positions = jnp.full((rows,), position, jnp.int32)
-    run = jax.jit(lambda passes: ragged_attention_xla(q, k, v, positions, passes, 16))
-    plans = {"plain": plain.passes, "cascade": cascade.passes}
-    outs = {name: run(p).block_until_ready() for name, p in plans.items()}
+    run = jax.jit(
+        lambda passes, shared: ragged_attention_xla(
+            q, k, v, positions, passes, 16, shared_last=shared
+        ),
+        static_argnums=1,
+    )
+    plans = {"plain": plain, "cascade": cascade}
+    outs = {name: run(p.passes, p.shared).block_until_ready() for name, p in plans.items()}
     times: dict[str, list[float]] = {name: [] for name in plans}
     for _ in range(rounds):
         for name, p in plans.items():
             started = time.perf_counter()
-            run(p).block_until_ready()
+            run(p.passes, p.shared).block_until_ready()
             times[name].append((time.perf_counter() - started) * 1e3)
     error = float(jnp.max(jnp.abs(outs["plain"] - outs["cascade"])))
     return {"rows": rows, "context": context, "tile": tile, "ms": times, "max_abs_diff": error}

@@ -78,7 +78,7 @@ def test_shared_pass_matches_the_reference():
     ]
     sizes = PlanSizes.decode(8, num_pages, page, max_seq_pages=16, pages_shared=True, cascade=True)
     plan = plan_decode(segments, 8, sizes)
-    assert int(plan.passes[-1].num_items) == 3  # 12 shared pages: three key tiles, read once
+    assert plan.shared and int(plan.passes[-1].num_items) == 3  # 12 pages: 3 key tiles, once
     plain_sizes = PlanSizes.decode(8, num_pages, page, max_seq_pages=16, pages_shared=True)
     plain = plan_segments(segments, 8, plain_sizes)
     table = np.zeros((8, 16), np.int32)
@@ -86,9 +86,11 @@ def test_shared_pass_matches_the_reference():
         table[j, : len(t)] = t
     token_seq = np.where(np.arange(8) < rows, np.arange(8), -1).astype(np.int32)
     want = ragged_attention_reference(q, k_pages, v_pages, positions, token_seq, table)
-    run = jax.jit(ragged_attention_xla, static_argnums=5)
+    run = jax.jit(ragged_attention_xla, static_argnums=5, static_argnames="shared_last")
     for p in (plan, plain):
-        got = run(q, k_pages, v_pages, jnp.asarray(positions), p.passes, p.chunk)
+        got = run(
+            q, k_pages, v_pages, jnp.asarray(positions), p.passes, p.chunk, shared_last=p.shared
+        )
         scale = float(jnp.max(jnp.abs(want[:rows])))
         assert float(jnp.max(jnp.abs(got[:rows] - want[:rows]))) < 2e-5 * scale
 

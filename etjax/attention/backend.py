@@ -30,10 +30,13 @@ class AttentionBackend:
     interpret: bool = False  # run Pallas kernels interpreted (on a CPU)
 
     def ragged(
-        self, q, k_pages, v_pages, positions, passes, chunk, window, softcap=0.0
+        self, q, k_pages, v_pages, positions, passes, chunk, window, softcap=0.0, shared=False
     ) -> jax.Array:
         """Dense ragged attention over the paged cache (the arguments of
-        pallas_kernels/ragged_attention)."""
+        pallas_kernels/ragged_attention); `shared`: the last pass is a shared pass (the XLA
+        kernel's `shared_last`; only where `reads_shared_prefixes`)."""
+        if shared and not self.reads_shared_prefixes:
+            raise ValueError(f"the {self.name} kernel cannot merge a shared pass")
         if self.name == "pallas_gpu":
             from pallas_kernels.ragged_attention.pallas_gpu import ragged_attention_gpu
 
@@ -43,7 +46,9 @@ class AttentionBackend:
             )
         from pallas_kernels.ragged_attention import ragged_attention_xla
 
-        return ragged_attention_xla(q, k_pages, v_pages, positions, passes, chunk, window, softcap)
+        return ragged_attention_xla(
+            q, k_pages, v_pages, positions, passes, chunk, window, softcap, shared
+        )
 
     @property
     def reads_shared_prefixes(self) -> bool:

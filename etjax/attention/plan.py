@@ -12,6 +12,7 @@ context lengths: a new mix of lengths reuses the compiled step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -179,6 +180,8 @@ class AttentionPlan:
     backend: AttentionBackend = flax.struct.field(pytree_node=False, default=XLA)
     local: tuple[TilePass, ...] | None = None
     window: int = flax.struct.field(pytree_node=False, default=0)
+    # The last of `passes` (and of `local`, there empty) is a shared pass (cascade.py).
+    shared: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 def plan_segments(
@@ -215,6 +218,10 @@ def plan_decode(
         max_prefixes=shape.max_tiles,
         max_items=shape.max_items,
     )
+    if not prefixes:  # the plain plan's program: steps without sharing pay nothing for it
+        return plan_segments(
+            segments, num_tokens, dataclasses.replace(sizes, shared=None), backend, window
+        )
     return plan_passes([own], num_tokens, sizes, backend, window, [segments], prefixes)
 
 
@@ -275,6 +282,7 @@ def plan_passes(
         if window > 0
         else None,
         window=window,
+        shared=sizes.shared is not None,
     )
 
 

@@ -52,4 +52,6 @@ def attend(
         passes = jax.tree.map(lambda a, b: jnp.where(local, a, b), plan.local, plan.passes)
         window = jnp.where(local, plan.window, 0).astype(jnp.int32)
     passes = tuple(p._replace(item_pages=p.item_pages + first_page) for p in passes)
-    return plan.backend.ragged(q, k_pages, v_pages, positions, passes, plan.chunk, window, softcap)
+    return plan.backend.ragged(
+        q, k_pages, v_pages, positions, passes, plan.chunk, window, softcap, plan.shared
+    )

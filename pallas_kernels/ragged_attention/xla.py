@@ -20,11 +20,11 @@ tile (a static size):
   diagonal) skips the mask, a select over the whole score tile before the max and another
   after the exponential.
 
-A token may be in a tile of more than one pass: a decode row whose first pages other rows
-share reads them in a shared pass, one tile for all those rows, and the rest in its own
-(cascade attention, work_items.py). Each pass returns its tiles' outputs with their
-log-sum-exps, and the passes are merged token by token through them; a token in one tile
-gets that tile's output unchanged (its weight is exp(0) = 1, the others' exp(-inf) = 0).
+A token may also be in the tile of a shared pass: a decode row whose first pages other rows
+share reads them there, one tile for all those rows, and the rest in its own pass (cascade
+attention, work_items.py). Each pass returns its tiles' outputs with their log-sum-exps; the
+shared pass is merged with the others token by token through them, while plans without one
+add their passes' outputs as before (the log-sum-exps then go unused and are never computed).
 
 Items never cross sequences, so each token only reads its own sequence's pages, and only those
 at or before its position (the causal part of a prefill chunk, the real length of a decode
@@ -64,25 +64,41 @@ def ragged_attention_xla(
     chunk: int = 16,
     window: jax.Array | int = 0,
     softcap: float = 0.0,
+    shared_last: bool = False,
 ) -> jax.Array:
     """q: [T, H, hd]; k_pages, v_pages: [N, KVH, ps, hd]; q_positions: [T] int32; `passes`
-    together cover every real token once (work_items.py); window: a sliding window in
-    positions (0: none); softcap: scores s become softcap * tanh(s / softcap) (Gemma 2; 0:
-    none). Returns [T, H, hd] in q's dtype; tokens in no tile get zeros."""
+    together cover every real token once (work_items.py), except that with `shared_last`
+    (static) the last pass is a shared pass (`build_shared_pass`) whose tokens the others
+    also hold; window: a sliding window in positions (0: none); softcap: scores s become
+    softcap * tanh(s / softcap) (Gemma 2; 0: none). Returns [T, H, hd] in q's dtype; tokens
+    in no tile get zeros."""
     t, h, hd = q.shape
+    own, shared = (passes[:-1], passes[-1]) if shared_last else (passes, None)
     out = jnp.zeros((t, h, hd), jnp.float32)
     lse = jnp.full((t, h), _MASKED, jnp.float32)
-    for tile_pass in passes:
-        wide = tile_pass.tile_tokens.shape[1] >= TILE_LOOP_MIN_QUERIES
-        run = _tile_loop_pass if wide else _item_chunk_pass
-        part, part_lse = run(q, k_pages, v_pages, q_positions, tile_pass, chunk, window, softcap)
+    for tile_pass in own:
+        part, part_lse = _run_pass(
+            q, k_pages, v_pages, q_positions, tile_pass, chunk, window, softcap
+        )
         tokens = tile_pass.tile_tokens.reshape(-1)
+        out = out.at[tokens].add(part.reshape(-1, h, hd), mode="drop")
+        if shared is not None:  # (unused, and so never computed, without a shared pass)
+            lse = lse.at[tokens].set(part_lse.reshape(-1, h), mode="drop")
+    if shared is not None:
+        part, part_lse = _run_pass(q, k_pages, v_pages, q_positions, shared, chunk, window, softcap)
+        tokens = shared.tile_tokens.reshape(-1)
         part = jnp.zeros_like(out).at[tokens].set(part.reshape(-1, h, hd), mode="drop")
         part_lse = jnp.full_like(lse, _MASKED).at[tokens].set(part_lse.reshape(-1, h), mode="drop")
         merged = jnp.logaddexp(lse, part_lse)
         out = out * jnp.exp(lse - merged)[..., None] + part * jnp.exp(part_lse - merged)[..., None]
-        lse = merged
     return out.astype(q.dtype)
+
+
+def _run_pass(q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk, window, softcap):
+    # -> the pass's tiles' outputs [Nq, Qt, H, hd] and log-sum-exps [Nq, Qt, H]
+    wide = tile_pass.tile_tokens.shape[1] >= TILE_LOOP_MIN_QUERIES
+    run = _tile_loop_pass if wide else _item_chunk_pass
+    return run(q, k_pages, v_pages, q_positions, tile_pass, chunk, window, softcap)
 
 
 def _normalised(best: jax.Array, norm: jax.Array, acc: jax.Array):
