@@ -114,7 +114,7 @@ def decode(
     pruning: PruningConfig | bool = False,
     speculation: SpeculationConfig | bool = False,
     prefix_cache: bool = True,
-    kv_dtype: str = "model",
+    kv_dtype: str = "auto",
     mesh: str = "1x1",
     on_text: Callable[[int, str], None] | None = None,
     progress: bool = False,
@@ -152,9 +152,10 @@ def decode(
         cache lives for this call. Greedy outputs are the same with it off; log-probabilities
         agree to float rounding (a seeded draw can differ where rounding moves it across a
         token boundary).
-      kv_dtype: of the KV cache: "model" (the weights' dtype), "float32", "float16" or
-        "bfloat16" (half the memory per token of context; keys and values rounded, attention
-        in float32). On a CPU float16 is also faster and bfloat16 slower (see README).
+      kv_dtype: of the KV cache: "auto" (the weights' dtype, but float16 for a bfloat16
+        model on a CPU), "model" (the weights' dtype), "float32", "float16" or "bfloat16"
+        (half the memory per token of context; keys and values rounded, attention in
+        float32). On a CPU float16 is also faster and bfloat16 slower (see README).
       mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(result_index, text_piece)` while text is produced (the

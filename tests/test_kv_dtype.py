@@ -104,3 +104,18 @@ def test_float16_cache_saturates_instead_of_overflowing(tiny_hf_dir):
 def test_unknown_kv_dtype_is_refused_by_name(value):
     with pytest.raises(FieldError, match="kv_dtype"):
         RuntimeOptions(kv_dtype=value)
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "model_dtype", "platform", "stored"),
+    [
+        ("auto", "bfloat16", "cpu", "float16"),  # a bfloat16 pool is rewritten by every write
+        ("auto", "bfloat16", "tpu", None),
+        ("auto", "float32", "cpu", None),
+        ("model", "bfloat16", "cpu", None),
+        ("bfloat16", "float32", "cpu", "bfloat16"),
+    ],
+)
+def test_auto_kv_dtype_avoids_bfloat16_pools_on_a_cpu(kv_dtype, model_dtype, platform, stored):
+    options = RuntimeOptions(kv_dtype=kv_dtype)
+    assert options.kv_cache_dtype(model_dtype, platform) == stored

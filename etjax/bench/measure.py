@@ -89,7 +89,9 @@ def measure(
         options,
         workload_pages(prompts, settings, options),
     )
-    cost = CostModel.for_model(model.config, options.page_size, options.kv_cache_dtype)
+    cost = CostModel.for_model(
+        model.config, options.page_size, options.kv_cache_dtype(model.config.dtype)
+    )
     CompileClock.start()
     compiled_before = CompileClock.seconds, CompileClock.programs
     start = time.perf_counter()

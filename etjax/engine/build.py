@@ -50,7 +50,7 @@ def build_engine(
     pages = num_pages or options.num_pages or 4096
     eos = tuple(tokenizer.eos_token_ids)
     backend = DeviceBackend(weights, cfg, eos, options, pages)
-    cost = CostModel.for_model(cfg, options.page_size, options.kv_cache_dtype)
+    cost = CostModel.for_model(cfg, options.page_size, options.kv_cache_dtype(cfg.dtype))
     policy = make_policy(
         options.policy,
         cost.weight_bytes,

@@ -81,7 +81,9 @@ class DeviceBackend:
     ) -> None:
         self.cfg, self.options = cfg, options
         self.vocab_size = cfg.vocab_size  # token ids the engine accepts
-        self.cost = CostModel.for_model(cfg, options.page_size, options.kv_cache_dtype)
+        # The KV cache's dtype (None: the model's); "auto" resolves by platform here.
+        self.kv_dtype = options.kv_cache_dtype(cfg.dtype)
+        self.cost = CostModel.for_model(cfg, options.page_size, self.kv_dtype)
         self.num_pages = num_pages
         self.rows = options.resident_rows
         self.eos_ids = eos_ids or (-1,)
@@ -91,7 +93,7 @@ class DeviceBackend:
         self.placement = None if shape.size == 1 else Placement(make_mesh(shape))
         self.weights = weights
         # Before allocating anything.
-        check_fits(cfg, num_pages, options.page_size, self.rows, kv_dtype=options.kv_cache_dtype)
+        check_fits(cfg, num_pages, options.page_size, self.rows, kv_dtype=self.kv_dtype)
         # The longest page list a sequence can have: the model's context or the pool.
         self.max_seq_pages = min(
             pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
@@ -109,7 +111,7 @@ class DeviceBackend:
             options.page_size,
             self.rows + 1 if by_mass else 1,
             self.pruned_table_width if by_mass else 1,
-            options.kv_cache_dtype,
+            self.kv_dtype,
         )
         self.store = _empty_store(cfg, self.rows + 1, self.eos_ids)
         if self.placement is not None:

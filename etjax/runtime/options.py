@@ -14,7 +14,7 @@ from etjax.pruning.config import PruningConfig
 from etjax.request_fields import RequestSettings as RequestSettings  # where the engine reads it
 
 POLICIES = ("fcfs", "priority", "entropic")
-KV_DTYPES = ("model", "float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", "model", "float32", "float16", "bfloat16")
 MAX_PAGE_SIZE = 1024
 
 
@@ -58,13 +58,14 @@ class RuntimeOptions:
       request holds, or left behind, prefills only the rest. Cached pages live as long as
       the engine, evicted least recently used when the pool needs them. Dense decode bursts
       read pages that rows share once for all of them (etjax/attention/cascade.py).
-    kv_dtype: of the cached keys and values: "model" (the model's dtype), "float32",
-      "float16" or "bfloat16". A 16-bit cache halves the memory per token of context and
-      the bytes each step reads; attention still computes in float32. On a CPU, float16 is
-      the fast one (half the bytes to gather; keys and values past 65504 saturate), while
-      XLA:CPU writes into a bfloat16 pool by converting all of it to float32 and back, so
-      bfloat16 is several times slower there (docs/PERF.md, "kv_dtype"); on accelerators
-      bfloat16 is native.
+    kv_dtype: of the cached keys and values: "auto" (the default: the model's dtype, except
+      that a bfloat16 model on a CPU gets float16), "model" (the model's dtype, always),
+      "float32", "float16" or "bfloat16". A 16-bit cache halves the memory per token of
+      context and the bytes each step reads; attention still computes in float32. On a CPU,
+      float16 is the fast one (half the bytes to gather; keys and values past 65504
+      saturate), while XLA:CPU writes into a bfloat16 pool by converting all of it to
+      float32 and back, which made a decode step 32x slower (docs/PERF.md, "kv_dtype"): hence
+      "auto". On accelerators bfloat16 is native.
     """
 
     page_size: int = 16
@@ -85,7 +86,7 @@ class RuntimeOptions:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     calibration: Calibration | None = None
     prefix_cache: bool = True
-    kv_dtype: str = "model"
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_cache, bool):
@@ -146,9 +147,19 @@ class RuntimeOptions:
                 "sequence",
             )
 
-    @property
-    def kv_cache_dtype(self) -> str | None:
-        """`kv_dtype` as the cache takes it: None for the model's own dtype."""
+    def kv_cache_dtype(self, model_dtype: str, platform: str | None = None) -> str | None:
+        """`kv_dtype` as the cache of a `model_dtype` model on `platform` (default: JAX's)
+        takes it: None for the model's own dtype. "auto" stores a bfloat16 model's keys and
+        values as float16 on a CPU: the same 16 bits a token, more mantissa, and writes in
+        place (a bfloat16 pool is rewritten whole by every write there)."""
+        if self.kv_dtype == "auto":
+            if model_dtype != "bfloat16":
+                return None
+            if platform is None:
+                import jax
+
+                platform = jax.default_backend()
+            return "float16" if platform == "cpu" else None
         return None if self.kv_dtype == "model" else self.kv_dtype
 
     @property
