@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, median_spread, write_section
 from benchmarks.pruning_speed import greedy_state
-from etjax.attention import PlanSizes, padded_batch_plan, plan_segments
+from etjax.attention import PlanSizes, padded_batch_plan, plan_segments, resolve_backend
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.engine.build import MIN_POOL_PAGES
 from etjax.entropy.cost import CostModel
@@ -66,15 +66,23 @@ def main() -> None:
     parser.add_argument("--prefill-contexts", default="0,4096")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument(
+        "--backends",
+        default="auto,xla",
+        help="attention backends of the decode rows, timed in turn (the first is the column "
+        "the ratios are of; 'auto' is the engine's choice here)",
+    )
+    parser.add_argument("--no-write", action="store_true", help="print only; leave PERF.md")
     args = parser.parse_args()
     import etjax
 
     model = etjax.load_model(args.model, dtype="float32")
     floors = Floors(model.weights, model.config)
+    backends = list(dict.fromkeys(resolve_backend(b) for b in args.backends.split(",") if b))
     rows = []
     for batch in (int(b) for b in args.batches.split(",") if b):
         for context in (int(c) for c in args.contexts.split(",") if c):
-            row = _decode_row(model, floors, batch, context, args.rounds)
+            row = _decode_row(model, floors, batch, context, args.rounds, backends)
             rows.append(row)
             print(row, flush=True)
     for context in (int(c) for c in args.prefill_contexts.split(",") if c):
@@ -86,11 +94,13 @@ def main() -> None:
         "date": str(datetime.date.today()),
         "model": args.model,
         "command": f"benchmarks/step_floor.py {shlex.join(sys.argv[1:])}",
+        "backends": [b.name for b in backends],
         "rows": rows,
     }
     name = "step_floor" if args.model.startswith("smollm2") else "step_floor_gemma3"
     markdown = _markdown(raw)
-    write_section(name, markdown, raw)
+    if not args.no_write:
+        write_section(name, markdown, raw)
     print(markdown)
 
 
@@ -242,10 +252,10 @@ def _prefill_floors(floors: Floors, context: int, rounds: int) -> dict:
     )
 
 
-def _decode_row(model, floors: Floors, batch: int, context: int, rounds: int) -> dict:
+def _decode_row(model, floors: Floors, batch: int, context: int, rounds: int, backends) -> dict:
     cfg, weights = model.config, model.weights
     row = {"phase": "decode", "batch": batch, "context": context}
-    reach = context + (rounds + 1) * STEPS + PAGE * BURST_PAGES
+    reach = context + (rounds + 1) * STEPS * len(backends) + PAGE * BURST_PAGES
     if not _fits(cfg, batch * reach):
         return {**row, "skipped": "the caches would not fit in memory"}
     floor_times = _decode_floors(floors, batch, context, rounds)
@@ -262,7 +272,9 @@ def _decode_row(model, floors: Floors, batch: int, context: int, rounds: int) ->
     logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
     holder = {"state": greedy_state(cfg, table, logits, context), "cache": cache}
 
-    def burst():
+    def burst(backend):
+        # One burst on `backend`'s kernels; the backends take turns on one cache, each burst
+        # 8 positions further on.
         state = holder["state"]
         lengths = np.asarray(state.lengths)
         segments = [
@@ -270,7 +282,7 @@ def _decode_row(model, floors: Floors, batch: int, context: int, rounds: int) ->
             for b, n in enumerate(lengths)
         ]
         sizes = PlanSizes.decode(batch, num_pages, PAGE)
-        plan = plan_segments(segments, batch, sizes, window=cfg.attention_window)
+        plan = plan_segments(segments, batch, sizes, backend, window=cfg.attention_window)
         # As the engine runs a dense burst: the page table holds the pages it writes to.
         base = (lengths // PAGE).astype(np.int32)
         written = np.stack([table[b, base[b] : base[b] + BURST_PAGES] for b in range(batch)])
@@ -283,18 +295,18 @@ def _decode_row(model, floors: Floors, batch: int, context: int, rounds: int) ->
             base,
             plan,
             None,
-            StepStatics(cfg, cost),
+            StepStatics(cfg, cost, attention_backend=backend),
             STEPS,
         )
         holder["state"] = state
         jax.block_until_ready(out)
 
-    etjax_times = [t / STEPS for t in _timed(burst, rounds)]
+    times = _interleaved({b.name: functools.partial(burst, b) for b in backends}, rounds)
     return {
         **row,
         "products_ms": [t * 1e3 for t in floor_times["products"]],
         "with_attention_ms": [t * 1e3 for t in floor_times["with_attention"]],
-        "etjax_ms": [t * 1e3 for t in etjax_times],
+        "etjax_ms": {name: [t / STEPS * 1e3 for t in ts] for name, ts in times.items()},
     }
 
 
@@ -336,11 +348,14 @@ def _prefill_row(model, floors: Floors, context: int, rounds: int) -> dict:
         **row,
         "products_ms": [t * 1e3 for t in floor_times["products"]],
         "with_attention_ms": [t * 1e3 for t in floor_times["with_attention"]],
-        "etjax_ms": [t * 1e3 for t in etjax_times],
+        # Prefill chunks run the XLA tile loop whatever the backend.
+        "etjax_ms": {"prefill": [t * 1e3 for t in etjax_times]},
     }
 
 
 def _markdown(raw: dict) -> str:
+    backends = raw["backends"]
+    first = backends[0]
     lines = [
         f"## The step against its floor ({raw['model']}, float32)",
         "",
@@ -349,26 +364,40 @@ def _markdown(raw: dict) -> str:
         "step's matrix products alone (norms, projections, MLP, LM head, argmax; no cache, no "
         "attention), `+ attention` adds a dense attention over a contiguous cache of the "
         "context. etjax: `decode_steps` bursts of 8 greedy steps over the paged cache (per "
-        "step), and `prefill_chunk` of 512 tokens after the context. Milliseconds, median "
-        "(min-max) of the rounds after the first; the ratios are of medians.",
+        f"step) with each attention backend ({', '.join(backends)}: `{first}` is what the "
+        "engine runs here; `cpu` is the C++ decode kernel, `xla` the XLA item loop), and "
+        "`prefill_chunk` of 512 tokens after the context (the XLA tile loop for every "
+        "backend). Milliseconds, median (min-max) of the rounds after the first; the ratios "
+        "are of medians.",
         "",
-        "| phase | batch | context | products ms | + attention ms | etjax ms | "
-        "etjax / products | etjax / (+ attention) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| "
+        + " | ".join(
+            ["phase", "batch", "context", "products ms", "+ attention ms"]
+            + [f"etjax {b} ms" for b in backends]
+            + [f"{first} / products"]
+            + [f"{b} / (+ attention)" for b in backends]
+        )
+        + " |",
+        "|---" * (7 + 2 * len(backends) - 1) + "|",
     ]
     for r in raw["rows"]:
         head = f"| {r['phase']} | {r['batch']} | {r['context']} |"
         if "skipped" in r:
-            lines.append(f"{head} skipped: {r['skipped']} | | | | |")
+            lines.append(f"{head} skipped: {r['skipped']} |" + " |" * (2 * len(backends) + 2))
             continue
-        medians = {
-            k: float(np.median(r[k])) for k in ("products_ms", "with_attention_ms", "etjax_ms")
-        }
+        products = float(np.median(r["products_ms"]))
+        attention = float(np.median(r["with_attention_ms"]))
+        times = r["etjax_ms"]
+        if "prefill" in times:  # one measurement, under the first backend
+            times = {first: times["prefill"]}
+        cells = [median_spread(times[b]) if b in times else "–" for b in backends]
+        ratios = [f"{np.median(times[first]) / products:.2f}x"]
+        ratios += [
+            f"{np.median(times[b]) / attention:.2f}x" if b in times else "–" for b in backends
+        ]
         lines.append(
-            f"{head} {median_spread(r['products_ms'])} | {median_spread(r['with_attention_ms'])} | "
-            f"{median_spread(r['etjax_ms'])} | "
-            f"{medians['etjax_ms'] / medians['products_ms']:.2f}x | "
-            f"{medians['etjax_ms'] / medians['with_attention_ms']:.2f}x |"
+            f"{head} {median_spread(r['products_ms'])} | {median_spread(r['with_attention_ms'])} "
+            f"| {' | '.join(cells)} | {' | '.join(ratios)} |"
         )
     return "\n".join(lines)
 

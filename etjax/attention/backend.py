@@ -3,6 +3,10 @@ platform) and carried as a static value in the attention plan and the step's sta
 
 - `xla`: pallas_kernels/ragged_attention/xla.py for dense attention and the XLA block-sparse
   kernel for pruned decode; every platform.
+- `cpu`: `xla`, except that the dense passes of narrow query tiles (decode rows, verified
+  drafts) run pallas_kernels/ragged_attention/cpu_kernel.cc, a C++ kernel that reads the pages
+  in place (0.2-0.4x the XLA loop's time; docs/PERF.md, "step_floor"). "auto" picks it on a
+  CPU when it builds (a C++ compiler at hand) and the engine runs on one device.
 - `pallas_gpu`: the Triton kernels, dense (ragged) and block-sparse.
 - `pallas_tpu`: the Mosaic block-sparse kernel for pruned decode; dense steps run the XLA
   kernel (seam.py says why).
@@ -20,13 +24,13 @@ import functools
 
 import jax
 
-BACKENDS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+BACKENDS = ("auto", "xla", "cpu", "pallas_tpu", "pallas_gpu")
 _BY_PLATFORM = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
-    name: str = "xla"  # "xla", "pallas_tpu" or "pallas_gpu"
+    name: str = "xla"  # "xla", "cpu", "pallas_tpu" or "pallas_gpu"
     interpret: bool = False  # run Pallas kernels interpreted (on a CPU)
 
     def ragged(
@@ -46,8 +50,13 @@ class AttentionBackend:
             )
         from pallas_kernels.ragged_attention import ragged_attention_xla
 
+        narrow_pass = None
+        if self.name == "cpu":
+            from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
+
+            narrow_pass = ragged_pass_cpu
         return ragged_attention_xla(
-            q, k_pages, v_pages, positions, passes, chunk, window, softcap, shared
+            q, k_pages, v_pages, positions, passes, chunk, window, softcap, shared, narrow_pass
         )
 
     @property
@@ -75,11 +84,29 @@ class AttentionBackend:
 XLA = AttentionBackend()
 
 
-def resolve_backend(name: str, platform: str | None = None) -> AttentionBackend:
-    """The kernels `name` selects on `platform` (default: JAX's default backend): "auto" is
-    "pallas_tpu" on a TPU, "pallas_gpu" on a GPU and "xla" elsewhere."""
+def resolve_backend(name: str, platform: str | None = None, devices: int = 1) -> AttentionBackend:
+    """The kernels `name` selects on `platform` (default: JAX's default backend) for an engine
+    on `devices` devices: "auto" is "pallas_tpu" on a TPU, "pallas_gpu" on a GPU, and on a CPU
+    "cpu" when its kernel builds and one device runs the engine (a mesh keeps the XLA loop,
+    which the SPMD partitioner splits by KV head), else "xla"."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r}; must be one of {BACKENDS}")
     platform = platform or jax.default_backend()
-    chosen = _BY_PLATFORM.get(platform, "xla") if name == "auto" else name
-    return AttentionBackend(chosen, interpret=chosen != "xla" and platform == "cpu")
+    if name == "auto":
+        chosen = _BY_PLATFORM.get(platform)
+        if chosen is None:
+            chosen = "cpu" if devices == 1 and _cpu_kernel_builds() else "xla"
+    else:
+        chosen = name
+    if chosen == "cpu" and (platform != "cpu" or not _cpu_kernel_builds()):
+        raise ValueError(
+            f"attention_backend='cpu' needs a CPU platform (not {platform!r}) and its C++ "
+            "kernel built (a C++ compiler; see the log's warning); use 'xla'"
+        )
+    return AttentionBackend(chosen, interpret=chosen.startswith("pallas") and platform == "cpu")
+
+
+def _cpu_kernel_builds() -> bool:
+    from pallas_kernels.ragged_attention.cpu import cpu_pass_available
+
+    return cpu_pass_available()

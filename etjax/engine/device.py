@@ -135,7 +135,7 @@ class DeviceBackend:
             options.pruning.thresholds(),
             None if self.placement is None else self.placement.replicated,
         )
-        self.attention_backend = resolve_backend(options.attention_backend)
+        self.attention_backend = resolve_backend(options.attention_backend, devices=shape.size)
         # What shapes the step programs (static); each call adds its rows' kept-table width.
         self.statics = StepStatics(
             cfg=cfg,

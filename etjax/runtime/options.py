@@ -38,8 +38,9 @@ class RuntimeOptions:
     min_advance_rounds: every resident sequence runs at least once in this many rounds.
     max_batch_groups: a round's batch may run as up to this many bursts of rows of similar
       attention width, when that reads fewer bytes (etjax/engine/grouping.py); 1 = one burst.
-    attention_backend: the attention kernels: "auto" (Pallas on a TPU or a GPU, XLA
-      elsewhere), "xla", "pallas_tpu" or "pallas_gpu". Dense steps run the ragged kernel of
+    attention_backend: the attention kernels: "auto" (Pallas on a TPU or a GPU; on a CPU the
+      C++ decode kernel where it builds and one device runs the engine, else XLA), "xla",
+      "cpu", "pallas_tpu" or "pallas_gpu". Dense steps run the ragged kernel of
       that backend (on a TPU still the XLA one), pruned steps its block-sparse kernel
       (etjax/attention/seam.py). A Pallas backend on a CPU runs interpreted: slow, for tests.
     mesh: "DATAxMODEL" devices of this process to run on ("2x4": rows split two ways, weights,

@@ -1,0 +1,411 @@
+// One pass of ragged paged attention for narrow query tiles (decode rows, a few draft tokens),
+// reading the KV pages where they lie: an XLA FFI custom call for CPUs.
+//
+// XLA:CPU has no gather that feeds a product, so its pass (xla.py) copies every trip's pages
+// into product order first, at 5-18 GB/s, and that copy is most of a long-context decode step
+// (docs/PERF.md, "step_floor"). Here each (tile, KV head) walks its items' pages in place: a
+// page's [page_size, head_dim] tile of one KV head is contiguous in the pool, its keys are
+// scored against the tile's queries (every query head of the group), and the values are
+// folded into an online softmax, page by page. Pages no query of the tile can see yet (the
+// rest of a burst's plan, keys outside a sliding window) are never read.
+//
+// The arguments are the XLA pass's (work_items.TilePass), so the two are interchangeable:
+//   q [T, H, hd] f32 (not yet scaled), k_pages, v_pages [N, KVH, ps, hd] f32 | f16 | bf16,
+//   q_positions [T] i32, tile_tokens [Nq, Qt] i32 (T or more: padding), item_tile [W] i32,
+//   item_pages [W, Kt] i32, item_key_start [W] i32, num_items [] i32, window [] i32;
+//   attributes softcap (0: none) and scale (head_dim ** -0.5).
+// Results: out [Nq, Qt, H, hd] f32 and lse [Nq, Qt, H] f32 (-1e30 where a query saw nothing).
+//
+// Work is split into units of (tile, KV head, up to kItemsPerUnit of the tile's items), taken
+// from an atomic counter by the calling thread and by helpers on XLA's intra-op thread pool;
+// each unit leaves a partial softmax, and the partials of a (tile, KV head) are merged by
+// their maxima at the end. The caller never waits for a unit nobody has claimed, so a helper
+// that starts late finds nothing left and returns.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kMasked = -1e30f;
+// Items of one tile a unit takes (an item is Kt pages): long rows split into several units,
+// so one row over a long context still uses every thread.
+constexpr int kItemsPerUnit = 8;
+constexpr int kMaxHeadDim = 512;
+
+// exp(x) for x <= 0 (scores minus their running maximum), written so the compiler vectorises
+// it: Cody-Waite range reduction and a degree-6 polynomial, within 2 ulp of expf.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// A page's [ps, hd] tile of one KV head as float32: the pool itself for float32 pools, else
+// converted into `scratch`.
+template <typename T>
+const float* as_float(const T* src, int64_t count, float* scratch);
+
+template <>
+const float* as_float<float>(const float* src, int64_t, float*) {
+  return src;
+}
+
+template <>
+const float* as_float<_Float16>(const _Float16* src, int64_t count, float* scratch) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  // GCC does not vectorise the scalar conversion below; these are one instruction per 16.
+  for (; i + 16 <= count; i += 16)
+    _mm512_storeu_ps(scratch + i, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                      reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(scratch + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < count; ++i) scratch[i] = static_cast<float>(src[i]);
+  return scratch;
+}
+
+struct BFloat16 {
+  uint16_t bits;
+};
+
+template <>
+const float* as_float<BFloat16>(const BFloat16* src, int64_t count, float* scratch) {
+  auto* out = reinterpret_cast<uint32_t*>(scratch);
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<uint32_t>(src[i].bits) << 16;
+  return scratch;
+}
+
+// 16 floats: one AVX-512 register, two AVX ones (GCC's vector extension picks).
+typedef float Lanes __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline Lanes load_lanes(const float* p) {
+  Lanes x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void store_lanes(float* p, Lanes x) { std::memcpy(p, &x, sizeof x); }
+
+// query . key over hd floats. Written in lanes because the compiler does not vectorise a
+// one-accumulator float sum (it may not reorder it) and reduces each key's sum only once.
+inline float dot(const float* query, const float* key, int64_t hd) {
+  float sum = 0.0f;
+  int64_t d = 0;
+  if (hd >= kLanes) {
+    Lanes lanes = load_lanes(query) * load_lanes(key);
+    for (d = kLanes; d + kLanes <= hd; d += kLanes)
+      lanes += load_lanes(query + d) * load_lanes(key + d);
+    for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  }
+  for (; d < hd; ++d) sum += query[d] * key[d];
+  return sum;
+}
+
+// out = out * rescale + sum over keys j in [from, to) of weights[j] * values[j], each block of
+// 16 output floats held in a register across the keys.
+inline void add_weighted(float* out, float rescale, const float* weights, const float* values,
+                         int64_t from, int64_t to, int64_t hd) {
+  int64_t d = 0;
+  for (; d + kLanes <= hd; d += kLanes) {
+    Lanes lanes = load_lanes(out + d) * rescale;
+    for (int64_t j = from; j < to; ++j) lanes += weights[j] * load_lanes(values + j * hd + d);
+    store_lanes(out + d, lanes);
+  }
+  for (; d < hd; ++d) {
+    float x = out[d] * rescale;
+    for (int64_t j = from; j < to; ++j) x += weights[j] * values[j * hd + d];
+    out[d] = x;
+  }
+}
+
+struct Pass {
+  const float* q;
+  const void* k;
+  const void* v;
+  const int32_t* q_positions;
+  const int32_t* tile_tokens;
+  const int32_t* item_pages;
+  const int32_t* item_key_start;
+  int64_t num_tokens, num_heads, head_dim;
+  int64_t num_pages, kv_heads, page_size;
+  int64_t tiles, tile_size, items_per_page_list;  // Nq, Qt, Kt
+  int32_t window;
+  float softcap, scale;
+  // The real items of tile j are order[first[j] .. first[j + 1]).
+  std::vector<int32_t> order, first;
+  // Units: (tile, KV head, items [item_begin, item_end) of `order`).
+  struct Unit {
+    int32_t tile, kv_head, item_begin, item_end;
+  };
+  std::vector<Unit> units;
+  // Partial softmax of each unit: Qt * G rows of (max, normaliser, accumulator [hd]).
+  std::vector<float> best, norm, acc;
+};
+
+template <typename T>
+void run_unit(Pass& pass, int64_t unit_index) {
+  const Pass::Unit& unit = pass.units[unit_index];
+  const int64_t hd = pass.head_dim, ps = pass.page_size, kt = pass.items_per_page_list;
+  const int64_t group = pass.num_heads / pass.kv_heads, qt = pass.tile_size;
+  const int64_t rows = qt * group;
+  float* best = pass.best.data() + unit_index * rows;
+  float* norm = pass.norm.data() + unit_index * rows;
+  float* acc = pass.acc.data() + unit_index * rows * hd;
+  std::fill(best, best + rows, kMasked);
+  std::fill(norm, norm + rows, 0.0f);
+  std::fill(acc, acc + rows * hd, 0.0f);
+
+  // The tile's real tokens: their scaled queries and the key range each sees.
+  const int32_t* tokens = pass.tile_tokens + unit.tile * qt;
+  std::vector<float> queries(rows * hd);
+  std::vector<int64_t> lowest(qt), highest(qt);
+  int64_t tile_low = INT64_MAX, tile_high = -1;
+  for (int64_t r = 0; r < qt; ++r) {
+    const int32_t token = tokens[r];
+    lowest[r] = 0;
+    highest[r] = -1;  // sees nothing
+    if (token < 0 || token >= pass.num_tokens) continue;
+    const int64_t position = pass.q_positions[token];
+    highest[r] = position;
+    if (pass.window > 0) lowest[r] = std::max<int64_t>(position - pass.window + 1, 0);
+    if (highest[r] < lowest[r]) continue;
+    tile_low = std::min(tile_low, lowest[r]);
+    tile_high = std::max(tile_high, highest[r]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* src = pass.q + (token * pass.num_heads + unit.kv_head * group + g) * hd;
+      float* dst = queries.data() + (r * group + g) * hd;
+      for (int64_t d = 0; d < hd; ++d) dst[d] = src[d] * pass.scale;
+    }
+  }
+  if (tile_high < 0) return;
+
+  const T* k_pool = static_cast<const T*>(pass.k);
+  const T* v_pool = static_cast<const T*>(pass.v);
+  std::vector<float> k_scratch(ps * hd), v_scratch(ps * hd), scores(ps);
+  for (int32_t i = unit.item_begin; i < unit.item_end; ++i) {
+    const int32_t item = pass.order[i];
+    for (int64_t p = 0; p < kt; ++p) {
+      const int64_t key0 = pass.item_key_start[item] + p * ps;
+      if (key0 > tile_high || key0 + ps - 1 < tile_low) continue;  // no query sees this page
+      const int64_t page = pass.item_pages[item * kt + p];
+      if (page < 0 || page >= pass.num_pages) continue;
+      const int64_t offset = (page * pass.kv_heads + unit.kv_head) * ps * hd;
+      const float* keys = as_float<T>(k_pool + offset, ps * hd, k_scratch.data());
+      const float* values = as_float<T>(v_pool + offset, ps * hd, v_scratch.data());
+      for (int64_t r = 0; r < qt; ++r) {
+        const int64_t from = std::max(lowest[r] - key0, int64_t{0});
+        const int64_t to = std::min(highest[r] - key0 + 1, ps);  // exclusive
+        if (from >= to) continue;
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t row = r * group + g;
+          const float* query = queries.data() + row * hd;
+          float page_best = kMasked;
+          for (int64_t j = from; j < to; ++j) {
+            const float s = dot(query, keys + j * hd, hd);
+            scores[j] = pass.softcap > 0.0f ? pass.softcap * std::tanh(s / pass.softcap) : s;
+            page_best = std::max(page_best, scores[j]);
+          }
+          const float new_best = std::max(best[row], page_best);
+          const float rescale = exp_nonpositive(best[row] - new_best);
+          float total = 0.0f;
+          for (int64_t j = from; j < to; ++j) {
+            scores[j] = exp_nonpositive(scores[j] - new_best);
+            total += scores[j];
+          }
+          add_weighted(acc + row * hd, rescale, scores.data(), values, from, to, hd);
+          norm[row] = norm[row] * rescale + total;
+          best[row] = new_best;
+        }
+      }
+    }
+  }
+}
+
+// Folds the units of each (tile, KV head) into the outputs.
+void merge_units(const Pass& pass, float* out, float* lse) {
+  const int64_t hd = pass.head_dim, qt = pass.tile_size;
+  const int64_t group = pass.num_heads / pass.kv_heads, rows = qt * group;
+  size_t u = 0;
+  std::vector<float> total(hd);
+  while (u < pass.units.size()) {
+    size_t end = u;
+    while (end < pass.units.size() && pass.units[end].tile == pass.units[u].tile &&
+           pass.units[end].kv_head == pass.units[u].kv_head)
+      ++end;
+    const int64_t tile = pass.units[u].tile, kv_head = pass.units[u].kv_head;
+    for (int64_t row = 0; row < rows; ++row) {
+      float top = kMasked;
+      for (size_t w = u; w < end; ++w) top = std::max(top, pass.best[w * rows + row]);
+      float weight_sum = 0.0f;
+      std::fill(total.begin(), total.end(), 0.0f);
+      for (size_t w = u; w < end; ++w) {
+        if (pass.norm[w * rows + row] <= 0.0f) continue;
+        const float scale = std::exp(pass.best[w * rows + row] - top);
+        weight_sum += pass.norm[w * rows + row] * scale;
+        const float* part = pass.acc.data() + (w * rows + row) * hd;
+        for (int64_t d = 0; d < hd; ++d) total[d] += scale * part[d];
+      }
+      const int64_t r = row / group, head = kv_head * group + row % group;
+      const int64_t slot = (tile * qt + r) * pass.num_heads + head;
+      float* dst = out + slot * hd;
+      if (weight_sum > 0.0f) {
+        for (int64_t d = 0; d < hd; ++d) dst[d] = total[d] / weight_sum;
+        lse[slot] = top + std::log(weight_sum);
+      }
+    }
+    u = end;
+  }
+}
+
+template <typename T>
+void run_all(std::shared_ptr<Pass> pass, ffi::ThreadPool& pool) {
+  const int64_t total = static_cast<int64_t>(pass->units.size());
+  struct Progress {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto progress = std::make_shared<Progress>();
+  auto work = [pass, progress, total]() {
+    for (int64_t u; (u = progress->next.fetch_add(1)) < total;) {
+      run_unit<T>(*pass, u);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  while (progress->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+ffi::Error RaggedPassImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                          ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> q_positions,
+                          ffi::Buffer<ffi::S32> tile_tokens, ffi::Buffer<ffi::S32> item_tile,
+                          ffi::Buffer<ffi::S32> item_pages, ffi::Buffer<ffi::S32> item_key_start,
+                          ffi::Buffer<ffi::S32> num_items, ffi::Buffer<ffi::S32> window,
+                          float softcap, float scale, ffi::ResultBuffer<ffi::F32> out,
+                          ffi::ResultBuffer<ffi::F32> lse) {
+  auto pass = std::make_shared<Pass>();
+  const auto q_dims = q.dimensions(), k_dims = k_pages.dimensions();
+  const auto tile_dims = tile_tokens.dimensions(), page_dims = item_pages.dimensions();
+  if (q_dims.size() != 3 || k_dims.size() != 4 || tile_dims.size() != 2 || page_dims.size() != 2)
+    return ffi::Error::InvalidArgument("ragged pass: unexpected ranks");
+  if (k_pages.element_type() != v_pages.element_type())
+    return ffi::Error::InvalidArgument("ragged pass: keys and values differ in dtype");
+  pass->num_tokens = q_dims[0];
+  pass->num_heads = q_dims[1];
+  pass->head_dim = q_dims[2];
+  pass->num_pages = k_dims[0];
+  pass->kv_heads = k_dims[1];
+  pass->page_size = k_dims[2];
+  pass->tiles = tile_dims[0];
+  pass->tile_size = tile_dims[1];
+  pass->items_per_page_list = page_dims[1];
+  if (k_dims[3] != pass->head_dim || pass->head_dim > kMaxHeadDim ||
+      pass->num_heads % pass->kv_heads)
+    return ffi::Error::InvalidArgument("ragged pass: head shapes do not match");
+  pass->q = q.typed_data();
+  pass->k = k_pages.untyped_data();
+  pass->v = v_pages.untyped_data();
+  pass->q_positions = q_positions.typed_data();
+  pass->tile_tokens = tile_tokens.typed_data();
+  pass->item_pages = item_pages.typed_data();
+  pass->item_key_start = item_key_start.typed_data();
+  pass->window = window.typed_data()[0];
+  pass->softcap = softcap;
+  pass->scale = scale;
+
+  // Real items grouped by tile (build_pass lists a tile's items together; this does not
+  // rely on it).
+  const int64_t capacity = page_dims[0];
+  const int64_t real = std::clamp<int64_t>(num_items.typed_data()[0], 0, capacity);
+  const int32_t* tile_of = item_tile.typed_data();
+  pass->first.assign(pass->tiles + 1, 0);
+  for (int64_t i = 0; i < real; ++i) {
+    if (tile_of[i] < 0 || tile_of[i] >= pass->tiles)
+      return ffi::Error::InvalidArgument("ragged pass: an item names a tile out of range");
+    ++pass->first[tile_of[i] + 1];
+  }
+  for (int64_t j = 0; j < pass->tiles; ++j) pass->first[j + 1] += pass->first[j];
+  pass->order.resize(real);
+  std::vector<int32_t> fill(pass->first.begin(), pass->first.end() - 1);
+  for (int64_t i = 0; i < real; ++i) pass->order[fill[tile_of[i]]++] = static_cast<int32_t>(i);
+  for (int32_t j = 0; j < pass->tiles; ++j)
+    for (int32_t h = 0; h < pass->kv_heads; ++h)
+      for (int32_t b = pass->first[j]; b < pass->first[j + 1]; b += kItemsPerUnit)
+        pass->units.push_back({j, h, b, std::min(b + kItemsPerUnit, pass->first[j + 1])});
+
+  const int64_t rows = pass->tile_size * (pass->num_heads / pass->kv_heads);
+  pass->best.resize(pass->units.size() * rows);
+  pass->norm.resize(pass->units.size() * rows);
+  pass->acc.resize(pass->units.size() * rows * pass->head_dim);
+  switch (k_pages.element_type()) {
+    case ffi::DataType::F32:
+      run_all<float>(pass, pool);
+      break;
+    case ffi::DataType::F16:
+      run_all<_Float16>(pass, pool);
+      break;
+    case ffi::DataType::BF16:
+      run_all<BFloat16>(pass, pool);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("ragged pass: keys must be f32, f16 or bf16");
+  }
+
+  float* out_data = out->typed_data();
+  float* lse_data = lse->typed_data();
+  std::fill(out_data, out_data + out->element_count(), 0.0f);
+  std::fill(lse_data, lse_data + lse->element_count(), kMasked);
+  merge_units(*pass, out_data, lse_data);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EtjaxRaggedPassCpu, RaggedPassImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // k_pages
+                                  .Arg<ffi::AnyBuffer>()         // v_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // q_positions
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // tile_tokens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // item_tile
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // item_pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // item_key_start
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_items
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // window
+                                  .Attr<float>("softcap")
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse
+);

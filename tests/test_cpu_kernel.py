@@ -1,0 +1,138 @@
+"""The CPU decode-attention kernel (pallas_kernels/ragged_attention/cpu_kernel.cc) against the
+float32 reference: narrow query tiles over ragged batches drawn by hypothesis (bursts whose
+items reach past the current position, windows, soft caps, float32, float16 and bfloat16
+pools, head sizes on and off its 16-float lanes), its log-sum-exps against ones computed here
+in NumPy, and the backend choice that puts it on the product path."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from etjax.attention import resolve_backend
+from pallas_kernels.ragged_attention import ragged_attention_reference, ragged_attention_xla
+from pallas_kernels.ragged_attention.cpu import cpu_pass_available, ragged_pass_cpu
+from tests.hypothesis_profiles import examples
+from tests.test_ragged_attention import MAX_CACHED, MAX_EXTRA, MAX_NEW, MAX_SEQS, _case
+
+PAGE_SIZE, KV_HEADS, GROUP, KV_TILE = 4, 2, 3, 2
+# The kernel as the engine runs it: the narrow passes of `ragged_attention_xla`.
+_with_kernel = jax.jit(
+    lambda q, k, v, pos, tile_pass, window, softcap: ragged_attention_xla(
+        q, k, v, pos, (tile_pass,), 8, window, softcap, narrow_pass=ragged_pass_cpu
+    ),
+    static_argnums=6,
+)
+_pass_alone = jax.jit(ragged_pass_cpu, static_argnums=6)
+
+
+def _reference_lse(q, k_pages, v_pages, positions, token_seq, table, window, softcap):
+    # log sum exp of each token's scaled (and capped) scores over the keys it sees, in NumPy.
+    q, k_pages = np.asarray(q, np.float64), np.asarray(k_pages.astype(jnp.float32), np.float64)
+    t, h, hd = q.shape
+    lse = np.full((t, h), -np.inf)
+    for token in np.flatnonzero(token_seq >= 0):
+        pos = positions[token]
+        keys = k_pages[table[token_seq[token]]].transpose(1, 0, 2, 3).reshape(KV_HEADS, -1, hd)
+        seen = np.arange(keys.shape[1]) <= pos
+        if window:
+            seen &= np.arange(keys.shape[1]) > pos - window
+        for head in range(h):
+            scores = keys[head // GROUP][seen] @ q[token, head] * hd**-0.5
+            if softcap:
+                scores = softcap * np.tanh(scores / softcap)
+            lse[token, head] = np.log(np.sum(np.exp(scores - scores.max()))) + scores.max()
+    return lse
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_built():
+    assert cpu_pass_available(), "the CPU kernel did not build (is a C++ compiler installed?)"
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(
+    lengths=st.lists(
+        st.tuples(st.integers(0, MAX_CACHED), st.integers(1, MAX_NEW)),
+        min_size=1,
+        max_size=MAX_SEQS,
+    ),
+    q_tile=st.sampled_from([1, 3, 8]),
+    dtype=st.sampled_from([jnp.float32, jnp.float16, jnp.bfloat16]),
+    head_dim=st.sampled_from([16, 20]),  # lanes of 16, and 16 + a scalar tail
+    window=st.sampled_from([0, 5, 19]),
+    softcap=st.sampled_from([0.0, 2.0]),
+    extra=st.integers(0, MAX_EXTRA),
+    seed=st.integers(0, 2**16),
+)
+def test_the_cpu_kernel_matches_the_reference(
+    lengths, q_tile, dtype, head_dim, window, softcap, extra, seed
+):
+    case = _case(
+        lengths, PAGE_SIZE, KV_HEADS, GROUP, head_dim, dtype, q_tile, KV_TILE, extra, seed, window
+    )
+    q, k_pages, v_pages, positions, token_seq, table, tile_pass = case
+    q = q.astype(jnp.float32)
+    positions = jnp.asarray(positions)
+    ours = np.asarray(_with_kernel(q, k_pages, v_pages, positions, tile_pass, window, softcap))
+    truth = np.asarray(
+        ragged_attention_reference(
+            q,
+            k_pages,
+            v_pages,
+            positions,
+            jnp.asarray(token_seq),
+            jnp.asarray(table),
+            window,
+            softcap,
+        )
+    )
+    # float32 throughout (pages rounded once, as the reference reads them): summation order.
+    assert np.max(np.abs(ours - truth)) <= 2e-5 * np.abs(truth).max()
+    assert np.all(ours[token_seq < 0] == 0)
+
+    # The log-sum-exps a shared pass is merged by: each real token's in its tile slot.
+    _, lse = _pass_alone(q, k_pages, v_pages, positions, tile_pass, jnp.int32(window), softcap)
+    tokens = np.asarray(tile_pass.tile_tokens).reshape(-1)
+    lse = np.asarray(lse).reshape(tokens.size, -1)
+    expected = _reference_lse(
+        q, k_pages, v_pages, np.asarray(positions), token_seq, table, window, softcap
+    )
+    real = tokens < len(token_seq)
+    assert np.allclose(lse[real], expected[tokens[real]], rtol=1e-5, atol=1e-5)
+    assert np.all(lse[~real] == -1e30)
+
+
+def test_pages_outside_the_pool_are_never_read():
+    # An item naming a page past the pool (a corrupt plan) must not read out of bounds: its
+    # keys are skipped. A token at position 5 over two pages of 4; its second page replaced by
+    # 10**6 leaves keys 0..3: the reference for a query at position 3.
+    case = _case([(5, 1)], PAGE_SIZE, KV_HEADS, GROUP, 16, jnp.float32, 1, KV_TILE, 0, 3)
+    q, k_pages, v_pages, positions, token_seq, table, tile_pass = case
+    pages = np.asarray(tile_pass.item_pages).copy()
+    pages[0, 1] = 10**6
+    ours, _ = _pass_alone(
+        q, k_pages, v_pages, jnp.asarray(positions), tile_pass._replace(item_pages=pages), 0, 0.0
+    )
+    positions_first = np.where(token_seq >= 0, 3, positions)
+    truth = ragged_attention_reference(
+        q,
+        k_pages,
+        v_pages,
+        jnp.asarray(positions_first),
+        jnp.asarray(token_seq),
+        jnp.asarray(table),
+    )
+    assert np.allclose(np.asarray(ours)[0, 0], np.asarray(truth)[0], atol=1e-5)
+
+
+def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only():
+    assert resolve_backend("auto", "cpu").name == "cpu"
+    assert resolve_backend("auto", "cpu", devices=2).name == "xla"  # a mesh: the XLA loop
+    assert resolve_backend("auto", "gpu").name == "pallas_gpu"
+    with pytest.raises(ValueError, match="attention_backend='cpu'"):
+        resolve_backend("cpu", "tpu")
