@@ -24,6 +24,7 @@ from pallas_kernels.block_sparse import (
     block_sparse_attention_reference,
     block_sparse_attention_xla,
 )
+from pallas_kernels.block_sparse.cpu import block_sparse_attention_cpu
 from pallas_kernels.block_sparse.pallas_gpu import block_sparse_attention_gpu
 from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
 from tests.hypothesis_profiles import examples
@@ -31,6 +32,8 @@ from tests.hypothesis_profiles import examples
 TOLERANCE = {"float32": dict(out=2e-5, mass=1e-5), "bfloat16": dict(out=2e-2, mass=1e-5)}
 _PLATFORM = jax.default_backend()
 BACKENDS = {"xla": jax.jit(block_sparse_attention_xla)}
+if _PLATFORM == "cpu":  # the C++ kernel, pallas_kernels/cpu/block_sparse.cc
+    BACKENDS["cpu"] = jax.jit(block_sparse_attention_cpu)
 if _PLATFORM in ("cpu", "tpu"):
     BACKENDS["pallas_tpu"] = functools.partial(
         block_sparse_attention_tpu, interpret=_PLATFORM == "cpu"

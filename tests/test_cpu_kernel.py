@@ -1,8 +1,9 @@
-"""The CPU decode-attention kernel (pallas_kernels/ragged_attention/cpu_kernel.cc) against the
+"""The CPU decode-attention kernel (pallas_kernels/cpu/ragged_pass.cc) against the
 float32 reference: narrow query tiles over ragged batches drawn by hypothesis (bursts whose
 items reach past the current position, windows, soft caps, float32, float16 and bfloat16
 pools, head sizes on and off its 16-float lanes), its log-sum-exps against ones computed here
-in NumPy, and the backend choice that puts it on the product path."""
+in NumPy, and the backend choice that puts it on the product path. The pruned-decode kernel
+(block_sparse.cc) runs in tests/test_block_sparse_kernels.py with the other backends."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etjax.attention import resolve_backend
+from pallas_kernels.cpu import cpu_kernels_available
 from pallas_kernels.ragged_attention import ragged_attention_reference, ragged_attention_xla
-from pallas_kernels.ragged_attention.cpu import cpu_pass_available, ragged_pass_cpu
+from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
 from tests.hypothesis_profiles import examples
 from tests.test_ragged_attention import MAX_CACHED, MAX_EXTRA, MAX_NEW, MAX_SEQS, _case
 
@@ -51,7 +53,7 @@ def _reference_lse(q, k_pages, v_pages, positions, token_seq, table, window, sof
 
 @pytest.fixture(scope="module", autouse=True)
 def _kernel_built():
-    assert cpu_pass_available(), "the CPU kernel did not build (is a C++ compiler installed?)"
+    assert cpu_kernels_available(), "the CPU kernel did not build (is a C++ compiler installed?)"
 
 
 @settings(max_examples=examples(30), deadline=None)
@@ -133,6 +135,5 @@ def test_pages_outside_the_pool_are_never_read():
 def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only():
     assert resolve_backend("auto", "cpu").name == "cpu"
     assert resolve_backend("auto", "cpu", devices=2).name == "xla"  # a mesh: the XLA loop
-    assert resolve_backend("auto", "gpu").name == "pallas_gpu"
     with pytest.raises(ValueError, match="attention_backend='cpu'"):
         resolve_backend("cpu", "tpu")

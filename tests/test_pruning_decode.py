@@ -104,7 +104,8 @@ def test_pruned_decode_runs_each_pallas_kernel_with_the_xla_outputs(tiny, backen
 
 
 def test_auto_backend_follows_the_platform():
-    assert resolve_backend("auto", "cpu") == AttentionBackend("xla", interpret=False)
+    # On a CPU the C++ decode kernel (tests/test_cpu_kernel.py), where it builds.
+    assert resolve_backend("auto", "cpu") == AttentionBackend("cpu", interpret=False)
     assert resolve_backend("auto", "tpu") == AttentionBackend("pallas_tpu", interpret=False)
     assert resolve_backend("auto", "gpu") == AttentionBackend("pallas_gpu", interpret=False)
     assert resolve_backend("auto", "cuda") == AttentionBackend("pallas_gpu", interpret=False)

@@ -3,10 +3,11 @@ platform) and carried as a static value in the attention plan and the step's sta
 
 - `xla`: pallas_kernels/ragged_attention/xla.py for dense attention and the XLA block-sparse
   kernel for pruned decode; every platform.
-- `cpu`: `xla`, except that the dense passes of narrow query tiles (decode rows, verified
-  drafts) run pallas_kernels/ragged_attention/cpu_kernel.cc, a C++ kernel that reads the pages
-  in place (0.2-0.4x the XLA loop's time; docs/PERF.md, "step_floor"). "auto" picks it on a
-  CPU when it builds (a C++ compiler at hand) and the engine runs on one device.
+- `cpu`: `xla`, except that decode attention runs C++ kernels that read the pages in place
+  (pallas_kernels/cpu): the dense passes of narrow query tiles (decode rows, verified drafts;
+  0.2-0.4x the XLA loop's time per layer, docs/PERF.md "step_floor") and pruned decode.
+  "auto" picks it on a CPU when they build (a C++ compiler at hand) and the engine runs on
+  one device.
 - `pallas_gpu`: the Triton kernels, dense (ragged) and block-sparse.
 - `pallas_tpu`: the Mosaic block-sparse kernel for pruned decode; dense steps run the XLA
   kernel (seam.py says why).
@@ -76,6 +77,10 @@ class AttentionBackend:
             from pallas_kernels.block_sparse.pallas_gpu import block_sparse_attention_gpu
 
             return functools.partial(block_sparse_attention_gpu, interpret=self.interpret)
+        if self.name == "cpu":
+            from pallas_kernels.block_sparse.cpu import block_sparse_attention_cpu
+
+            return block_sparse_attention_cpu
         from pallas_kernels.block_sparse.xla import block_sparse_attention_xla
 
         return block_sparse_attention_xla
@@ -107,6 +112,6 @@ def resolve_backend(name: str, platform: str | None = None, devices: int = 1) ->
 
 
 def _cpu_kernel_builds() -> bool:
-    from pallas_kernels.ragged_attention.cpu import cpu_pass_available
+    from pallas_kernels.cpu import cpu_kernels_available
 
-    return cpu_pass_available()
+    return cpu_kernels_available()

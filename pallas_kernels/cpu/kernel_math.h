@@ -1,0 +1,152 @@
+// What the CPU attention kernels share: float conversion of page tiles, the dot products and
+// weighted sums in 16-float lanes, an exponential the compiler vectorises, and the loop that
+// spreads work units over XLA's intra-op threads.
+
+#ifndef ETJAX_PALLAS_KERNELS_CPU_KERNEL_MATH_H_
+#define ETJAX_PALLAS_KERNELS_CPU_KERNEL_MATH_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace etjax_cpu {
+
+// Masked scores and empty log-sum-exps: large and finite, as in the XLA kernels, so a block
+// with nothing visible contributes exp(-huge) = 0 and never NaN.
+constexpr float kMasked = -1e30f;
+// exp(x) for x <= 0 (scores minus their running maximum), written so the compiler vectorises
+// it: Cody-Waite range reduction and a degree-6 polynomial, within 2 ulp of expf.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// A page's [ps, hd] tile of one KV head as float32: the pool itself for float32 pools, else
+// converted into `scratch`.
+template <typename T>
+const float* as_float(const T* src, int64_t count, float* scratch);
+
+template <>
+inline const float* as_float<float>(const float* src, int64_t, float*) {
+  return src;
+}
+
+template <>
+inline const float* as_float<_Float16>(const _Float16* src, int64_t count, float* scratch) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  // GCC does not vectorise the scalar conversion below; these are one instruction per 16.
+  for (; i + 16 <= count; i += 16)
+    _mm512_storeu_ps(scratch + i, _mm512_cvtph_ps(_mm256_loadu_si256(
+                                      reinterpret_cast<const __m256i*>(src + i))));
+#elif defined(__F16C__)
+  for (; i + 8 <= count; i += 8)
+    _mm256_storeu_ps(scratch + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < count; ++i) scratch[i] = static_cast<float>(src[i]);
+  return scratch;
+}
+
+struct BFloat16 {
+  uint16_t bits;
+};
+
+template <>
+inline const float* as_float<BFloat16>(const BFloat16* src, int64_t count, float* scratch) {
+  auto* out = reinterpret_cast<uint32_t*>(scratch);
+  for (int64_t i = 0; i < count; ++i) out[i] = static_cast<uint32_t>(src[i].bits) << 16;
+  return scratch;
+}
+
+// 16 floats: one AVX-512 register, two AVX ones (GCC's vector extension picks).
+typedef float Lanes __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline Lanes load_lanes(const float* p) {
+  Lanes x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void store_lanes(float* p, Lanes x) { std::memcpy(p, &x, sizeof x); }
+
+// query . key over hd floats. Written in lanes because the compiler does not vectorise a
+// one-accumulator float sum (it may not reorder it) and reduces each key's sum only once.
+inline float dot(const float* query, const float* key, int64_t hd) {
+  float sum = 0.0f;
+  int64_t d = 0;
+  if (hd >= kLanes) {
+    Lanes lanes = load_lanes(query) * load_lanes(key);
+    for (d = kLanes; d + kLanes <= hd; d += kLanes)
+      lanes += load_lanes(query + d) * load_lanes(key + d);
+    for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
+  }
+  for (; d < hd; ++d) sum += query[d] * key[d];
+  return sum;
+}
+
+// out = out * rescale + sum over keys j in [from, to) of weights[j] * values[j], each block of
+// 16 output floats held in a register across the keys.
+inline void add_weighted(float* out, float rescale, const float* weights, const float* values,
+                         int64_t from, int64_t to, int64_t hd) {
+  int64_t d = 0;
+  for (; d + kLanes <= hd; d += kLanes) {
+    Lanes lanes = load_lanes(out + d) * rescale;
+    for (int64_t j = from; j < to; ++j) lanes += weights[j] * load_lanes(values + j * hd + d);
+    store_lanes(out + d, lanes);
+  }
+  for (; d < hd; ++d) {
+    float x = out[d] * rescale;
+    for (int64_t j = from; j < to; ++j) x += weights[j] * values[j * hd + d];
+    out[d] = x;
+  }
+}
+
+// Runs units 0 .. total - 1 of `run` on the calling thread and on helpers from XLA's intra-op
+// pool, taking them from an atomic counter. The caller waits only for units that were taken,
+// so a helper that starts after the last was taken finds nothing and returns; `run` (and
+// what it points to) is kept alive by the helpers' copies of the shared pointer.
+template <typename Run>
+void run_units(std::shared_ptr<Run> run, int64_t total, xla::ffi::ThreadPool& pool) {
+  struct Progress {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto progress = std::make_shared<Progress>();
+  auto work = [run, progress, total]() {
+    for (int64_t u; (u = progress->next.fetch_add(1)) < total;) {
+      (*run)(u);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  while (progress->done.load(std::memory_order_acquire) < total) std::this_thread::yield();
+}
+
+}  // namespace etjax_cpu
+
+#endif  // ETJAX_PALLAS_KERNELS_CPU_KERNEL_MATH_H_
