@@ -30,7 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
 from benchmarks.pruning_settings import SETTINGS
-from etjax.attention import XLA, PlanSizes, kept_table_width, padded_batch_plan, plan_segments
+from etjax.attention import (
+    PlanSizes,
+    kept_table_width,
+    padded_batch_plan,
+    plan_segments,
+    resolve_backend,
+)
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.calibration.signal import identity_params
 from etjax.entropy.cost import CostModel
@@ -66,6 +72,7 @@ def main() -> None:
 
     model = etjax.load_model()
     cfg = model.config
+    backend = resolve_backend("auto")  # the engine's kernels on this machine
     articles = lee_articles()
     cost = CostModel.for_model(cfg, PAGE)
     configs = {"dense": PruningConfig(), **{n: SETTINGS[n] for n in names}}
@@ -115,7 +122,7 @@ def main() -> None:
                 max_kept = 0
                 if pruning.enabled:
                     needed = kept_block_count(budgets[name], reach, pruning, xp=np)
-                    max_kept = kept_table_width(XLA, int(needed.max()), width)
+                    max_kept = kept_table_width(backend, int(needed.max()), width)
                 state = state.replace(
                     entropy=state.entropy.replace(budget=jnp.asarray(budgets[name]))
                 )
@@ -129,9 +136,11 @@ def main() -> None:
                         for b, n in enumerate(lengths)
                     ]
                     sizes = PlanSizes.decode(BATCH, table.size + 1, PAGE)
-                    plan = plan_segments(segments, BATCH, sizes)
+                    plan = plan_segments(segments, BATCH, sizes, backend)
                 # The batch is the whole store: rows 0..B-1, each row's full page table.
-                statics = StepStatics(cfg, cost, pruning.shape(), max_kept)
+                statics = StepStatics(
+                    cfg, cost, pruning.shape(), max_kept, attention_backend=backend
+                )
                 state, cache, out = decode_steps(
                     model.weights,
                     cache,
@@ -183,7 +192,12 @@ def main() -> None:
                 )
             )
             print(rows[-1], flush=True)
-    raw = {"machine": machine_line(), "date": str(datetime.date.today()), "rows": rows}
+    raw = {
+        "machine": machine_line(),
+        "date": str(datetime.date.today()),
+        "backend": backend.name,
+        "rows": rows,
+    }
     lines = [
         "## Entropic attention pruning: decode-step time at long context (SmolLM2, batch 8)",
         "",
@@ -191,7 +205,7 @@ def main() -> None:
         f"benchmarks/pruning_speed.py {shlex.join(sys.argv[1:])}`. One prefilled cache, "
         f"{ROUNDS} alternating rounds of {STEPS} greedy steps dense and per setting after a "
         "warm-up round; bursts that compiled a program (a new kept-table width) are excluded; "
-        "median step time.",
+        f"median step time. Attention backend: `{raw['backend']}` (the engine's choice here).",
         "",
         "| context | setting | dense step ms | pruned step ms | speed-up | kept fraction | "
         "KV MB read / token, dense | pruned |",
