@@ -64,18 +64,19 @@ def _kernel_built():
         max_size=MAX_SEQS,
     ),
     q_tile=st.sampled_from([1, 3, 8]),
+    page_size=st.sampled_from([PAGE_SIZE, 16]),  # 16: whole pages scored 16 keys at a time
     dtype=st.sampled_from([jnp.float32, jnp.float16, jnp.bfloat16]),
-    head_dim=st.sampled_from([16, 20]),  # lanes of 16, and 16 + a scalar tail
+    head_dim=st.sampled_from([32, 20]),  # lanes of 16, and 16 + a scalar tail
     window=st.sampled_from([0, 5, 19]),
     softcap=st.sampled_from([0.0, 2.0]),
     extra=st.integers(0, MAX_EXTRA),
     seed=st.integers(0, 2**16),
 )
 def test_the_cpu_kernel_matches_the_reference(
-    lengths, q_tile, dtype, head_dim, window, softcap, extra, seed
+    lengths, q_tile, page_size, dtype, head_dim, window, softcap, extra, seed
 ):
     case = _case(
-        lengths, PAGE_SIZE, KV_HEADS, GROUP, head_dim, dtype, q_tile, KV_TILE, extra, seed, window
+        lengths, page_size, KV_HEADS, GROUP, head_dim, dtype, q_tile, KV_TILE, extra, seed, window
     )
     q, k_pages, v_pages, positions, token_seq, table, tile_pass = case
     q = q.astype(jnp.float32)

@@ -65,11 +65,13 @@ void run_row_head(const Problem& p, int64_t unit) {
     const float* values = as_float<T>(v_pool + offset, ps * hd, v_scratch.data());
     for (int64_t g = 0; g < group; ++g) {
       const float* query = queries.data() + g * hd;
-      float block_best = kMasked;
-      for (int64_t key = 0; key < visible; ++key) {
-        weights[key] = dot(query, keys + key * hd, hd);
-        block_best = std::max(block_best, weights[key]);
+      if (visible == kLanes && hd % kLanes == 0) {
+        store_lanes(weights.data(), dots_of_16_keys(query, keys, hd));
+      } else {
+        for (int64_t key = 0; key < visible; ++key) weights[key] = dot(query, keys + key * hd, hd);
       }
+      float block_best = kMasked;
+      for (int64_t key = 0; key < visible; ++key) block_best = std::max(block_best, weights[key]);
       const float new_best = std::max(best[g], block_best);
       const float rescale = exp_nonpositive(best[g] - new_best);
       float block_sum = 0.0f;
