@@ -2,8 +2,9 @@
 float32 reference: narrow query tiles over ragged batches drawn by hypothesis (bursts whose
 items reach past the current position, windows, soft caps, float32, float16 and bfloat16
 pools, head sizes on and off its 16-float lanes), its log-sum-exps against ones computed here
-in NumPy, and the backend choice that puts it on the product path. The pruned-decode kernel
-(block_sparse.cc) runs in tests/test_block_sparse_kernels.py with the other backends."""
+in NumPy, and the backend choice that puts it on the product path. Pruned decode's page bounds
+(page_bounds.cc) against their definition; its block-sparse kernel (block_sparse.cc) runs in
+tests/test_block_sparse_kernels.py with the other backends."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etjax.attention import resolve_backend
+from etjax.pruning.block_scores import block_upper_bounds
+from pallas_kernels.block_sparse.cpu import page_bounds_cpu
 from pallas_kernels.cpu import cpu_kernels_available
 from pallas_kernels.ragged_attention import ragged_attention_reference, ragged_attention_xla
 from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
@@ -138,3 +141,25 @@ def test_auto_picks_the_cpu_kernel_on_one_cpu_device_only():
     assert resolve_backend("auto", "cpu", devices=2).name == "xla"  # a mesh: the XLA loop
     with pytest.raises(ValueError, match="attention_backend='cpu'"):
         resolve_backend("cpu", "tpu")
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_page_bounds_match_the_quest_bound_of_every_held_page(shared):
+    # The C++ scorer against block_upper_bounds (the bound's plain definition) on rows holding
+    # 1, 70 and 130 of 130 table columns (units of 64 pages split the long ones), -inf past them.
+    rng = np.random.default_rng(5)
+    rows, heads, kv_heads, head_dim, width = 3, 6, 2, 32, 130
+    keys = rng.normal(size=(1 + rows * width, kv_heads, 4, head_dim)).astype(np.float32)
+    k_min, k_max = jnp.asarray(keys.min(axis=2)), jnp.asarray(keys.max(axis=2))
+    table = jnp.asarray((1 + rng.permutation(rows * width)).reshape(rows, width), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(rows, heads, head_dim)), jnp.float32)
+    held = np.array([1, 70, 130])
+    ours = np.asarray(page_bounds_cpu(q, k_min, k_max, table, jnp.asarray(held), shared))
+    truth = np.asarray(block_upper_bounds(q, k_min, k_max, table))  # [B, KVH, P]
+    if shared:
+        truth = truth.max(axis=1, keepdims=True)
+    for row, count in enumerate(held):
+        np.testing.assert_allclose(
+            ours[row, :, :count], truth[row, :, :count], rtol=1e-5, atol=1e-5
+        )
+        assert np.all(ours[row, :, count:] == -np.inf)

@@ -5,7 +5,8 @@ platform) and carried as a static value in the attention plan and the step's sta
   kernel for pruned decode; every platform.
 - `cpu`: `xla`, except that decode attention runs C++ kernels that read the pages in place
   (pallas_kernels/cpu): the dense passes of narrow query tiles (decode rows, verified drafts;
-  0.2-0.4x the XLA loop's time per layer, docs/PERF.md "step_floor") and pruned decode.
+  0.2-0.4x the XLA loop's time per layer, docs/PERF.md "step_floor"), and pruned decode's
+  page scores and block-sparse attention.
   "auto" picks it on a CPU when they build (a C++ compiler at hand) and the engine runs on
   one device.
 - `pallas_gpu`: the Triton kernels, dense (ragged) and block-sparse.
@@ -84,6 +85,15 @@ class AttentionBackend:
         from pallas_kernels.block_sparse.xla import block_sparse_attention_xla
 
         return block_sparse_attention_xla
+
+    def page_bounds(self):
+        """The pages' Quest-bound scorer of pruned steps, or None for the XLA loop of
+        etjax/attention/pruned.py (`_score_pages`): the C++ one on `cpu`."""
+        if self.name == "cpu":
+            from pallas_kernels.block_sparse.cpu import page_bounds_cpu
+
+            return page_bounds_cpu
+        return None
 
 
 XLA = AttentionBackend()

@@ -47,7 +47,11 @@ def pruned_decode_attention(
     page_size = pool.k.shape[2]
     lengths = position + 1
     num_blocks = (lengths + page_size - 1) // page_size
-    scores = _score_pages(q, pool, page_table, num_blocks, pruning.share_heads)
+    scorer = backend.page_bounds()
+    if scorer is None:
+        scores = _score_pages(q, pool, page_table, num_blocks, pruning.share_heads)
+    else:
+        scores = scorer(q, pool.k_min, pool.k_max, page_table, num_blocks, pruning.share_heads)
     ranking_mass = None
     if pruning.ranks_by_mass:
         ranking_mass = _last_mass(pool.block_mass, mass_rows, page_table.shape[1])

@@ -1,7 +1,8 @@
-"""Block-sparse decode attention on the CPU kernel (pallas_kernels/cpu/block_sparse.cc, an XLA
-FFI call): each (row, KV head) reads its kept pages where they lie. The `cpu` attention
-backend's pruned steps (etjax/attention/backend.py); same signature and results as the other
-backends (the package docstring)."""
+"""Pruned decode on the CPU kernels (pallas_kernels/cpu, XLA FFI calls), the `cpu` attention
+backend's pruned steps (etjax/attention/backend.py): `block_sparse_attention_cpu`, where each
+(row, KV head) reads its kept pages where they lie (same signature and results as the other
+backends, the package docstring), and `page_bounds_cpu`, the pages' Quest bounds the
+selection ranks them by, read in place."""
 
 from __future__ import annotations
 
@@ -49,3 +50,35 @@ def block_sparse_attention_cpu(
         scale=np.float32(hd**-0.5),
     )
     return out.astype(q.dtype), mass
+
+
+def page_bounds_cpu(
+    q: jax.Array,
+    k_min: jax.Array,
+    k_max: jax.Array,
+    page_table: jax.Array,
+    num_blocks: jax.Array,
+    shared: bool,
+) -> jax.Array:
+    """The Quest bound of each row's pages on the CPU kernel (pallas_kernels/cpu/
+    page_bounds.cc): q [B, H, hd]; k_min, k_max [N, KVH, hd]; page_table [B, P]; num_blocks
+    [B] the pages each row holds. Returns scores [B, 1 if shared else KVH, P] float32: the
+    largest scaled q.k each page's key bounds allow (etjax/pruning/block_scores.py's
+    `block_upper_bounds`, the maximum over KV heads when shared), -inf past num_blocks."""
+    if not cpu_kernels_available():
+        raise RuntimeError("the CPU attention kernels are not built (see the log's warning)")
+    b, _, hd = q.shape
+    heads = 1 if shared else k_min.shape[1]
+    call = jax.ffi.ffi_call(
+        "etjax_page_bounds_cpu",
+        jax.ShapeDtypeStruct((b, heads, page_table.shape[1]), jnp.float32),
+    )
+    return call(
+        q.astype(jnp.float32),
+        k_min.astype(jnp.float32),
+        k_max.astype(jnp.float32),
+        jnp.asarray(page_table, jnp.int32),
+        jnp.asarray(num_blocks, jnp.int32),
+        scale=np.float32(hd**-0.5),
+        shared=np.int32(shared),
+    )
