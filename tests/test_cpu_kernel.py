@@ -8,6 +8,9 @@ tests/test_block_sparse_kernels.py with the other backends."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +25,7 @@ from pallas_kernels.cpu import cpu_kernels_available
 from pallas_kernels.ragged_attention import ragged_attention_reference, ragged_attention_xla
 from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
 from tests.hypothesis_profiles import examples
+from tests.subprocess_env import subprocess_env
 from tests.test_ragged_attention import MAX_CACHED, MAX_EXTRA, MAX_NEW, MAX_SEQS, _case
 
 PAGE_SIZE, KV_HEADS, GROUP, KV_TILE = 4, 2, 3, 2
@@ -163,3 +167,23 @@ def test_page_bounds_match_the_quest_bound_of_every_held_page(shared):
             ours[row, :, :count], truth[row, :, :count], rtol=1e-5, atol=1e-5
         )
         assert np.all(ours[row, :, count:] == -np.inf)
+
+
+def test_without_a_compiler_the_engine_falls_back_to_xla_with_a_warning(tmp_path):
+    # A machine with no C++ compiler (an empty PATH, no CXX) and no library built yet: the
+    # backend "auto" resolves to, and what the log says.
+    env = subprocess_env() | {
+        "PATH": str(tmp_path),
+        "ETJAX_KERNEL_CACHE": str(tmp_path / "kernels"),
+    }
+    env.pop("CXX", None)
+    script = (
+        "import logging; logging.basicConfig(); "
+        "from etjax.attention import resolve_backend; print(resolve_backend('auto', 'cpu').name)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["xla"]
+    assert "could not be built" in done.stderr and "no C++ compiler found" in done.stderr
