@@ -125,6 +125,13 @@ def _parser() -> argparse.ArgumentParser:
         "or a model name or path",
     )
     batch.add_argument(
+        "--calibration",
+        type=Path,
+        default=None,
+        help="a file written by `etjax calibrate`: pruning, the scheduler and drafting read the "
+        "calibrated entropy (overrides the model preset's `calibration`)",
+    )
+    batch.add_argument(
         "--process-index",
         type=int,
         default=None,
@@ -298,7 +305,8 @@ def _batch(args: argparse.Namespace) -> int:
     name = config.model.name if preset or not args.model else args.model
     # The output's lock before the model: a second job on the same output fails in a second.
     with output_lock(shard_path(args.output, group.index, group.count)):
-        model = load_model(name, dtype=config.model.dtype)
+        calibration = args.calibration or config.model.calibration
+        model = load_model(name, dtype=config.model.dtype, calibration=calibration)
         summary = run_batch(
             args.input,
             args.output,

@@ -34,6 +34,11 @@ def add_generate(commands) -> None:
     gen.add_argument("--model", default=None, help="name, path or hub id (default: embedded)")
     gen.add_argument("--config", default=None, help="a run config whose settings are defaults")
     gen.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    gen.add_argument(
+        "--calibration",
+        default=None,
+        help="a file written by `etjax calibrate` (default: the config's model's, if any)",
+    )
     gen.add_argument("--pruning", action="store_true", default=None, help="entropic pruning")
     gen.add_argument(
         "--speculation", action="store_true", default=None, help="draft and verify tokens"
@@ -95,7 +100,11 @@ def run_generate(args: argparse.Namespace) -> int:
     pruning = True if args.pruning else config.options.pruning
     speculation = True if args.speculation else config.options.speculation
     started = time.perf_counter()
-    model = load_model(args.model or config.model.name, dtype=given(args.dtype, config.model.dtype))
+    model = load_model(
+        args.model or config.model.name,
+        dtype=given(args.dtype, config.model.dtype),
+        calibration=given(args.calibration, config.model.calibration),
+    )
     log.info("%r loaded in %.1fs", model, time.perf_counter() - started)
     n = request["n"]
 

@@ -46,6 +46,10 @@ MODEL_PRESET_DIR = CONFIG_DIR / "models"
 class ModelChoice:
     name: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     dtype: str = "auto"  # bfloat16 on a TPU or a GPU, float32 on a CPU
+    # A file written by `etjax calibrate` (etjax/calibration): pruning, the scheduler and
+    # drafting then read the calibrated entropy. In a .toml file a relative path is relative
+    # to that file, so a preset and its calibration travel together.
+    calibration: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -178,6 +182,8 @@ def _build(path: Path, table: str, cls, values: object):
         _check_type(path, table, key, value, expected)
         if "float" in expected and isinstance(value, int) and not isinstance(value, bool):
             values[key] = float(value)  # TOML writes 1 for 1.0
+    if table == "model" and values.get("calibration") is not None:
+        values["calibration"] = str(path.parent / Path(values["calibration"]).expanduser())
     try:
         return cls(**values)
     except (EtjaxError, TypeError) as e:

@@ -301,3 +301,16 @@ def test_calibrate_command_checks_files_before_loading(tmp_path, capsys):
                  "--output", str(tmp_path / "c.json")])  # fmt: skip
     assert code == 2
     assert "--text" in capsys.readouterr().err
+
+
+def test_generate_and_batch_take_a_calibration_and_check_it_first(tmp_path, capsys):
+    # `--calibration` on the CLI reaches load_model, which checks the file before the weights.
+    (tmp_path / "bad.json").write_text(json.dumps({**GOOD, "temperature": -1}))
+    for command in (
+        ["generate", "Hello", "--calibration", str(tmp_path / "bad.json")],
+        ["batch", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+         "--calibration", str(tmp_path / "bad.json")],
+    ):  # fmt: skip
+        (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "Hi"}\n')
+        assert main(command) != 0
+        assert "bad.json" in capsys.readouterr().err

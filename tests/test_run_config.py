@@ -117,3 +117,15 @@ def test_preset_errors_name_the_preset_file(tmp_path):
         load_run_config("full", model=preset)
     with pytest.raises(ConfigError, match=r"model preset 'nope' not found.*smollm2-135m"):
         load_run_config("full", model="nope")
+
+
+def test_a_presets_calibration_is_found_beside_it(tmp_path):
+    # A relative path in a preset is relative to the preset's file, wherever the job runs.
+    (tmp_path / "presets").mkdir()
+    preset = tmp_path / "presets" / "calibrated.toml"
+    preset.write_text("[model]\nname = '/models/m'\ncalibration = 'm-cal.json'\n")
+    config = load_run_config("default", model=preset)
+    assert config.model.calibration == str(tmp_path / "presets" / "m-cal.json")
+    preset.write_text("[model]\ncalibration = 1.06\n")
+    with pytest.raises(ConfigError, match=r"calibrated.toml: \[model\] calibration"):
+        load_run_config("default", model=preset)

@@ -81,7 +81,8 @@ def measure(
     """
     prompts = [r.token_ids(model.tokenizer) for r in workload]
     settings = request_settings(config, workload, greedy)
-    options = config.options
+    # The model's entropy calibration, if it was loaded with one, is an engine setting.
+    options = dataclasses.replace(config.options, calibration=model.calibration)
     engine = build_engine(
         model.weights,
         model.config,
