@@ -7,6 +7,8 @@ model over prompt and output."""
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ from pallas_kernels.ragged_attention import (
     ragged_attention_reference,
     ragged_attention_xla,
 )
+from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
 from tests.model_runner import full_logits
 
 
@@ -86,11 +89,15 @@ def test_shared_pass_matches_the_reference():
         table[j, : len(t)] = t
     token_seq = np.where(np.arange(8) < rows, np.arange(8), -1).astype(np.int32)
     want = ragged_attention_reference(q, k_pages, v_pages, positions, token_seq, table)
-    run = jax.jit(ragged_attention_xla, static_argnums=5, static_argnames="shared_last")
-    for p in (plan, plain):
+    run = jax.jit(
+        ragged_attention_xla, static_argnums=5, static_argnames=("shared_last", "narrow_pass")
+    )
+    # The XLA loops, and the CPU kernel (its passes and the shared one).
+    for narrow_pass, p in itertools.product((None, ragged_pass_cpu), (plan, plain)):
         got = run(
-            q, k_pages, v_pages, jnp.asarray(positions), p.passes, p.chunk, shared_last=p.shared
-        )
+            q, k_pages, v_pages, jnp.asarray(positions), p.passes, p.chunk,
+            shared_last=p.shared, narrow_pass=narrow_pass,
+        )  # fmt: skip
         scale = float(jnp.max(jnp.abs(want[:rows])))
         assert float(jnp.max(jnp.abs(got[:rows] - want[:rows]))) < 2e-5 * scale
 

@@ -74,9 +74,9 @@ def ragged_attention_xla(
     (static) the last pass is a shared pass (`build_shared_pass`) whose tokens the others
     also hold; window: a sliding window in positions (0: none); softcap: scores s become
     softcap * tanh(s / softcap) (Gemma 2; 0: none); narrow_pass: runs the passes of
-    one-token-loop tiles instead of that loop, with `_run_pass`'s arguments and results less
-    the chunk (cpu.py's `ragged_pass_cpu`). Returns [T, H, hd] in q's dtype; tokens in no tile
-    get zeros."""
+    one-token-loop tiles, and the shared pass, instead of the XLA loops, with `_run_pass`'s
+    arguments and results less the chunk (cpu.py's `ragged_pass_cpu`). Returns [T, H, hd] in
+    q's dtype; tokens in no tile get zeros."""
     t, h, hd = q.shape
     own, shared = (passes[:-1], passes[-1]) if shared_last else (passes, None)
     out = jnp.zeros((t, h, hd), jnp.float32)
@@ -90,9 +90,14 @@ def ragged_attention_xla(
         if shared is not None:  # (unused, and so never computed, without a shared pass)
             lse = lse.at[tokens].set(part_lse.reshape(-1, h), mode="drop")
     if shared is not None:
-        part, part_lse = _run_pass(
-            q, k_pages, v_pages, q_positions, shared, chunk, window, softcap, narrow_pass
-        )
+        if narrow_pass is not None:
+            # A shared tile is decode rows (one token each): the kernel that reads a tile's
+            # pages once for all its queries, whatever the tile's width.
+            part, part_lse = narrow_pass(q, k_pages, v_pages, q_positions, shared, window, softcap)
+        else:
+            part, part_lse = _run_pass(
+                q, k_pages, v_pages, q_positions, shared, chunk, window, softcap, None
+            )
         tokens = shared.tile_tokens.reshape(-1)
         part = jnp.zeros_like(out).at[tokens].set(part.reshape(-1, h, hd), mode="drop")
         part_lse = jnp.full_like(lse, _MASKED).at[tokens].set(part_lse.reshape(-1, h), mode="drop")
