@@ -1,5 +1,7 @@
-// One pass of ragged paged attention for narrow query tiles (decode rows, a few draft tokens),
-// reading the KV pages where they lie: an XLA FFI custom call for CPUs.
+// One pass of ragged paged attention for decode tiles (a decode row, a few draft tokens, the
+// rows of a cascade's shared tile), reading the KV pages where they lie: an XLA FFI custom
+// call for CPUs. Prompt chunks keep XLA's tile loop, whose products are large enough for
+// XLA's matrix kernels.
 //
 // XLA:CPU has no gather that feeds a product, so its pass (xla.py) copies every trip's pages
 // into product order first, at 5-18 GB/s, and that copy is most of a long-context decode step
