@@ -20,7 +20,9 @@ from hypothesis import strategies as st
 
 from etjax.attention import resolve_backend
 from etjax.pruning.block_scores import block_upper_bounds
-from pallas_kernels.block_sparse.cpu import page_bounds_cpu
+from etjax.pruning.config import PruningConfig
+from etjax.pruning.selection import select_blocks
+from pallas_kernels.block_sparse.cpu import page_bounds_cpu, select_blocks_cpu
 from pallas_kernels.cpu import cpu_kernels_available
 from pallas_kernels.ragged_attention import ragged_attention_reference, ragged_attention_xla
 from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
@@ -187,3 +189,46 @@ def test_without_a_compiler_the_engine_falls_back_to_xla_with_a_warning(tmp_path
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["xla"]
     assert "could not be built" in done.stderr and "no C++ compiler found" in done.stderr
+
+
+@pytest.mark.parametrize("by_mass", [False, True])
+@pytest.mark.parametrize("shared", [True, False])
+def test_block_selection_keeps_what_select_blocks_keeps(by_mass, shared):
+    # The C++ selection against select_blocks (the rule's definition): rows shorter than the
+    # table, budgets under and over what a row holds, hot blocks by mass, a kept table narrower
+    # and wider than the page table. With distinct scores the kept sets are the same; with
+    # many ties (scores rounded to 0.5) any choice among equals at the cut keeps the same
+    # ranked values (XLA's full sort does not keep top_k's lower-index-first order there).
+    rng = np.random.default_rng(11)
+    rows, width = 6, 40
+    heads = 1 if shared else 3
+    cfg = PruningConfig(enabled=True, sink_blocks=1, recent_blocks=2, mass_threshold=0.2)
+    thresholds = cfg.thresholds()
+    num_blocks = jnp.asarray([40, 1, 17, 3, 30, 40], jnp.int32)
+    budget = jnp.asarray([5, 4, 30, 1, 12, 40], jnp.int32)
+    mass = jnp.asarray(rng.uniform(0, 0.3, size=(rows, heads, width)), jnp.float32)
+    mass = mass if by_mass else None
+    raw = rng.normal(size=(rows, heads, width))
+    for scores, ties in ((raw, False), (np.round(raw * 2) / 2, True)):
+        scores = jnp.asarray(scores, jnp.float32)
+        # The values the rule ranks by (forced blocks first, then hot ones, then the scores).
+        block = np.arange(width)
+        n = np.asarray(num_blocks)[:, None, None]
+        hot = np.asarray(scores) + (1e6 * (np.asarray(mass) >= 0.2) if by_mass else 0)
+        forced = (block < 1) | ((block >= n - 2) & (block < n))
+        ranked = np.where(forced, np.inf, np.where(block < n, hot, -np.inf))
+        for max_kept in (12, 48):
+            want, want_counts = select_blocks(
+                scores, num_blocks, budget, thresholds, max_kept, mass
+            )
+            got, counts = select_blocks_cpu(scores, num_blocks, budget, thresholds, max_kept, mass)
+            np.testing.assert_array_equal(np.asarray(counts), np.asarray(want_counts))
+            for r, h in np.ndindex(rows, heads):
+                count = int(counts[r, h])
+                ours, theirs = np.asarray(got[r, h]), np.asarray(want[r, h])
+                assert np.all(ours[count:] == ours[0])  # padding repeats a kept block
+                if ties:
+                    values = lambda kept: sorted(ranked[r, h, kept[:count]])  # noqa: B023, E731
+                    assert values(ours) == values(theirs)
+                else:
+                    assert sorted(ours[:count]) == sorted(theirs[:count])

@@ -6,7 +6,7 @@ platform) and carried as a static value in the attention plan and the step's sta
 - `cpu`: `xla`, except that decode attention runs C++ kernels that read the pages in place
   (pallas_kernels/cpu): the dense passes of narrow query tiles (decode rows, verified drafts;
   0.2-0.4x the XLA loop's time per layer, docs/PERF.md "step_floor"), and pruned decode's
-  page scores and block-sparse attention.
+  page scores, block selection and block-sparse attention.
   "auto" picks it on a CPU when they build (a C++ compiler at hand) and the engine runs on
   one device.
 - `pallas_gpu`: the Triton kernels, dense (ragged) and block-sparse.
@@ -94,6 +94,17 @@ class AttentionBackend:
 
             return page_bounds_cpu
         return None
+
+    def block_selection(self):
+        """Pruned steps' choice of kept blocks (etjax/pruning/selection.py's `select_blocks`
+        signature): the C++ one on `cpu`, else that function."""
+        if self.name == "cpu":
+            from pallas_kernels.block_sparse.cpu import select_blocks_cpu
+
+            return select_blocks_cpu
+        from etjax.pruning.selection import select_blocks
+
+        return select_blocks
 
 
 XLA = AttentionBackend()

@@ -17,7 +17,6 @@ from etjax.attention.backend import XLA, AttentionBackend
 from etjax.cache.kv_cache import PagePool
 from etjax.pruning.block_scores import block_upper_bounds, remember_mass
 from etjax.pruning.config import PruningShape, PruningThresholds
-from etjax.pruning.selection import select_blocks
 
 # Pages scored per loop trip (see _score_pages).
 SCORE_PAGES = 32
@@ -57,7 +56,7 @@ def pruned_decode_attention(
         ranking_mass = _last_mass(pool.block_mass, mass_rows, page_table.shape[1])
         if pruning.share_heads:
             ranking_mass = ranking_mass.max(axis=1, keepdims=True)
-    kept, counts = select_blocks(
+    kept, counts = backend.block_selection()(
         scores, num_blocks, budget_blocks, thresholds, max_kept, ranking_mass
     )
     kernel = backend.block_sparse()

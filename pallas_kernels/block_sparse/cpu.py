@@ -82,3 +82,32 @@ def page_bounds_cpu(
         scale=np.float32(hd**-0.5),
         shared=np.int32(shared),
     )
+
+
+def select_blocks_cpu(scores, num_blocks, budget, cfg, max_kept: int, last_mass=None):
+    """etjax/pruning/selection.py's `select_blocks` on the CPU kernel (pallas_kernels/cpu/
+    select_blocks.cc): the same arguments and the same kept blocks and counts, ties to the
+    lower block as `lax.top_k` breaks them."""
+    if not cpu_kernels_available():
+        raise RuntimeError("the CPU attention kernels are not built (see the log's warning)")
+    b, heads, _ = scores.shape
+    call = jax.ffi.ffi_call(
+        "etjax_select_blocks_cpu",
+        (
+            jax.ShapeDtypeStruct((b, heads, max_kept), jnp.int32),
+            jax.ShapeDtypeStruct((b, heads), jnp.int32),
+        ),
+    )
+    as_int = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    mass = jnp.zeros((1, 1, 1), jnp.float32) if last_mass is None else last_mass
+    return call(
+        scores.astype(jnp.float32),
+        as_int(num_blocks),
+        as_int(budget),
+        as_int(cfg.sink_blocks),
+        as_int(cfg.recent_blocks),
+        jnp.asarray(cfg.mass_threshold, jnp.float32),
+        mass.astype(jnp.float32),
+        ranks_by_mass=np.int32(last_mass is not None),
+        max_kept=np.int32(max_kept),
+    )

@@ -1,8 +1,9 @@
 """The CPU attention kernels' library: built on first use, loaded, registered with XLA.
 
 `ragged_pass.cc` (dense decode passes, pallas_kernels/ragged_attention/cpu.py),
-`block_sparse.cc` (pruned decode) and `page_bounds.cc` (the pages' Quest bounds pruned decode
-ranks them by; both pallas_kernels/block_sparse/cpu.py) read the KV pages (and bounds) where
+`block_sparse.cc` (pruned decode), `page_bounds.cc` (the pages' Quest bounds pruned decode
+ranks them by) and `select_blocks.cc` (its kept blocks; the last three in
+pallas_kernels/block_sparse/cpu.py) read the KV pages (and bounds) where
 they lie, which XLA:CPU cannot (ragged_pass.cc's header says why that matters); all share
 `kernel_math.h`. They are compiled into one library, once per machine, with the C++ compiler
 at hand (`CXX`, else g++, c++ or clang++) for this CPU (`-march=native`), and cached under
@@ -31,9 +32,13 @@ TARGETS = {
     "etjax_ragged_pass_cpu": "EtjaxRaggedPassCpu",
     "etjax_block_sparse_cpu": "EtjaxBlockSparseCpu",
     "etjax_page_bounds_cpu": "EtjaxPageBoundsCpu",
+    "etjax_select_blocks_cpu": "EtjaxSelectBlocksCpu",
 }
 HERE = pathlib.Path(__file__).parent
-SOURCES = (HERE / "ragged_pass.cc", HERE / "block_sparse.cc", HERE / "page_bounds.cc")
+SOURCES = tuple(
+    HERE / name
+    for name in ("ragged_pass.cc", "block_sparse.cc", "page_bounds.cc", "select_blocks.cc")
+)
 HEADERS = (HERE / "kernel_math.h",)
 # Associative float arithmetic lets the compiler vectorise the dot products' sums (the
 # kernel's accuracy is that of a blocked sum, as XLA's own products have); no -ffast-math,
