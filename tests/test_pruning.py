@@ -173,25 +173,17 @@ def test_page_scores_loop_only_to_the_longest_row_and_match_the_plain_bound(shar
     # The engine passes page tables as wide as its longest possible sequence; scoring loops
     # over slices of SCORE_PAGES pages up to the batch's longest row. Every page a row holds
     # must get the plain bound (several trips, a last slice past the table's end).
-    from etjax.attention.pruned import SCORE_PAGES, _score_pages
-    from etjax.cache.kv_cache import PagePool
+    from etjax.attention.pruned import SCORE_PAGES, score_pages_xla
 
     rng = np.random.default_rng(5)
     b, h, kvh, hd, n_pages, width = 3, 6, 3, 8, 200, 2 * SCORE_PAGES + 37
-    k_min = rng.normal(size=(n_pages, kvh, hd)).astype(np.float32)
-    pool = PagePool(
-        k=jnp.zeros((n_pages, kvh, 4, hd)),
-        v=jnp.zeros((n_pages, kvh, 4, hd)),
-        k_min=jnp.asarray(k_min),
-        k_max=jnp.asarray(k_min + rng.uniform(0, 2, size=k_min.shape).astype(np.float32)),
-        block_mass=jnp.zeros((1, 1, kvh)),
-        pages_per_layer=n_pages,
-    )
+    k_min = jnp.asarray(rng.normal(size=(n_pages, kvh, hd)).astype(np.float32))
+    k_max = k_min + jnp.asarray(rng.uniform(0, 2, size=k_min.shape).astype(np.float32))
     table = rng.integers(1, n_pages, size=(b, width)).astype(np.int32)
     num_blocks = np.array([5, 2 * SCORE_PAGES + 20, SCORE_PAGES], np.int32)
     q = jnp.asarray(rng.normal(size=(b, h, hd)).astype(np.float32))
-    scores = _score_pages(q, pool, jnp.asarray(table), jnp.asarray(num_blocks), shared)
-    plain = np.asarray(block_upper_bounds(q, pool.k_min, pool.k_max, jnp.asarray(table)))
+    scores = score_pages_xla(q, k_min, k_max, jnp.asarray(table), jnp.asarray(num_blocks), shared)
+    plain = np.asarray(block_upper_bounds(q, k_min, k_max, jnp.asarray(table)))
     if shared:
         plain = plain.max(1, keepdims=True)
     assert scores.shape == plain.shape

@@ -87,13 +87,15 @@ class AttentionBackend:
         return block_sparse_attention_xla
 
     def page_bounds(self):
-        """The pages' Quest-bound scorer of pruned steps, or None for the XLA loop of
-        etjax/attention/pruned.py (`_score_pages`): the C++ one on `cpu`."""
+        """The pages' Quest-bound scorer of pruned steps (the signature of
+        etjax/attention/pruned.py's `score_pages_xla`): the C++ one on `cpu`, else that."""
         if self.name == "cpu":
             from pallas_kernels.block_sparse.cpu import page_bounds_cpu
 
             return page_bounds_cpu
-        return None
+        from etjax.attention.pruned import score_pages_xla
+
+        return score_pages_xla
 
     def block_selection(self):
         """Pruned steps' choice of kept blocks (etjax/pruning/selection.py's `select_blocks`

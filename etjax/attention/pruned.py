@@ -18,7 +18,7 @@ from etjax.cache.kv_cache import PagePool
 from etjax.pruning.block_scores import block_upper_bounds, remember_mass
 from etjax.pruning.config import PruningShape, PruningThresholds
 
-# Pages scored per loop trip (see _score_pages).
+# Pages scored per loop trip (see score_pages_xla).
 SCORE_PAGES = 32
 
 
@@ -46,11 +46,9 @@ def pruned_decode_attention(
     page_size = pool.k.shape[2]
     lengths = position + 1
     num_blocks = (lengths + page_size - 1) // page_size
-    scorer = backend.page_bounds()
-    if scorer is None:
-        scores = _score_pages(q, pool, page_table, num_blocks, pruning.share_heads)
-    else:
-        scores = scorer(q, pool.k_min, pool.k_max, page_table, num_blocks, pruning.share_heads)
+    scores = backend.page_bounds()(
+        q, pool.k_min, pool.k_max, page_table, num_blocks, pruning.share_heads
+    )
     ranking_mass = None
     if pruning.ranks_by_mass:
         ranking_mass = _last_mass(pool.block_mass, mass_rows, page_table.shape[1])
@@ -89,14 +87,20 @@ def kept_table_width(backend: AttentionBackend, needed: int, width: int) -> int:
     return min(width, -(-max(needed, 1) // step) * step)
 
 
-def _score_pages(
-    q: jax.Array, pool: PagePool, page_table: jax.Array, num_blocks: jax.Array, shared: bool
+def score_pages_xla(
+    q: jax.Array,
+    k_min: jax.Array,
+    k_max: jax.Array,
+    page_table: jax.Array,
+    num_blocks: jax.Array,
+    shared: bool,
 ) -> jax.Array:
-    # Quest bounds of every page of each row: [B, 1|KVH, P]. The
-    # table is as wide as the longest sequence the engine holds; a loop of SCORE_PAGES-page
-    # slices up to the batch's longest row (a traced count) reads only the pages rows have.
+    """Quest bounds of every page of each row, [B, 1 if shared else KVH, P], in XLA: the
+    page table is as wide as the longest sequence the engine holds; a loop of SCORE_PAGES-page
+    slices up to the batch's longest row (a traced count) reads only the pages rows have.
+    q [B, H, hd]; k_min, k_max [N, KVH, hd]; num_blocks [B]."""
     b, p = page_table.shape
-    kvh = pool.k_min.shape[1]
+    kvh = k_min.shape[1]
     heads = 1 if shared else kvh
     chunk = min(SCORE_PAGES, p)
     padded = -(-p // chunk) * chunk
@@ -104,7 +108,7 @@ def _score_pages(
 
     def body(i, scores):
         pages = jax.lax.dynamic_slice_in_dim(table, i * chunk, chunk, axis=1)
-        part = block_upper_bounds(q, pool.k_min, pool.k_max, pages)  # [B, KVH, C]
+        part = block_upper_bounds(q, k_min, k_max, pages)  # [B, KVH, C]
         if shared:
             part = part.max(axis=1, keepdims=True)
         return jax.lax.dynamic_update_slice_in_dim(scores, part, i * chunk, axis=2)

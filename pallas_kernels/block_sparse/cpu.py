@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.block_sparse.validation import check_inputs
-from pallas_kernels.cpu.build import cpu_kernels_available
+from pallas_kernels.cpu.build import call_cpu_kernel
 
 TARGET = "etjax_block_sparse_cpu"
 
@@ -27,26 +27,21 @@ def block_sparse_attention_cpu(
 ) -> tuple[jax.Array, jax.Array]:
     """See the package docstring."""
     check_inputs(q, k_pages, v_pages, page_table, kept_blocks, kept_counts, lengths)
-    if not cpu_kernels_available():
-        raise RuntimeError("the CPU attention kernels are not built (see the log's warning)")
     b, h, hd = q.shape
     kvh = k_pages.shape[1]
-    call = jax.ffi.ffi_call(
-        TARGET,
+    out, mass = call_cpu_kernel(
+        "etjax_block_sparse_cpu",
         (
             jax.ShapeDtypeStruct((b, h, hd), jnp.float32),
             jax.ShapeDtypeStruct((b, kvh, kept_blocks.shape[-1]), jnp.float32),
         ),
-    )
-    as_int = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    out, mass = call(
         q.astype(jnp.float32),
         k_pages,
         v_pages,
-        as_int(page_table),
-        as_int(kept_blocks),
-        as_int(kept_counts),
-        as_int(lengths),
+        page_table,
+        kept_blocks,
+        kept_counts,
+        lengths,
         scale=np.float32(hd**-0.5),
     )
     return out.astype(q.dtype), mass
@@ -65,20 +60,16 @@ def page_bounds_cpu(
     [B] the pages each row holds. Returns scores [B, 1 if shared else KVH, P] float32: the
     largest scaled q.k each page's key bounds allow (etjax/pruning/block_scores.py's
     `block_upper_bounds`, the maximum over KV heads when shared), -inf past num_blocks."""
-    if not cpu_kernels_available():
-        raise RuntimeError("the CPU attention kernels are not built (see the log's warning)")
     b, _, hd = q.shape
     heads = 1 if shared else k_min.shape[1]
-    call = jax.ffi.ffi_call(
+    return call_cpu_kernel(
         "etjax_page_bounds_cpu",
         jax.ShapeDtypeStruct((b, heads, page_table.shape[1]), jnp.float32),
-    )
-    return call(
         q.astype(jnp.float32),
         k_min.astype(jnp.float32),
         k_max.astype(jnp.float32),
-        jnp.asarray(page_table, jnp.int32),
-        jnp.asarray(num_blocks, jnp.int32),
+        page_table,
+        num_blocks,
         scale=np.float32(hd**-0.5),
         shared=np.int32(shared),
     )
@@ -88,24 +79,19 @@ def select_blocks_cpu(scores, num_blocks, budget, cfg, max_kept: int, last_mass=
     """etjax/pruning/selection.py's `select_blocks` on the CPU kernel (pallas_kernels/cpu/
     select_blocks.cc): the same arguments and the same kept blocks and counts, ties to the
     lower block as `lax.top_k` breaks them."""
-    if not cpu_kernels_available():
-        raise RuntimeError("the CPU attention kernels are not built (see the log's warning)")
     b, heads, _ = scores.shape
-    call = jax.ffi.ffi_call(
+    mass = jnp.zeros((1, 1, 1), jnp.float32) if last_mass is None else last_mass
+    return call_cpu_kernel(
         "etjax_select_blocks_cpu",
         (
             jax.ShapeDtypeStruct((b, heads, max_kept), jnp.int32),
             jax.ShapeDtypeStruct((b, heads), jnp.int32),
         ),
-    )
-    as_int = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    mass = jnp.zeros((1, 1, 1), jnp.float32) if last_mass is None else last_mass
-    return call(
         scores.astype(jnp.float32),
-        as_int(num_blocks),
-        as_int(budget),
-        as_int(cfg.sink_blocks),
-        as_int(cfg.recent_blocks),
+        num_blocks,
+        budget,
+        cfg.sink_blocks,
+        cfg.recent_blocks,
         jnp.asarray(cfg.mass_threshold, jnp.float32),
         mass.astype(jnp.float32),
         ranks_by_mass=np.int32(last_mass is not None),

@@ -138,3 +138,18 @@ def _built_library() -> pathlib.Path:
         subprocess.run(command, capture_output=True, text=True, check=True)
         os.replace(partial, library)
     return library
+
+
+def call_cpu_kernel(target: str, results, *args, **attributes):
+    """`jax.ffi.ffi_call` of one of the library's targets (TARGETS) on `args`, integer
+    arrays as int32 (the kernels' index type); raises RuntimeError, naming why, when the
+    library is not built."""
+    if not cpu_kernels_available():
+        raise RuntimeError("the CPU attention kernels are not built (see the log's warning)")
+    import jax.numpy as jnp
+
+    args = [
+        jnp.asarray(a, jnp.int32) if jnp.issubdtype(jnp.result_type(a), jnp.integer) else a
+        for a in args
+    ]
+    return jax.ffi.ffi_call(target, results)(*args, **attributes)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import cpu_kernels_available
+from pallas_kernels.cpu.build import call_cpu_kernel
 from pallas_kernels.ragged_attention.work_items import TilePass
 
 TARGET = "etjax_ragged_pass_cpu"
@@ -31,25 +31,20 @@ def ragged_pass_cpu(
     """One pass of ragged attention on the CPU kernel: q [T, H, hd], pools [N, KVH, ps, hd]
     (float32, float16 or bfloat16), q_positions [T], `tile_pass` as work_items.py builds it.
     Returns the tiles' outputs [Nq, Qt, H, hd] and log-sum-exps [Nq, Qt, H], float32."""
-    if not cpu_kernels_available():
-        raise RuntimeError("the CPU attention kernels are not built (see the log's warning)")
     _, h, hd = q.shape
     nq, qt = tile_pass.tile_tokens.shape
-    call = jax.ffi.ffi_call(
+    return call_cpu_kernel(
         TARGET,
         (
             jax.ShapeDtypeStruct((nq, qt, h, hd), jnp.float32),
             jax.ShapeDtypeStruct((nq, qt, h), jnp.float32),
         ),
-    )
-    as_int = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    return call(
         q.astype(jnp.float32),
         k_pages,
         v_pages,
-        as_int(q_positions),
-        *(as_int(a) for a in tile_pass),
-        as_int(window),
+        q_positions,
+        *tile_pass,
+        jnp.asarray(window, jnp.int32),
         softcap=np.float32(softcap),
         scale=np.float32(hd**-0.5),
     )
