@@ -89,8 +89,8 @@ def _case(rows: int, context: int, tile: int, rounds: int) -> dict:
     if cpu_kernels_available():
         kernels["cpu"] = ragged_pass_cpu
     run = jax.jit(
-        lambda passes, shared, narrow_pass: ragged_attention_xla(
-            q, k, v, positions, passes, 16, shared_last=shared, narrow_pass=narrow_pass
+        lambda passes, shared, native_pass: ragged_attention_xla(
+            q, k, v, positions, passes, 16, shared_last=shared, native_pass=native_pass
         ),
         static_argnums=(1, 2),
     )

@@ -86,7 +86,7 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
     for context in (int(c) for c in args.prefill_contexts.split(",") if c):
-        row = _prefill_row(model, floors, context, args.rounds)
+        row = _prefill_row(model, floors, context, args.rounds, backends)
         rows.append(row)
         print(row, flush=True)
     raw = {
@@ -190,11 +190,6 @@ def _fits(cfg, tokens: int) -> bool:
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.jnp_dtype.itemsize
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return 2 * tokens * per_token <= MEMORY_SHARE * total
-
-
-def _timed(fn, rounds: int) -> list[float]:
-    # Seconds per call of `fn` (which blocks on its result), the first call excluded.
-    return _interleaved({"fn": fn}, rounds)["fn"]
 
 
 def _interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:
@@ -310,7 +305,7 @@ def _decode_row(model, floors: Floors, batch: int, context: int, rounds: int, ba
     }
 
 
-def _prefill_row(model, floors: Floors, context: int, rounds: int) -> dict:
+def _prefill_row(model, floors: Floors, context: int, rounds: int, backends) -> dict:
     cfg, weights = model.config, model.weights
     row = {"phase": "prefill", "batch": 1, "context": context, "chunk": CHUNK}
     floor_times = _prefill_floors(floors, context, rounds)
@@ -329,7 +324,7 @@ def _prefill_row(model, floors: Floors, context: int, rounds: int) -> dict:
     positions = (context + np.arange(CHUNK)).astype(np.int32)
     holder = {"cache": cache}
 
-    def chunk():
+    def chunk(backend):
         # The same positions every time: the chunk overwrites its own pages.
         logits, holder["cache"] = prefill_chunk(
             weights,
@@ -338,18 +333,17 @@ def _prefill_row(model, floors: Floors, context: int, rounds: int) -> dict:
             positions,
             write_pages,
             np.asarray([CHUNK - 1], np.int32),
-            plan,
+            plan.replace(backend=backend),
             cfg=cfg,
         )
         logits.block_until_ready()
 
-    etjax_times = _timed(chunk, rounds)
+    times = _interleaved({b.name: functools.partial(chunk, b) for b in backends}, rounds)
     return {
         **row,
         "products_ms": [t * 1e3 for t in floor_times["products"]],
         "with_attention_ms": [t * 1e3 for t in floor_times["with_attention"]],
-        # Prefill chunks run the XLA tile loop whatever the backend.
-        "etjax_ms": {"prefill": [t * 1e3 for t in etjax_times]},
+        "etjax_ms": {name: [t * 1e3 for t in ts] for name, ts in times.items()},
     }
 
 
@@ -365,9 +359,9 @@ def _markdown(raw: dict) -> str:
         "attention), `+ attention` adds a dense attention over a contiguous cache of the "
         "context. etjax: `decode_steps` bursts of 8 greedy steps over the paged cache (per "
         f"step) with each attention backend ({', '.join(backends)}: `{first}` is what the "
-        "engine runs here; `cpu` is the C++ decode kernel, `xla` the XLA item loop), and "
-        "`prefill_chunk` of 512 tokens after the context (the XLA tile loop for every "
-        "backend). Milliseconds, median (min-max) of the rounds after the first; the ratios "
+        "engine runs here; `cpu` is the C++ kernel, `xla` the XLA loops), and "
+        "`prefill_chunk` of 512 tokens after the context, with each backend. Milliseconds, "
+        "median (min-max) of the rounds after the first; the ratios "
         "are of medians.",
         "",
         "| "
@@ -388,8 +382,6 @@ def _markdown(raw: dict) -> str:
         products = float(np.median(r["products_ms"]))
         attention = float(np.median(r["with_attention_ms"]))
         times = r["etjax_ms"]
-        if "prefill" in times:  # one measurement, under the first backend
-            times = {first: times["prefill"]}
         cells = [median_spread(times[b]) if b in times else "–" for b in backends]
         ratios = [f"{np.median(times[first]) / products:.2f}x"]
         ratios += [

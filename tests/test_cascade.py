@@ -90,13 +90,13 @@ def test_shared_pass_matches_the_reference():
     token_seq = np.where(np.arange(8) < rows, np.arange(8), -1).astype(np.int32)
     want = ragged_attention_reference(q, k_pages, v_pages, positions, token_seq, table)
     run = jax.jit(
-        ragged_attention_xla, static_argnums=5, static_argnames=("shared_last", "narrow_pass")
+        ragged_attention_xla, static_argnums=5, static_argnames=("shared_last", "native_pass")
     )
     # The XLA loops, and the CPU kernel (its passes and the shared one).
-    for narrow_pass, p in itertools.product((None, ragged_pass_cpu), (plan, plain)):
+    for native_pass, p in itertools.product((None, ragged_pass_cpu), (plan, plain)):
         got = run(
             q, k_pages, v_pages, jnp.asarray(positions), p.passes, p.chunk,
-            shared_last=p.shared, narrow_pass=narrow_pass,
+            shared_last=p.shared, native_pass=native_pass,
         )  # fmt: skip
         scale = float(jnp.max(jnp.abs(want[:rows])))
         assert float(jnp.max(jnp.abs(got[:rows] - want[:rows]))) < 2e-5 * scale

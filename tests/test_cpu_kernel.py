@@ -1,5 +1,6 @@
-"""The CPU decode-attention kernel (pallas_kernels/cpu/ragged_pass.cc) against the
-float32 reference: narrow query tiles over ragged batches drawn by hypothesis (bursts whose
+"""The CPU attention kernel (pallas_kernels/cpu/ragged_pass.cc) against the float32
+reference: narrow (decode) and wide (prompt chunk) query tiles over ragged batches drawn by
+hypothesis (bursts whose
 items reach past the current position, windows, soft caps, float32, float16 and bfloat16
 pools, head sizes on and off its 16-float lanes), its log-sum-exps against ones computed here
 in NumPy, and the backend choice that puts it on the product path. Pruned decode's page bounds
@@ -31,10 +32,10 @@ from tests.subprocess_env import subprocess_env
 from tests.test_ragged_attention import MAX_CACHED, MAX_EXTRA, MAX_NEW, MAX_SEQS, _case
 
 PAGE_SIZE, KV_HEADS, GROUP, KV_TILE = 4, 2, 3, 2
-# The kernel as the engine runs it: the narrow passes of `ragged_attention_xla`.
+# The kernel as the engine runs it: every pass of `ragged_attention_xla`.
 _with_kernel = jax.jit(
     lambda q, k, v, pos, tile_pass, window, softcap: ragged_attention_xla(
-        q, k, v, pos, (tile_pass,), 8, window, softcap, narrow_pass=ragged_pass_cpu
+        q, k, v, pos, (tile_pass,), 8, window, softcap, native_pass=ragged_pass_cpu
     ),
     static_argnums=6,
 )
@@ -72,7 +73,7 @@ def _kernel_built():
         min_size=1,
         max_size=MAX_SEQS,
     ),
-    q_tile=st.sampled_from([1, 3, 8]),
+    q_tile=st.sampled_from([1, 3, 8, 16, 32]),  # 16 and 32: wide tiles (wide_tiles.h)
     page_size=st.sampled_from([PAGE_SIZE, 16]),  # 16: whole pages scored 16 keys at a time
     dtype=st.sampled_from([jnp.float32, jnp.float16, jnp.bfloat16]),
     head_dim=st.sampled_from([32, 20]),  # lanes of 16, and 16 + a scalar tail
@@ -117,6 +118,51 @@ def test_the_cpu_kernel_matches_the_reference(
     real = tokens < len(token_seq)
     assert np.allclose(lse[real], expected[tokens[real]], rtol=1e-5, atol=1e-5)
     assert np.all(lse[~real] == -1e30)
+
+
+@pytest.mark.parametrize(
+    ("q_tile", "dtype", "window", "softcap"),
+    [
+        (16, jnp.float32, 0, 0.0),
+        (32, jnp.float16, 0, 2.0),
+        (16, jnp.bfloat16, 19, 0.0),
+        (32, jnp.float32, 37, 0.0),
+    ],
+)
+def test_wide_tiles_match_the_reference(q_tile, dtype, window, softcap):
+    # Prompt chunks on the kernel's wide path (pages of 16, head_dim 32): a chunk from
+    # position 0 (its own key tiles on the diagonal), chunks after 20 and 61 cached tokens (off
+    # the page grid), a tile with 3 real tokens; 3 query heads a KV head, so 48 or 96 rows.
+    lengths = [(20, 30), (0, 40), (61, 3), (7, 33)]
+    case = _case(lengths, 16, KV_HEADS, GROUP, 32, dtype, q_tile, KV_TILE, 0, 11, window)
+    q, k_pages, v_pages, positions, token_seq, table, tile_pass = case
+    q = q.astype(jnp.float32)
+    _, lse = _pass_alone(
+        q, k_pages, v_pages, jnp.asarray(positions), tile_pass, jnp.int32(window), softcap
+    )
+    ours = np.asarray(
+        _with_kernel(q, k_pages, v_pages, jnp.asarray(positions), tile_pass, window, softcap)
+    )
+    truth = np.asarray(
+        ragged_attention_reference(
+            q,
+            k_pages,
+            v_pages,
+            jnp.asarray(positions),
+            jnp.asarray(token_seq),
+            jnp.asarray(table),
+            window,
+            softcap,
+        )
+    )
+    assert np.max(np.abs(ours - truth)) <= 2e-5 * np.abs(truth).max()
+    tokens = np.asarray(tile_pass.tile_tokens).reshape(-1)
+    lse = np.asarray(lse).reshape(tokens.size, -1)
+    real = tokens < len(token_seq)
+    expected = _reference_lse(
+        q, k_pages, v_pages, np.asarray(positions), token_seq, table, window, softcap
+    )
+    assert np.allclose(lse[real], expected[tokens[real]], rtol=1e-5, atol=1e-5)
 
 
 def test_pages_outside_the_pool_are_never_read():

@@ -52,13 +52,13 @@ class AttentionBackend:
             )
         from pallas_kernels.ragged_attention import ragged_attention_xla
 
-        narrow_pass = None
+        native_pass = None
         if self.name == "cpu":
             from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
 
-            narrow_pass = ragged_pass_cpu
+            native_pass = ragged_pass_cpu
         return ragged_attention_xla(
-            q, k_pages, v_pages, positions, passes, chunk, window, softcap, shared, narrow_pass
+            q, k_pages, v_pages, positions, passes, chunk, window, softcap, shared, native_pass
         )
 
     @property

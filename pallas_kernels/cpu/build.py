@@ -39,10 +39,11 @@ SOURCES = tuple(
     HERE / name
     for name in ("ragged_pass.cc", "block_sparse.cc", "page_bounds.cc", "select_blocks.cc")
 )
-HEADERS = (HERE / "kernel_math.h",)
+HEADERS = tuple(HERE / name for name in ("kernel_math.h", "ragged_pass.h", "wide_tiles.h"))
 # Associative float arithmetic lets the compiler vectorise the dot products' sums (the
 # kernel's accuracy is that of a blocked sum, as XLA's own products have); no -ffast-math,
-# whose finite-only assumption would break the masked scores' -1e30 handling.
+# whose finite-only assumption would break the masked scores' -1e30 handling. Multiply-adds
+# fused (ISO C++ modes leave them apart), which the products' micro-kernels are made of.
 FLAGS = (
     "-O3",
     "-march=native",
@@ -53,6 +54,7 @@ FLAGS = (
     "-fno-trapping-math",
     "-fassociative-math",
     "-fno-signed-zeros",
+    "-ffp-contract=fast",
 )
 
 _log = logging.getLogger("etjax")

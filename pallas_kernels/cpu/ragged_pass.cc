@@ -29,6 +29,8 @@
 #include <vector>
 
 #include "kernel_math.h"
+#include "ragged_pass.h"
+#include "wide_tiles.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -39,31 +41,6 @@ namespace {
 // Items of one tile a unit takes (an item is Kt pages): long rows split into several units,
 // so one row over a long context still uses every thread.
 constexpr int kItemsPerUnit = 8;
-constexpr int kMaxHeadDim = 512;
-
-struct Pass {
-  const float* q;
-  const void* k;
-  const void* v;
-  const int32_t* q_positions;
-  const int32_t* tile_tokens;
-  const int32_t* item_pages;
-  const int32_t* item_key_start;
-  int64_t num_tokens, num_heads, head_dim;
-  int64_t num_pages, kv_heads, page_size;
-  int64_t tiles, tile_size, items_per_page_list;  // Nq, Qt, Kt
-  int32_t window;
-  float softcap, scale;
-  // The real items of tile j are order[first[j] .. first[j + 1]).
-  std::vector<int32_t> order, first;
-  // Units: (tile, KV head, items [item_begin, item_end) of `order`).
-  struct Unit {
-    int32_t tile, kv_head, item_begin, item_end;
-  };
-  std::vector<Unit> units;
-  // Partial softmax of each unit: Qt * G rows of (max, normaliser, accumulator [hd]).
-  std::vector<float> best, norm, acc;
-};
 
 template <typename T>
 void run_unit(Pass& pass, int64_t unit_index) {
@@ -184,8 +161,16 @@ void merge_units(const Pass& pass, float* out, float* lse) {
   }
 }
 
+// Runs the pass's units: a wide pass's row blocks write their rows' outputs in place, a
+// narrow pass's units leave partials for merge_units.
 template <typename T>
-void run_all(std::shared_ptr<Pass> pass, ffi::ThreadPool& pool) {
+void run_all(std::shared_ptr<Pass> pass, ffi::ThreadPool& pool, float* out, float* lse) {
+  if (!pass->row_blocks.empty()) {
+    auto run = std::make_shared<std::function<void(int64_t)>>(
+        [pass, out, lse](int64_t block) { run_row_block<T>(*pass, block, out, lse); });
+    run_units(run, static_cast<int64_t>(pass->row_blocks.size()), pool);
+    return;
+  }
   auto run = std::make_shared<std::function<void(int64_t)>>(
       [pass](int64_t unit) { run_unit<T>(*pass, unit); });
   run_units(run, static_cast<int64_t>(pass->units.size()), pool);
@@ -243,34 +228,37 @@ ffi::Error RaggedPassImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::An
   pass->order.resize(real);
   std::vector<int32_t> fill(pass->first.begin(), pass->first.end() - 1);
   for (int64_t i = 0; i < real; ++i) pass->order[fill[tile_of[i]]++] = static_cast<int32_t>(i);
-  for (int32_t j = 0; j < pass->tiles; ++j)
-    for (int32_t h = 0; h < pass->kv_heads; ++h)
-      for (int32_t b = pass->first[j]; b < pass->first[j + 1]; b += kItemsPerUnit)
-        pass->units.push_back({j, h, b, std::min(b + kItemsPerUnit, pass->first[j + 1])});
-
-  const int64_t rows = pass->tile_size * (pass->num_heads / pass->kv_heads);
-  pass->best.resize(pass->units.size() * rows);
-  pass->norm.resize(pass->units.size() * rows);
-  pass->acc.resize(pass->units.size() * rows * pass->head_dim);
-  switch (k_pages.element_type()) {
-    case ffi::DataType::F32:
-      run_all<float>(pass, pool);
-      break;
-    case ffi::DataType::F16:
-      run_all<_Float16>(pass, pool);
-      break;
-    case ffi::DataType::BF16:
-      run_all<BFloat16>(pass, pool);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("ragged pass: keys must be f32, f16 or bf16");
-  }
-
   float* out_data = out->typed_data();
   float* lse_data = lse->typed_data();
   std::fill(out_data, out_data + out->element_count(), 0.0f);
   std::fill(lse_data, lse_data + lse->element_count(), kMasked);
-  merge_units(*pass, out_data, lse_data);
+  const bool wide = runs_wide(*pass);
+  if (wide) {
+    plan_row_blocks(*pass);
+  } else {
+    for (int32_t j = 0; j < pass->tiles; ++j)
+      for (int32_t h = 0; h < pass->kv_heads; ++h)
+        for (int32_t b = pass->first[j]; b < pass->first[j + 1]; b += kItemsPerUnit)
+          pass->units.push_back({j, h, b, std::min(b + kItemsPerUnit, pass->first[j + 1])});
+    const int64_t rows = pass->tile_size * (pass->num_heads / pass->kv_heads);
+    pass->best.resize(pass->units.size() * rows);
+    pass->norm.resize(pass->units.size() * rows);
+    pass->acc.resize(pass->units.size() * rows * pass->head_dim);
+  }
+  switch (k_pages.element_type()) {
+    case ffi::DataType::F32:
+      run_all<float>(pass, pool, out_data, lse_data);
+      break;
+    case ffi::DataType::F16:
+      run_all<_Float16>(pass, pool, out_data, lse_data);
+      break;
+    case ffi::DataType::BF16:
+      run_all<BFloat16>(pass, pool, out_data, lse_data);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("ragged pass: keys must be f32, f16 or bf16");
+  }
+  if (!wide) merge_units(*pass, out_data, lse_data);
   return ffi::Error::Success();
 }
 

@@ -67,37 +67,32 @@ def ragged_attention_xla(
     window: jax.Array | int = 0,
     softcap: float = 0.0,
     shared_last: bool = False,
-    narrow_pass: Callable | None = None,
+    native_pass: Callable | None = None,
 ) -> jax.Array:
     """q: [T, H, hd]; k_pages, v_pages: [N, KVH, ps, hd]; q_positions: [T] int32; `passes`
     together cover every real token once (work_items.py), except that with `shared_last`
     (static) the last pass is a shared pass (`build_shared_pass`) whose tokens the others
     also hold; window: a sliding window in positions (0: none); softcap: scores s become
-    softcap * tanh(s / softcap) (Gemma 2; 0: none); narrow_pass: runs the passes of
-    one-token-loop tiles, and the shared pass, instead of the XLA loops, with `_run_pass`'s
-    arguments and results less the chunk (cpu.py's `ragged_pass_cpu`). Returns [T, H, hd] in
-    q's dtype; tokens in no tile get zeros."""
+    softcap * tanh(s / softcap) (Gemma 2; 0: none); native_pass: runs every pass, the shared
+    one too, instead of the XLA loops, with `_run_pass`'s arguments and results less the
+    chunk (cpu.py's `ragged_pass_cpu`). Returns [T, H, hd] in q's dtype; tokens in no tile
+    get zeros."""
     t, h, hd = q.shape
     own, shared = (passes[:-1], passes[-1]) if shared_last else (passes, None)
     out = jnp.zeros((t, h, hd), jnp.float32)
     lse = jnp.full((t, h), _MASKED, jnp.float32)
     for tile_pass in own:
         part, part_lse = _run_pass(
-            q, k_pages, v_pages, q_positions, tile_pass, chunk, window, softcap, narrow_pass
+            q, k_pages, v_pages, q_positions, tile_pass, chunk, window, softcap, native_pass
         )
         tokens = tile_pass.tile_tokens.reshape(-1)
         out = out.at[tokens].add(part.reshape(-1, h, hd), mode="drop")
         if shared is not None:  # (unused, and so never computed, without a shared pass)
             lse = lse.at[tokens].set(part_lse.reshape(-1, h), mode="drop")
     if shared is not None:
-        if narrow_pass is not None:
-            # A shared tile is decode rows (one token each): the kernel that reads a tile's
-            # pages once for all its queries, whatever the tile's width.
-            part, part_lse = narrow_pass(q, k_pages, v_pages, q_positions, shared, window, softcap)
-        else:
-            part, part_lse = _run_pass(
-                q, k_pages, v_pages, q_positions, shared, chunk, window, softcap, None
-            )
+        part, part_lse = _run_pass(
+            q, k_pages, v_pages, q_positions, shared, chunk, window, softcap, native_pass
+        )
         tokens = shared.tile_tokens.reshape(-1)
         part = jnp.zeros_like(out).at[tokens].set(part.reshape(-1, h, hd), mode="drop")
         part_lse = jnp.full_like(lse, _MASKED).at[tokens].set(part_lse.reshape(-1, h), mode="drop")
@@ -107,12 +102,12 @@ def ragged_attention_xla(
 
 
 def _run_pass(
-    q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk, window, softcap, narrow_pass
+    q, k_pages, v_pages, q_positions, tile_pass: TilePass, chunk, window, softcap, native_pass
 ):
     # -> the pass's tiles' outputs [Nq, Qt, H, hd] and log-sum-exps [Nq, Qt, H]
+    if native_pass is not None:
+        return native_pass(q, k_pages, v_pages, q_positions, tile_pass, window, softcap)
     wide = tile_pass.tile_tokens.shape[1] >= TILE_LOOP_MIN_QUERIES
-    if not wide and narrow_pass is not None:
-        return narrow_pass(q, k_pages, v_pages, q_positions, tile_pass, window, softcap)
     run = _tile_loop_pass if wide else _item_chunk_pass
     return run(q, k_pages, v_pages, q_positions, tile_pass, chunk, window, softcap)
 
