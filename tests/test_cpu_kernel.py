@@ -73,7 +73,7 @@ def _kernel_built():
         min_size=1,
         max_size=MAX_SEQS,
     ),
-    q_tile=st.sampled_from([1, 3, 8, 16, 32]),  # 16 and 32: wide tiles (wide_tiles.h)
+    q_tile=st.sampled_from([1, 3, 8, 16, 32]),  # 32: a wide tile (wide_tiles.h)
     page_size=st.sampled_from([PAGE_SIZE, 16]),  # 16: whole pages scored 16 keys at a time
     dtype=st.sampled_from([jnp.float32, jnp.float16, jnp.bfloat16]),
     head_dim=st.sampled_from([32, 20]),  # lanes of 16, and 16 + a scalar tail
@@ -123,16 +123,17 @@ def test_the_cpu_kernel_matches_the_reference(
 @pytest.mark.parametrize(
     ("q_tile", "dtype", "window", "softcap"),
     [
-        (16, jnp.float32, 0, 0.0),
-        (32, jnp.float16, 0, 2.0),
-        (16, jnp.bfloat16, 19, 0.0),
-        (32, jnp.float32, 37, 0.0),
+        (32, jnp.float32, 0, 0.0),
+        (64, jnp.float16, 0, 2.0),
+        (32, jnp.bfloat16, 19, 0.0),
+        (64, jnp.float32, 37, 0.0),
     ],
 )
 def test_wide_tiles_match_the_reference(q_tile, dtype, window, softcap):
     # Prompt chunks on the kernel's wide path (pages of 16, head_dim 32): a chunk from
     # position 0 (its own key tiles on the diagonal), chunks after 20 and 61 cached tokens (off
-    # the page grid), a tile with 3 real tokens; 3 query heads a KV head, so 48 or 96 rows.
+    # the page grid), a tile with 3 real tokens; 3 query heads a KV head: blocks of 96 rows and
+    # of 24 (a 40-token chunk).
     lengths = [(20, 30), (0, 40), (61, 3), (7, 33)]
     case = _case(lengths, 16, KV_HEADS, GROUP, 32, dtype, q_tile, KV_TILE, 0, 11, window)
     q, k_pages, v_pages, positions, token_seq, table, tile_pass = case

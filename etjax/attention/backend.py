@@ -3,10 +3,11 @@ platform) and carried as a static value in the attention plan and the step's sta
 
 - `xla`: pallas_kernels/ragged_attention/xla.py for dense attention and the XLA block-sparse
   kernel for pruned decode; every platform.
-- `cpu`: `xla`, except that decode attention runs C++ kernels that read the pages in place
-  (pallas_kernels/cpu): the dense passes of narrow query tiles (decode rows, verified drafts;
-  0.2-0.4x the XLA loop's time per layer, docs/PERF.md "step_floor"), and pruned decode's
-  page scores, block selection and block-sparse attention.
+- `cpu`: `xla`, except that attention runs C++ kernels that read the pages in place
+  (pallas_kernels/cpu): every dense pass (decode rows and verified drafts: 0.2-0.4x the XLA
+  loop's time per layer; prompt chunks, register-blocked and skipping what the causal mask
+  hides; docs/PERF.md "step_floor"), and pruned decode's page scores, block selection and
+  block-sparse attention.
   "auto" picks it on a CPU when they build (a C++ compiler at hand) and the engine runs on
   one device.
 - `pallas_gpu`: the Triton kernels, dense (ragged) and block-sparse.

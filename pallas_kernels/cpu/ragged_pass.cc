@@ -1,7 +1,6 @@
-// One pass of ragged paged attention for decode tiles (a decode row, a few draft tokens, the
-// rows of a cascade's shared tile), reading the KV pages where they lie: an XLA FFI custom
-// call for CPUs. Prompt chunks keep XLA's tile loop, whose products are large enough for
-// XLA's matrix kernels.
+// One pass of ragged paged attention, reading the KV pages where they lie: an XLA FFI custom
+// call for CPUs. This file runs narrow tiles (a decode row, a few draft tokens, the rows of a
+// cascade's shared tile); wide ones (prompt chunks) run wide_tiles.h's units.
 //
 // XLA:CPU has no gather that feeds a product, so its pass (xla.py) copies every trip's pages
 // into product order first, at 5-18 GB/s, and that copy is most of a long-context decode step
@@ -18,11 +17,11 @@
 //   attributes softcap (0: none) and scale (head_dim ** -0.5).
 // Results: out [Nq, Qt, H, hd] f32 and lse [Nq, Qt, H] f32 (-1e30 where a query saw nothing).
 //
-// Work is split into units of (tile, KV head, up to kItemsPerUnit of the tile's items), taken
-// from an atomic counter by the calling thread and by helpers on XLA's intra-op thread pool;
-// each unit leaves a partial softmax, and the partials of a (tile, KV head) are merged by
-// their maxima at the end. The caller never waits for a unit nobody has claimed, so a helper
-// that starts late finds nothing left and returns.
+// Narrow tiles' work is split into units of (tile, KV head, up to kItemsPerUnit of the tile's
+// items), taken from an atomic counter by the calling thread and by helpers on XLA's intra-op
+// thread pool; each unit leaves a partial softmax, and the partials of a (tile, KV head) are
+// merged by their maxima at the end. The caller never waits for a unit nobody has claimed, so
+// a helper that starts late finds nothing left and returns.
 
 #include <functional>
 #include <memory>

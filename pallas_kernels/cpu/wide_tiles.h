@@ -28,8 +28,10 @@
 
 namespace etjax_cpu {
 
-// The narrowest query tile that runs here (xla.py's TILE_LOOP_MIN_QUERIES).
-constexpr int64_t kWideTileMin = 16;
+// The narrowest query tile that runs here: prompt chunks' tiles (64 tokens and up). A
+// cascade's shared tile (16 decode rows of several sequences) stays narrow, whose units split
+// the shared prefix's items, so even one such tile keeps every thread busy.
+constexpr int64_t kWideTileMin = 32;
 // Tokens of one unit: with G query heads per KV head, 32 * G rows. A 512-token chunk is then
 // 16 units per KV head, enough to keep the threads busy to the end of a causal chunk.
 constexpr int64_t kBlockTokens = 32;

@@ -1,9 +1,9 @@
-"""The dense ragged pass of narrow query tiles on the CPU kernel (pallas_kernels/cpu/
-ragged_pass.cc, an XLA FFI call that reads the KV pages in place).
+"""The dense ragged pass on the CPU kernel (pallas_kernels/cpu/ragged_pass.cc, an XLA FFI
+call that reads the KV pages in place): decode tiles and prompt chunks alike.
 
 `ragged_pass_cpu` takes the arguments of the XLA backend's passes and returns the same
-(outputs, log-sum-exps), so xla.py runs it in place of its one-token item loop for the `cpu`
-attention backend (etjax/attention/backend.py), which the engine picks on a CPU when
+(outputs, log-sum-exps), so xla.py runs it in place of its loops for the `cpu` attention
+backend (etjax/attention/backend.py), which the engine picks on a CPU when
 `pallas_kernels.cpu.cpu_kernels_available()`.
 """
 
