@@ -196,8 +196,8 @@ def _add_bench(commands) -> None:
     bench.add_argument(
         "--workload",
         default=d.workload,
-        help="mixed, online, shared, long, or FILE.jsonl: records of your own (prompt or "
-        "messages, max_new_tokens, priority, arrival in seconds)",
+        help="mixed, online, shared, long, long_output, or FILE.jsonl: records of your own "
+        "(prompt or messages, max_new_tokens, priority, arrival in seconds)",
     )
     bench.add_argument(
         "--configs", default=",".join(d.configs), help="comma-separated; the first is the baseline"

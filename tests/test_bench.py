@@ -18,7 +18,14 @@ from etjax.bench.reference import _until_stop
 from etjax.bench.report import additivity, cost_table, relative_table
 from etjax.bench.text_metrics import corpus_bleu, rouge_l
 from etjax.bench.workload_file import read_workload_file, workload_label
-from etjax.bench.workloads import build_workload, long, mixed, poisson_arrivals, shared
+from etjax.bench.workloads import (
+    build_workload,
+    long,
+    long_output,
+    mixed,
+    poisson_arrivals,
+    shared,
+)
 from etjax.cli import main
 from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError
@@ -70,6 +77,16 @@ def test_long_workload_fits_the_model_s_context_and_asks_long_outputs(smollm2, l
         assert 256 <= r.max_new_tokens <= 1024 and n >= 4096 and n + r.max_new_tokens <= 8192
     # The four requests on a document share it: the continuation is the document itself.
     assert first[0].prompt.startswith(first[3].prompt) and first[4].prompt != first[0].prompt
+
+
+def test_long_output_workload_asks_long_generations_of_short_prompts(smollm2, lee):
+    tok = smollm2.tokenizer
+    first = build_workload("long_output", tok, lee, 6, 1, context=2048)
+    assert first == long_output(tok, lee, 6, seed=1, context=2048) != long_output(tok, lee, 6, 2)
+    for r in first:
+        n = len(tok.encode(r.prompt))
+        # Outputs of 1,024-4,096 tokens, cut to what the 2K context leaves after the prompt.
+        assert n <= 420 and min(1024, 2047 - n) <= r.max_new_tokens <= 2047 - n
 
 
 def test_a_workload_file_is_read_checked_and_tokenized(smollm2, tmp_path):

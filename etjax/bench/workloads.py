@@ -10,6 +10,10 @@ behind one long instruction block (few-shot examples), and prompts sampled four 
 documents of 4K-16K tokens (up to the model's context) each asked three questions or asked to
 continue, with 256-1,024 new tokens, so that the decode phase over long KV caches, where
 pruning and the scheduler act, is most of the run once the documents' pages are shared.
+`long_output(n, seed, context)`: long generations from short prompts, the other decode-bound
+case: an article's opening (64-384 tokens) to be continued or written up at length, with
+1,024-4,096 new tokens (within the model's context), so each row's KV cache grows through the
+run and the sampler's entropy, not the prompt, decides what the levels do.
 `poisson_arrivals(n, rate, seed)`: arrival times (seconds) of a Poisson process of `rate`
 requests per second. A workload file (etjax/bench/workload_file.py) holds anyone's own.
 """
@@ -31,7 +35,7 @@ INSTRUCTIONS = {
 
 @dataclass(frozen=True)
 class WorkloadRequest:
-    kind: str  # mixed: "summarise" | "continue" | "question" | "long"; shared, long: see them
+    kind: str  # mixed: "summarise" | "continue" | "question" | "long"; the others: see them
     prompt: str
     max_new_tokens: int
     # The prompt's token ids when they are not the plain encoding of `prompt` (a chat
@@ -157,6 +161,30 @@ def long(
     return requests
 
 
+LONG_OUTPUT_TASKS = (
+    "Continue this news report for several pages, adding interviews and background.\n\n{text}",
+    "Write a detailed feature story that follows up on this article.\n\n{text}\n\nStory:",
+    "{text}",
+)
+
+
+def long_output(
+    tokenizer, articles: list[str], n: int = 16, seed: int = 0, context: int = 16384
+) -> list[WorkloadRequest]:
+    """The `long_output` workload (see the module docstring), deterministic in `seed`."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(n):
+        article = articles[rng.randrange(len(articles))]
+        text = tokenizer.decode(tokenizer.encode(article)[: rng.randint(64, 384)])
+        task = rng.randrange(len(LONG_OUTPUT_TASKS))
+        prompt = LONG_OUTPUT_TASKS[task].format(text=text)
+        room = context - len(tokenizer.encode(prompt)) - 1
+        new = min(rng.randint(1024, 4096), room)
+        requests.append(WorkloadRequest(("continue", "story", "open")[task], prompt, new))
+    return requests
+
+
 WORKLOADS = {
     "mixed": "the mixed requests, all submitted at once",
     "online": "the mixed requests with Poisson arrivals at a fraction of measured capacity",
@@ -164,6 +192,8 @@ WORKLOADS = {
     "instruction block, repeated samples), all submitted at once",
     "long": "decode-bound requests on 4K-16K-token documents, 256-1,024 new tokens, all "
     "submitted at once",
+    "long_output": "short prompts continued at length, 1,024-4,096 new tokens, all submitted "
+    "at once",
 }
 
 
@@ -174,6 +204,8 @@ def build_workload(
     model's, which the `long` workload's documents fit in."""
     if name == "long":
         return long(tokenizer, articles, n, seed=seed, context=context)
+    if name == "long_output":
+        return long_output(tokenizer, articles, n, seed=seed, context=context)
     make = shared if name == "shared" else mixed
     return make(tokenizer, articles, n, seed=seed)
 
