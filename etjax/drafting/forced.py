@@ -25,6 +25,7 @@ from __future__ import annotations
 from etjax.constraints.matcher import forced_tokens
 from etjax.drafting.config import SpeculationConfig
 from etjax.drafting.rule import verification_pays
+from etjax.runtime.buckets import ragged_token_bucket
 
 
 def forced_draft_limit(spec: SpeculationConfig, steps_per_sync: int) -> int:
@@ -74,4 +75,18 @@ def with_forced_drafts(
     if not any(len(a) != len(b) for a, b in zip(out, drafts, strict=True)):
         return drafts
     certain = [1.0 if g >= 0 else a for g, a in zip(grammars, acceptance, strict=True)]
-    return out if verification_pays([len(d) for d in out], certain, spec) else drafts
+    if verification_pays([len(d) for d in out], certain, spec):
+        return out
+    # Turned down: the runs cut to the padding the step's token bucket has anyway (a
+    # drained batch of 20 rows runs 32 tokens), which may pay where the whole runs did not.
+    room = ragged_token_bucket(len(drafts) + sum(len(d) for d in drafts)) - len(drafts)
+    room -= sum(len(d) for d in drafts)
+    for j, grammar in enumerate(grammars):
+        if grammar >= 0:
+            out[j] = out[j][: max(room, 0)]
+            room -= len(out[j])
+    if any(out[j] for j, g in enumerate(grammars) if g >= 0) and verification_pays(
+        [len(d) for d in out], certain, spec
+    ):
+        return out
+    return drafts
