@@ -107,8 +107,8 @@ def _fewest_passes(model, outs, max_draft: int) -> int:
         while i < len(tokens):
             step = max(min(len(matcher.forced_tokens(gid)), 1 + max_draft, len(tokens) - i), 1)
             for k in range(i, i + step):
-                one = np.ones(1, bool)
-                matcher.advance(np.array([gid]), np.array([tokens[k]]), np.array([k]), one, 1)
+                row = (np.array([gid]), np.array([tokens[k]]), np.array([k]), np.ones(1, bool))
+                matcher.advance(*row, matcher.mask_words(vocab))
             passes, i = passes + 1, i + step
         matcher.release(gid)
     return passes

@@ -582,7 +582,8 @@ class Engine:
             "prompt_tokens": float(len(seq.prompt)),
             "cached_tokens": float(seq.cached_tokens),  # of them, served by the prefix cache
             "preemptions": float(seq.preemptions),
-            # Speculation: model passes per generated token (1 without it), drafted tokens,
+            # Drafts (speculation's lookups, a grammar's forced runs): model passes per
+            # generated token (1 without drafts), drafted tokens,
             # the fraction of them accepted, the passes that verified drafts and the drafted
             # tokens each of those accepted on average.
             "passes_per_token": seq.decode_passes / n if n else 0.0,
