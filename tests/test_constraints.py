@@ -1,8 +1,10 @@
 """Constrained output (`json_schema`, `regex`, `choices`, `grammar`) on SmolLM2, all in one
 engine: every output that ends by itself parses and validates (`jsonschema`, the regex, the
 grammar's language), one cut by max_new_tokens says so, the trace's entropy is the masked
-distribution's, and an unconstrained row beside the constrained ones decodes exactly as
-transformers' greedy search does."""
+distribution's, an unconstrained row beside the constrained ones decodes exactly as
+transformers' greedy search does, and drafting the grammar's forced tokens
+(etjax/drafting/forced.py) gives the tokens of the same requests with each forced token a step
+of its own (greedy and a seeded row)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import pytest
 import torch
 
 from etjax.constraints import matcher
-from etjax.engine.build import RequestSettings, generate_ids
+from etjax.drafting import SpeculationConfig
+from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.sampling import SamplerSettings
 
 SCHEMAS = {
     "person": {
@@ -47,6 +51,7 @@ REGEX = r"[A-Z][a-z]+, [0-9]{4}"
 GRAMMAR = 'start: "The answer is " answer "."\nanswer: "yes" | "no"'  # Lark, as llguidance reads
 CHOICES = ("yes", "no")
 PLAIN_TOKENS = 8
+SEEDED = SamplerSettings(temperature=0.9, top_p=0.95, seed=5)  # the "label" row's sampler
 
 
 def _chat(model, text: str) -> list[int]:
@@ -57,10 +62,9 @@ def _chat(model, text: str) -> list[int]:
     return model.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
-@pytest.fixture(scope="module")
-def runs(smollm2):
-    # One engine, every row at once: three schemas, a regex, choices, a grammar, a schema cut
-    # short, and an unconstrained row, greedy.
+def _asks(smollm2):
+    # Every row at once: three schemas, a regex, choices, a grammar, a schema cut short, and
+    # an unconstrained row, greedy but for the seeded "label" row.
     asks = [
         ("person", "Give a famous scientist as JSON with name and age.", 24),
         ("label", "Label the sentiment of: 'I loved this film.'", 24),
@@ -85,12 +89,27 @@ def runs(smollm2):
             fields = {"grammar": GRAMMAR}
         else:
             fields = {"ignore_eos": True}
+        if kind == "label":
+            fields["sampler"] = SEEDED
         settings.append(RequestSettings(max_new_tokens=new, **fields))
     prompts = [_chat(smollm2, text) for _, text, _ in asks]
-    outs = generate_ids(smollm2.weights, smollm2.config, smollm2.tokenizer, prompts, settings)
-    return {
-        kind: (prompt, out) for (kind, _, _), prompt, out in zip(asks, prompts, outs, strict=True)
-    }
+    return [kind for kind, _, _ in asks], prompts, settings
+
+
+def _run(smollm2, speculation):
+    kinds, prompts, settings = _asks(smollm2)
+    options = RuntimeOptions(speculation=speculation)
+    outs = generate_ids(
+        smollm2.weights, smollm2.config, smollm2.tokenizer, prompts, settings, options
+    )
+    return {kind: (p, out) for kind, p, out in zip(kinds, prompts, outs, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2):
+    # Forced runs drafted in every round that has one (a pass's fixed cost as an
+    # accelerator's: this CPU's gate would draft in fewer rounds).
+    return _run(smollm2, SpeculationConfig(pass_fixed_tokens=1000.0))
 
 
 def test_constrained_outputs_parse_and_validate(runs):
@@ -131,3 +150,22 @@ def test_an_unconstrained_row_beside_constrained_ones_decodes_as_transformers(ru
     reference = logits[len(prompt) - 1 : -1].argmax(dim=-1).tolist()
     assert len(out.token_ids) == PLAIN_TOKENS and out.token_ids == reference
     assert np.all(np.isfinite(out.logprob))
+
+
+def test_drafting_forced_tokens_changes_no_output(smollm2, runs):
+    # The truth: the same requests with each forced token a step of its own (same programs
+    # but the verifying one). Same tokens, greedy and seeded, same traces up to float
+    # rounding; the keys and braces came as accepted drafts, so fewer passes than tokens.
+    stepped = _run(smollm2, SpeculationConfig(forced_tokens=False))
+    for kind, (_, out) in runs.items():
+        _, plain = stepped[kind]
+        assert out.token_ids == plain.token_ids, (kind, out.text, plain.text)
+        assert out.finish_reason == plain.finish_reason
+        np.testing.assert_allclose(out.entropy, plain.entropy, atol=1e-4)
+        np.testing.assert_allclose(out.raw_entropy, plain.raw_entropy, atol=1e-4)
+        assert plain.metrics["passes_per_token"] == 1.0
+    for kind in ("person", "label"):
+        metrics = runs[kind][1].metrics
+        assert metrics["drafted_tokens"] >= 2 and metrics["acceptance_rate"] == 1.0
+        assert metrics["passes_per_token"] < 0.9
+    assert runs["plain"][1].metrics["drafted_tokens"] == 0  # nothing to force

@@ -11,6 +11,11 @@ programs compiled once serve every engine (the callback finds matchers by id).
 `advance` is idempotent per token: it is given each token's index in the row's output and
 skips what its matcher already consumed, so a re-executed callback cannot advance a grammar
 twice.
+
+`forced_tokens` lists the tokens the grammar forces next (llguidance's fast-forward tokens), which
+the engine drafts so that a run of them costs one pass (etjax/drafting/forced.py). A verifying
+step calls `advance` once per drafted position with `only_committed`: rows whose draft was not
+committed there keep the mask they had, so the host computes masks only where one changed.
 """
 
 from __future__ import annotations
@@ -104,6 +109,15 @@ def initial_mask(gid: int) -> np.ndarray:
     return _registry[gid].mask()
 
 
+def forced_tokens(gid: int) -> list[int]:
+    """The tokens a request's grammar forces next, in order (llguidance's fast-forward tokens:
+    the forced bytes as tokens, short of a last token a longer one could replace); empty when
+    the next token is free. Drafts, not commitments: the step verifies them under the real
+    masks, so one the mask would not force costs its rejection, never a different output."""
+    row = _registry.get(gid)
+    return [] if row is None else list(row.matcher.compute_ff_tokens())
+
+
 def release(gid: int) -> None:
     """Forget a finished request's matcher."""
     with _lock:
@@ -116,13 +130,20 @@ def live_count() -> int:
 
 
 def advance(
-    gids: np.ndarray, tokens: np.ndarray, index: np.ndarray, committed: np.ndarray, width: int
+    gids: np.ndarray,
+    tokens: np.ndarray,
+    index: np.ndarray,
+    committed: np.ndarray,
+    width: int,
+    only_committed: bool = False,
 ) -> np.ndarray:
     """The device step's callback. gids, tokens, index: [B] int32 (the token's index in the
     row's output), committed: [B] bool. Returns [B, width] uint32: for each constrained row
-    the tokens allowed after its committed token, all ones for the others."""
+    the tokens allowed after its committed token, all ones for the others (and, with
+    `only_committed`, for rows that committed nothing: the caller keeps their mask)."""
     masks = np.full((gids.shape[0], width), ALL_TOKENS, np.uint32)
-    for b in np.nonzero(gids >= 0)[0]:
+    rows = (gids >= 0) & committed if only_committed else gids >= 0
+    for b in np.nonzero(rows)[0]:
         row = _registry.get(int(gids[b]))
         if row is None:  # a pad row's stale id, or a request already released
             continue

@@ -5,12 +5,24 @@
   the sequence's last few tokens, in its prompt or its output.
 - `rule.py`: how many tokens a sequence drafts this round, from its entropy and how its
   recent drafts fared, within a batch-wide budget.
+- `forced.py`: a constrained row's forced tokens (its grammar allows one token, or a run),
+  drafted so that a run costs one pass where that pays; on without speculation.
 
 Verification is on the device (etjax/runtime/verify.py); the engine ties them together.
 """
 
 from etjax.drafting.config import SpeculationConfig
+from etjax.drafting.forced import forced_draft, forced_draft_limit, with_forced_drafts
 from etjax.drafting.ngram import TokenHistory, lookup_draft
 from etjax.drafting.rule import DraftHistory, draft_lengths
 
-__all__ = ["DraftHistory", "SpeculationConfig", "TokenHistory", "draft_lengths", "lookup_draft"]
+__all__ = [
+    "DraftHistory",
+    "SpeculationConfig",
+    "TokenHistory",
+    "draft_lengths",
+    "forced_draft",
+    "forced_draft_limit",
+    "lookup_draft",
+    "with_forced_drafts",
+]

@@ -43,6 +43,11 @@ class SpeculationConfig:
       reads its weights for far longer than it computes a few tokens, so pass_fixed_tokens
       is larger there (about twice its peak FLOP/s over its memory bandwidth in bytes, for
       float32 weights), and more rounds verify.
+    forced_tokens: a constrained row drafts the tokens its grammar forces (a run of them
+      costs one pass; etjax/drafting/forced.py), up to max_draft (and steps_per_sync - 1)
+      per round. On by default and independent of `enabled`: forced drafts are accepted
+      for certain, so they need no entropy rule or cost gate. Off: each forced token is a
+      step of its own, as in a burst.
     """
 
     enabled: bool = False
@@ -56,10 +61,13 @@ class SpeculationConfig:
     draft_budget: int = 16
     pass_fixed_tokens: float = 5.0
     verify_row_tokens: float = 0.5
+    forced_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise FieldError("enabled", self.enabled, "true or false")
+        for name in ("enabled", "forced_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise FieldError(name, value, "true or false")
         for name in ("max_draft", "ngram_max", "ngram_min", "draft_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

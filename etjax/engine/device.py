@@ -33,6 +33,7 @@ from etjax.calibration.signal import identity_params, row_params
 from etjax.constraints.matcher import ALL_TOKENS, initial_mask, mask_words
 from etjax.distributed.mesh import make_mesh
 from etjax.distributed.placement import Placement
+from etjax.drafting import forced_draft_limit
 from etjax.engine.backend import PrefillJob, RowInit
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import initial_entropy_state
@@ -129,6 +130,8 @@ class DeviceBackend:
         self.prefill_rows = batch_bucket(options.max_prefill_rows)  # chunks per step, padded
         self._burst_buckets: set[int] = set()  # row buckets of the bursts run so far
         self._constrained: set[int] = set()  # rows whose requests have a grammar
+        # The most tokens a row drafts: speculation's, or a constrained row's forced run.
+        self.max_draft = forced_draft_limit(options.speculation, options.steps_per_sync)
         # The pruning's thresholds, traced (engines that differ only in them share the
         # programs) and on the device once; its shape is in the statics.
         self.thresholds = jax.device_put(
@@ -161,18 +164,21 @@ class DeviceBackend:
         [steps, len(rows)], their budget fractions, the (FLOPs, bytes) of each job, and the
         log-probabilities of each job's `targets` (None without); a job's logits are kept
         for `insert`. Under pruning the rows read only their kept blocks.
-        With speculation on, `drafts[j]` (at most max_draft tokens) run after row j's token
-        and are verified; the outputs then have 1 + max_draft steps, emitted where
-        committed."""
+        With speculation on, or forced tokens for constrained rows (etjax/drafting/forced.py),
+        `drafts[j]` (at most `self.max_draft` tokens) run after row j's token and are
+        verified; the outputs then have 1 + max_draft steps, emitted where committed."""
         opts, cfg = self.options, self.cfg
         spec = opts.speculation
         drafts = drafts or [[] for _ in rows]
         if len(rows) > opts.max_batch_size:
             raise ValueError(f"{len(rows)} decoding rows; max_batch_size={opts.max_batch_size}")
-        if any(drafts) and not spec.enabled:
-            raise ValueError("drafts given to an engine without speculation")
-        if any(len(d) > spec.max_draft for d in drafts):
-            raise ValueError(f"a draft of more than max_draft={spec.max_draft} tokens")
+        if any(drafts) and not self.max_draft:
+            raise ValueError("drafts given to an engine without speculation or forced tokens")
+        if any(len(d) > self.max_draft for d in drafts):
+            raise ValueError(f"a draft of more than max_draft={self.max_draft} tokens")
+        # Speculation keeps one program per token bucket; forced drafts alone verify only in
+        # the calls that have some.
+        max_draft = self.max_draft if spec.enabled or any(drafts) else 0
         row_tokens = [1 + len(d) for d in drafts]
         total = sum(row_tokens) + sum(len(j.tokens) for j in jobs)
         if total > opts.token_budget:
@@ -225,7 +231,7 @@ class DeviceBackend:
             start += n
         decode_sizes, prefill_sizes = self._mixed_sizes(num_tokens, width)
         groups, passes = [decoding], decode_sizes.passes
-        if spec.enabled:  # a row's token and drafts share one query tile
+        if max_draft:  # a row's token and drafts share one query tile
             groups, passes = [decoding, verifying], passes + self._verify_sizes(width).passes
         routed, prefill_passes = [], ()
         if jobs:
@@ -254,7 +260,7 @@ class DeviceBackend:
             table,
             self.thresholds,
             self._statics(rows, max_kept),
-            spec.max_draft if spec.enabled else 0,
+            max_draft,
         )
         for j, job in enumerate(jobs):
             self._logits[job.row] = (logits, np.int32(j))  # sliced inside the insert program
@@ -294,8 +300,7 @@ class DeviceBackend:
     def _verify_sizes(self, width: int) -> PlanSizes:
         # Rows with drafts: one query tile of 1 + max_draft tokens (a power of two) each,
         # reading its pages once for all of them.
-        opts = self.options
-        tile = next_power_of_two(1 + opts.speculation.max_draft)
+        tile = next_power_of_two(1 + self.max_draft)
         return self._decode_sizes(width, q_tile=tile)
 
     def _decode_sizes(self, rows: int, q_tile: int = 1, cascade: bool = False) -> PlanSizes:

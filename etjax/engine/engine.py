@@ -41,7 +41,7 @@ from etjax.cache.page_allocator import pages_needed
 from etjax.cache.prefix_cache import PrefixCache
 from etjax.constraints.matcher import register as register_grammar
 from etjax.constraints.matcher import release as release_grammar
-from etjax.drafting import DraftHistory, draft_lengths, lookup_draft
+from etjax.drafting import DraftHistory, draft_lengths, lookup_draft, with_forced_drafts
 from etjax.engine import scheduler
 from etjax.engine.backend import Backend, PrefillJob, RowInit
 from etjax.engine.feed import run_fed
@@ -343,9 +343,26 @@ class Engine:
         return jobs
 
     def _drafts(self, batch: list[Sequence], budget: int) -> list[list[int]]:
-        # What each row of the batch drafts this round (etjax/drafting): lengths by its
-        # entropy and its acceptance so far, tokens by prompt lookup. Nothing when
-        # speculation is off.
+        # What each row of the batch drafts this round (etjax/drafting): a constrained row
+        # the tokens its grammar forces (forced.py), the others, with speculation on, by
+        # prompt lookup (lengths by entropy and acceptance so far).
+        spec = self.options.speculation
+        drafts = with_forced_drafts(
+            self._lookup_drafts(batch, budget),
+            [s.grammar for s in batch],
+            [s.settings.max_new_tokens - len(s.output.token_ids) for s in batch],
+            [s.drafts.acceptance if s.drafts else spec.acceptance_prior for s in batch],
+            spec,
+            self.options.steps_per_sync,
+            budget,
+        )
+        for seq, draft in zip(batch, drafts, strict=True):
+            if draft and seq.drafts is None:  # a forced run, speculation off
+                seq.drafts = DraftHistory(spec.acceptance_prior)
+        return drafts
+
+    def _lookup_drafts(self, batch: list[Sequence], budget: int) -> list[list[int]]:
+        # Speculation's drafts; none when it is off.
         spec = self.options.speculation
         if not spec.enabled:
             return [[] for _ in batch]
@@ -356,7 +373,7 @@ class Engine:
         signal = [s.output.calibrated_entropy for s in batch]
         entropies = [h[-1] if h else None for h in signal]
         lengths = draft_lengths(entropies, [s.drafts for s in batch], spec, budget)
-        # A constrained row draws each token under its grammar's mask: it drafts nothing.
+        # A constrained row drafts its forced tokens instead (`_drafts`), never a lookup.
         lengths = [0 if s.grammar >= 0 else n for s, n in zip(batch, lengths, strict=True)]
         # The lookup continues the committed text, so its first token predicts the one the
         # device samples this step; the drafts are what follows that prediction.
@@ -399,8 +416,9 @@ class Engine:
             if any(drafts):
                 committed = np.asarray(out.emitted).sum(axis=0)
                 for j, seq in enumerate(batch):
-                    accepted = max(int(committed[j]) - 1, 0)
-                    seq.drafts.record(len(drafts[j]), accepted, self.options.speculation)
+                    if drafts[j]:
+                        accepted = max(int(committed[j]) - 1, 0)
+                        seq.drafts.record(len(drafts[j]), accepted, self.options.speculation)
             self._collect(batch, out, budgets, one_pass=True)
         for (seq, job), (flops, nbytes), values in zip(jobs, costs, prompt_logprobs, strict=True):
             if values is not None:
@@ -564,7 +582,8 @@ class Engine:
             "prompt_tokens": float(len(seq.prompt)),
             "cached_tokens": float(seq.cached_tokens),  # of them, served by the prefix cache
             "preemptions": float(seq.preemptions),
-            # Speculation: model passes per generated token (1 without it), drafted tokens,
+            # Drafts (speculation's lookups, a grammar's forced runs): model passes per
+            # generated token (1 without drafts), drafted tokens,
             # the fraction of them accepted, the passes that verified drafts and the drafted
             # tokens each of those accepted on average.
             "passes_per_token": seq.decode_passes / n if n else 0.0,

@@ -159,7 +159,13 @@ def mixed_step(
         if max_draft:
             drafts = batch.tokens.at[row_slots[:, 1:]].get(mode="fill", fill_value=0)
             state, verified = accept_drafts(
-                weights, state, drafts, batch.draft_len, draft_hidden, statics.cost
+                weights,
+                state,
+                drafts,
+                batch.draft_len,
+                draft_hidden,
+                statics.cost,
+                statics.constrained,
             )
             outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outputs, verified)
             written = jnp.sum(row_pages != 0, axis=1)

@@ -32,10 +32,16 @@ def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
 
 
 def next_masks(
-    grammar: jax.Array, tokens: jax.Array, index: jax.Array, committed: jax.Array, width: int
+    grammar: jax.Array,
+    tokens: jax.Array,
+    index: jax.Array,
+    committed: jax.Array,
+    width: int,
+    only_committed: bool = False,
 ) -> jax.Array:
     """[B, W] uint32 each row's mask after its token `tokens[b]` (output token `index[b]`)
-    was committed (`committed` [B] bool); all ones where `grammar` [B] is -1."""
+    was committed (`committed` [B] bool); all ones where `grammar` [B] is -1, and with
+    `only_committed` where nothing was committed (the caller keeps those rows' masks)."""
     shape = jax.ShapeDtypeStruct((grammar.shape[0], width), jnp.uint32)
-    host = functools.partial(matcher.advance, width=width)
+    host = functools.partial(matcher.advance, width=width, only_committed=only_committed)
     return io_callback(host, shape, grammar, tokens, index, committed, ordered=True)

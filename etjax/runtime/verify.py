@@ -16,6 +16,12 @@ the randomness coupled to the non-speculative run: a request's output is the one
 have produced without speculation, token for token, up to the float rounding of running
 several tokens in one pass. Each committed token is accounted as its own step (commit.py);
 rejected drafts are charged the compute they cost.
+
+Constrained rows (a program with `constrained`) draft their grammar's forced tokens
+(etjax/drafting/forced.py), and each position is checked as their plain step draws: under the
+row's mask, then, for an accepted draft, the mask after it from the row's matcher (the same
+ordered callback, etjax/runtime/token_mask.py). A forced draft is thus accepted because the
+masked draw makes it, not because the host said so.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from etjax.model.weights import Weights
 from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.commit import commit_tokens, sample_rows
 from etjax.runtime.state import DecodeState, StepOutputs
+from etjax.runtime.token_mask import mask_logits, next_masks
 
 
 def accept_drafts(
@@ -38,6 +45,7 @@ def accept_drafts(
     draft_len: jax.Array,
     draft_hidden: jax.Array,
     cost: CostModel,
+    constrained: bool = False,
 ) -> tuple[DecodeState, StepOutputs]:
     """Accept the longest prefix of each row's drafts its sampler reproduces.
 
@@ -45,7 +53,8 @@ def accept_drafts(
     distribution after that token); drafts: [B, k] int32 the tokens run after it; draft_len:
     [B] int32 how many of them are real (the row ran them only if it is still active);
     draft_hidden: [B, k, D] the final hidden state after each draft. Returns the state after
-    the accepted drafts and their outputs [k, B] (emitted where accepted).
+    the accepted drafts and their outputs [k, B] (emitted where accepted). `constrained`
+    (static): the rows' grammars mask each position as in the plain step (`_decode_step`).
 
     Draft i is checked only while some row is still accepting (a `lax.cond`): the i-th
     distribution (an LM-head product over the batch) and sample cost nothing once every row
@@ -55,9 +64,23 @@ def accept_drafts(
 
     def check(carry, i):
         state, accepting, accepted = carry
-        tokens, info, sampler_state = sample_rows(state)
+        raw = state.logits
+        if constrained:
+            state = state.replace(logits=mask_logits(raw, state.allowed))
+            tokens, info, sampler_state = sample_rows(state, raw)
+        else:
+            tokens, info, sampler_state = sample_rows(state)
         draft = jax.lax.dynamic_index_in_dim(drafts, i, axis=1, keepdims=False)
         take = accepting & (i < draft_len) & (tokens == draft)
+        if constrained:  # the masks after the accepted drafts; the other rows keep theirs
+            allowed = next_masks(
+                state.grammar,
+                tokens,
+                state.num_generated,
+                take,
+                state.allowed.shape[1],
+                only_committed=True,
+            )
         num_blocks = (state.lengths + cost.page_size) // cost.page_size
         keys = cost.layer_keys((num_blocks * cost.page_size).astype(jnp.float32))
         flops = cost.matmul_flops_per_token + cost.attention_flops_per_key * keys
@@ -76,6 +99,13 @@ def accept_drafts(
             flops,
             nbytes,
         )
+        if constrained:
+            # A row that took nothing keeps its raw logits (the next step masks them again
+            # and reads their entropy); one that took a draft has what the plain step leaves.
+            state = state.replace(
+                logits=jnp.where(take[:, None], state.logits, raw),
+                allowed=jnp.where(take[:, None], allowed, state.allowed),
+            )
         return (state, take & state.active, accepted + take), out
 
     def skip(carry, i):

@@ -1,0 +1,282 @@
+"""Structured output on SmolLM2: a JSON-schema extraction workload of 32 news records, and what
+`logprobs=5` costs a batch-32 decode step, side by side in one run (docs/PERF.md section
+`structured_output`).
+
+Extraction: each record asks for one JSON object (`SCHEMA`: a category enum, a country, a
+person, a year and a short summary) about the opening of a Lee corpus article. Three variants
+of the same 32 requests run interleaved, greedy, all 32 in one batch, `--repeats` times after
+one warm-up pass that compiles their programs:
+  - `unconstrained`: the same prompts and `max_new_tokens`, no schema (the throughput baseline);
+  - `schema, forced as steps`: the schema with `forced_tokens` off, each forced token a step;
+  - `schema, forced drafted (default gate)`: the default: a run of forced tokens drafted and
+    verified in one pass (etjax/drafting/forced.py) in rounds where the cost gate says a
+    verifying step pays over a burst;
+  - `schema, forced drafted every round`: the gate of a device whose passes are bound by
+    reading the weights (`pass_fixed_tokens=1000`), so every forced run is drafted.
+Reported per variant: outputs that parse and validate (`jsonschema`) and ended by themselves,
+generated tokens per second (median and spread over the repeats; prefill included, the same
+records for all), the paired median throughput ratio to `unconstrained`, model passes per
+generated token (a pass that verifies drafts counts once), and what explains the throughput:
+the engine's batch passes (a burst counts its steps), the tokens each advanced (constrained
+outputs are shorter, so the batch drains sooner) and the wall time each took. The schema
+variants must give the same tokens (greedy): the run checks it, and replays their outputs
+through the schema's matcher for the floor of passes per token (every forced run drafted).
+
+logprobs: two engines of 32 decoding rows each (48-token prompts, `ignore_eos`), one with
+`logprobs=5`, stepped in turn (`steps_per_sync` steps a round) after two warm-up rounds; the
+time per decode step, median and spread, and the paired median ratio.
+
+Other processes' CPU time during the run is read from /proc and the section says "under load"
+when they used more than a tenth of a core (the machine is shared).
+
+    .venv/bin/python benchmarks/structured_output.py [--repeats 3] [--steps 12] [--write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import etjax
+from etjax.bench.corpus import lee_articles
+from etjax.bench.perf_doc import machine_line, replace_section
+from etjax.constraints import matcher
+from etjax.drafting import SpeculationConfig
+from etjax.engine.build import RequestSettings, RuntimeOptions, build_engine, workload_pages
+from etjax.engine.sequence import Status
+
+RECORDS = 32
+MAX_NEW_TOKENS = 96
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "category": {"enum": ["politics", "sport", "business", "crime", "disaster", "other"]},
+        "country": {"type": "string", "maxLength": 24},
+        "person": {"type": "string", "maxLength": 32},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+        "summary": {"type": "string", "maxLength": 100},
+    },
+    "required": ["category", "country", "person", "year", "summary"],
+    "additionalProperties": False,
+}
+
+
+def _prompts(model) -> list[list[int]]:
+    prompts = []
+    for article in lee_articles()[:RECORDS]:
+        text = " ".join(article.split()[:60])
+        ask = (
+            "Extract from this news text a JSON object with the keys category, country, "
+            f"person, year and summary.\n\n{text}"
+        )
+        messages = [
+            {"role": "system", "content": "Answer in JSON."},
+            {"role": "user", "content": ask},
+        ]
+        prompts.append(model.tokenizer.encode_chat(messages, add_generation_prompt=True))
+    return prompts
+
+
+def _valid(out) -> bool:
+    if out.finish_reason != "eos":
+        return False
+    try:
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def _fewest_passes(model, outs, max_draft: int) -> int:
+    # The passes the outputs need when every forced run is drafted at its start (up to
+    # 1 + max_draft tokens a pass) and every other token is a pass: the floor of passes per
+    # token for these outputs. Replayed through a fresh matcher of the schema.
+    passes, vocab = 0, model.config.vocab_size
+    for out in outs:
+        gid = matcher.register("json_schema", json.dumps(SCHEMA), model.tokenizer, vocab)
+        tokens, i = out.token_ids, 0
+        while i < len(tokens):
+            step = max(min(len(matcher.forced_tokens(gid)), 1 + max_draft, len(tokens) - i), 1)
+            for k in range(i, i + step):
+                row = (np.array([gid]), np.array([tokens[k]]), np.array([k]), np.ones(1, bool))
+                matcher.advance(*row, matcher.mask_words(vocab))
+            passes, i = passes + 1, i + step
+        matcher.release(gid)
+    return passes
+
+
+def _others_cpu_seconds() -> float:
+    # CPU seconds used so far by every process but this one (utime + stime, /proc/PID/stat).
+    tick, total, me = os.sysconf("SC_CLK_TCK"), 0, os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / tick
+
+
+def extraction(model, repeats: int) -> tuple[list[str], dict]:
+    prompts = _prompts(model)
+    schema = json.dumps(SCHEMA)
+    # A pass that costs 1000 token computes before its tokens: the cost gate of a device
+    # whose passes are bound by reading the weights, which drafts every forced run.
+    variants = {
+        "unconstrained": ({}, SpeculationConfig()),
+        "schema, forced as steps": (
+            {"json_schema": schema},
+            SpeculationConfig(forced_tokens=False),
+        ),
+        "schema, forced drafted (default gate)": ({"json_schema": schema}, SpeculationConfig()),
+        "schema, forced drafted every round": (
+            {"json_schema": schema},
+            SpeculationConfig(pass_fixed_tokens=1000.0),
+        ),
+    }
+    stats: dict[str, dict[str, list[float]]] = {
+        name: {"tps": [], "valid": [], "ppt": [], "rows": [], "ms": []} for name in variants
+    }
+    tokens_of: dict[str, list[list[int]]] = {}
+    outs_of: dict[str, list] = {}
+    for repeat in range(repeats + 1):  # the first pass compiles and warms up
+        for name, (fields, spec) in variants.items():
+            options = RuntimeOptions(max_batch_size=RECORDS, speculation=spec)
+            settings = [RequestSettings(max_new_tokens=MAX_NEW_TOKENS, **fields)] * RECORDS
+            pages = workload_pages(prompts, settings, options)
+            engine = build_engine(model.weights, model.config, model.tokenizer, options, pages)
+            started = time.perf_counter()
+            outs = engine.generate(prompts, settings)
+            elapsed = time.perf_counter() - started
+            tokens_of[name], outs_of[name] = [o.token_ids for o in outs], outs
+            if repeat == 0:
+                continue
+            generated = sum(len(o.token_ids) for o in outs)
+            passes = sum(o.metrics["passes_per_token"] * len(o.token_ids) for o in outs)
+            stats[name]["tps"].append(generated / elapsed)
+            stats[name]["valid"].append(sum(_valid(o) for o in outs) / RECORDS)
+            stats[name]["ppt"].append(passes / generated)
+            # Batch passes (bursts count their steps): rows advanced and wall time per pass.
+            stats[name]["rows"].append(generated / engine.model_passes)
+            stats[name]["ms"].append(1e3 * elapsed / engine.model_passes)
+    schema_runs = [tokens_of[name] for name in variants if name.startswith("schema")]
+    same = all(run == schema_runs[0] for run in schema_runs)
+    schema_outs = tokens_of["schema, forced as steps"]
+    generated = sum(len(t) for t in schema_outs)
+    fewest = _fewest_passes(
+        model, outs_of["schema, forced as steps"], SpeculationConfig().max_draft
+    )
+    base = np.asarray(stats["unconstrained"]["tps"])
+    lines = [
+        f"| variant ({RECORDS} records, greedy, max_new_tokens={MAX_NEW_TOKENS}) | valid "
+        "(schema, ended by eos) | tokens/s (median) | spread | vs unconstrained "
+        "(paired median) | passes per token | batch passes: tokens each | ms each |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in stats.items():
+        tps = np.asarray(s["tps"])
+        valid = "n/a" if name == "unconstrained" else f"{100 * np.median(s['valid']):.0f}%"
+        lines.append(
+            f"| {name} | {valid} | {np.median(tps):.1f} | {tps.min():.1f}-{tps.max():.1f} "
+            f"| {np.median(tps / base):.3f}x | {np.median(s['ppt']):.3f} "
+            f"| {np.median(s['rows']):.1f} | {np.median(s['ms']):.0f} |"
+        )
+    lines.append("")
+    lines.append(
+        f"The schema variants gave {'the same' if same else 'DIFFERENT'} tokens for "
+        f"every record. Generated tokens per run: "
+        + ", ".join(f"{n} {sum(len(t) for t in tokens_of[n])}" for n in variants)
+        + f". The floor for the schema outputs, every forced run drafted at its start and "
+        f"every other token a pass: {fewest / generated:.3f} passes per token "
+        f"({generated - fewest} of {generated} tokens ride behind a run's first)."
+    )
+    return lines, {"same_tokens": same, **{n: s for n, s in stats.items()}}
+
+
+def logprobs_cost(model, steps: int) -> tuple[list[str], dict]:
+    prompts = [model.tokenizer.encode(text)[:48] for text in lee_articles()[:RECORDS]]
+    options = RuntimeOptions(max_batch_size=RECORDS, num_pages=1024)
+    engines = {}
+    for name, k in (("logprobs=0", 0), ("logprobs=5", 5)):
+        engine = build_engine(model.weights, model.config, model.tokenizer, options, 1024)
+        settings = RequestSettings(max_new_tokens=900, ignore_eos=True, logprobs=k)
+        handles = [engine.submit(p, settings) for p in prompts]
+        while any(h.sequence.status is not Status.RUNNING for h in handles):
+            engine.step()
+        engines[name] = engine
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for repeat in range(steps + 2):  # two warm-up rounds
+        for name, engine in engines.items():
+            started = time.perf_counter()
+            engine.step()
+            if repeat >= 2:
+                times[name].append((time.perf_counter() - started) / options.steps_per_sync)
+    base = np.asarray(times["logprobs=0"])
+    lines = [
+        f"| batch {RECORDS} decode step | ms per step (median) | spread | vs logprobs=0 "
+        "(paired median) |",
+        "|---|---|---|---|",
+    ]
+    for name, values in times.items():
+        v = np.asarray(values)
+        lines.append(
+            f"| {name} | {1e3 * np.median(v):.1f} | {1e3 * v.min():.1f}-{1e3 * v.max():.1f} "
+            f"| {np.median(v / base):.3f}x |"
+        )
+    return lines, times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12, help="logprobs rounds per engine")
+    parser.add_argument("--write", action="store_true", help="rewrite the docs/PERF.md section")
+    args = parser.parse_args()
+    model = etjax.load_model()
+    others, wall = _others_cpu_seconds(), time.perf_counter()
+    table, extracted = extraction(model, args.repeats)
+    lp_table, _ = logprobs_cost(model, args.steps)
+    others = (_others_cpu_seconds() - others) / (time.perf_counter() - wall)
+    load = (
+        f"**under load**: other processes used {others:.2f} cores on average during the run"
+        if others > 0.1
+        else f"other processes used {others:.2f} cores during the run"
+    )
+    command = (
+        f".venv/bin/python benchmarks/structured_output.py --repeats {args.repeats} "
+        f"--steps {args.steps} --write"
+    )
+    markdown = "\n".join(
+        [
+            "## Structured output: JSON-schema extraction and logprobs (SmolLM2-135M, float32)",
+            "",
+            f"`{command}`, {time.strftime('%Y-%m-%d')}, {machine_line()}; {load}.",
+            "",
+            *table,
+            "",
+            *lp_table,
+        ]
+    )
+    print(markdown)
+    if args.write:
+        replace_section(
+            Path(__file__).resolve().parent.parent / "docs" / "PERF.md",
+            "structured_output",
+            markdown,
+        )
+    print(json.dumps({"same_tokens": extracted["same_tokens"], "others_cores": others}))
+
+
+if __name__ == "__main__":
+    main()
