@@ -45,9 +45,10 @@ class SpeculationConfig:
       float32 weights), and more rounds verify.
     forced_tokens: a constrained row drafts the tokens its grammar forces (a run of them
       costs one pass; etjax/drafting/forced.py), up to max_draft (and steps_per_sync - 1)
-      per round. On by default and independent of `enabled`: forced drafts are accepted
-      for certain, so they need no entropy rule or cost gate. Off: each forced token is a
-      step of its own, as in a burst.
+      per round. On by default and independent of `enabled`: forced drafts need no entropy
+      rule, but they pass the cost gate (rule.py, `verification_pays`) with an acceptance
+      of 1, since a verifying round is one ragged step where a burst would run
+      `steps_per_sync`. Off: each forced token is a step of its own, as in a burst.
     """
 
     enabled: bool = False
