@@ -6,6 +6,8 @@ shapes, same dtype), in one run beside etjax:
 - `products`: the step's matrix products alone (each layer's norms, q|k|v, output and MLP
   products, in a Python loop over layers; the final norm, the LM head and an argmax), no
   cache and no attention: what a decode step at short context cannot go below;
+- `products, row kernel`: the same products where the engine runs them on a CPU for a few
+  rows, the C++ row-products kernel (etjax/model/products.py; decode rows only);
 - `with attention`: the same plus a dense attention of each layer's queries over a contiguous
   cache `[B, KV heads, context, head_dim]` of the step's context (masked softmax, float32),
   the attention a paged cache should cost no more than.
@@ -47,9 +49,11 @@ from etjax.engine.build import MIN_POOL_PAGES
 from etjax.entropy.cost import CostModel
 from etjax.model.families import family
 from etjax.model.layers import rms_norm
+from etjax.model.products import MAX_KERNEL_ROWS, row_products
 from etjax.model.transformer import logits_from_hidden
 from etjax.runtime.steps import StepStatics, decode_steps, prefill_chunk
 from etjax.sampling.sampler import first_argmax
+from pallas_kernels.cpu import cpu_kernels_available
 from pallas_kernels.ragged_attention import Segment
 
 PAGE, STEPS, CHUNK = 16, 8, 512
@@ -113,6 +117,7 @@ class Floors:
         self.qkv = functools.partial(fam.qkv_projection, cfg=cfg)
         self.rest = functools.partial(fam.output_and_mlp, cfg=cfg)
         self.products = jax.jit(self._products)
+        self.row_products = jax.jit(self._products_on_kernel)
         self.decode_attention = jax.jit(self._decode_attention)
         self.prefill_attention = jax.jit(self._prefill_attention)
 
@@ -136,6 +141,10 @@ class Floors:
             qkv = self.qkv(layer, x)
             x = self.rest(layer, x, qkv[:, :q_width])
         return self._head(weights, x[last])
+
+    def _products_on_kernel(self, weights, tokens, last):
+        with row_products(True):
+            return self._products(weights, tokens, last)
 
     def _layer_parts(self, layer, x):
         cfg = self.cfg
@@ -211,13 +220,13 @@ def _floor_times(floors: Floors, tokens, rows, kv_shape, attention, rounds: int)
     cfg, weights = floors.cfg, floors.weights
     keys = [_synthetic(kv_shape, cfg.jnp_dtype, 2 * i) for i in range(cfg.num_layers)]
     values = [_synthetic(kv_shape, cfg.jnp_dtype, 2 * i + 1) for i in range(cfg.num_layers)]
-    return _interleaved(
-        {
-            "products": lambda: floors.products(weights, tokens, rows).block_until_ready(),
-            "with_attention": lambda: attention(weights, tokens, keys, values).block_until_ready(),
-        },
-        rounds,
-    )
+    fns = {
+        "products": lambda: floors.products(weights, tokens, rows).block_until_ready(),
+        "with_attention": lambda: attention(weights, tokens, keys, values).block_until_ready(),
+    }
+    if tokens.shape[0] <= MAX_KERNEL_ROWS and cpu_kernels_available():
+        fns["row_kernel"] = lambda: floors.row_products(weights, tokens, rows).block_until_ready()
+    return _interleaved(fns, rounds)
 
 
 def _decode_floors(floors: Floors, batch: int, context: int, rounds: int) -> dict:
@@ -300,6 +309,7 @@ def _decode_row(model, floors: Floors, batch: int, context: int, rounds: int, ba
     return {
         **row,
         "products_ms": [t * 1e3 for t in floor_times["products"]],
+        "row_kernel_ms": [t * 1e3 for t in floor_times.get("row_kernel", [])],
         "with_attention_ms": [t * 1e3 for t in floor_times["with_attention"]],
         "etjax_ms": {name: [t / STEPS * 1e3 for t in ts] for name, ts in times.items()},
     }
@@ -356,7 +366,8 @@ def _markdown(raw: dict) -> str:
         f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
         f"{raw['command']}`. Floors in plain JAX with the model's weights: `products` is the "
         "step's matrix products alone (norms, projections, MLP, LM head, argmax; no cache, no "
-        "attention), `+ attention` adds a dense attention over a contiguous cache of the "
+        "attention; XLA's products, and for decode rows the C++ row-products kernel the engine "
+        "runs there), `+ attention` adds a dense attention over a contiguous cache of the "
         "context. etjax: `decode_steps` bursts of 8 greedy steps over the paged cache (per "
         f"step) with each attention backend ({', '.join(backends)}: `{first}` is what the "
         "engine runs here; `cpu` is the C++ kernel, `xla` the XLA loops), and "
@@ -366,18 +377,19 @@ def _markdown(raw: dict) -> str:
         "",
         "| "
         + " | ".join(
-            ["phase", "batch", "context", "products ms", "+ attention ms"]
+            ["phase", "batch", "context", "products ms", "products, row kernel ms"]
+            + ["+ attention ms"]
             + [f"etjax {b} ms" for b in backends]
             + [f"{first} / products"]
             + [f"{b} / (+ attention)" for b in backends]
         )
         + " |",
-        "|---" * (7 + 2 * len(backends) - 1) + "|",
+        "|---" * (8 + 2 * len(backends) - 1) + "|",
     ]
     for r in raw["rows"]:
         head = f"| {r['phase']} | {r['batch']} | {r['context']} |"
         if "skipped" in r:
-            lines.append(f"{head} skipped: {r['skipped']} |" + " |" * (2 * len(backends) + 2))
+            lines.append(f"{head} skipped: {r['skipped']} |" + " |" * (2 * len(backends) + 3))
             continue
         products = float(np.median(r["products_ms"]))
         attention = float(np.median(r["with_attention_ms"]))
@@ -387,8 +399,10 @@ def _markdown(raw: dict) -> str:
         ratios += [
             f"{np.median(times[b]) / attention:.2f}x" if b in times else "–" for b in backends
         ]
+        kernel = median_spread(r["row_kernel_ms"]) if r.get("row_kernel_ms") else "–"
         lines.append(
-            f"{head} {median_spread(r['products_ms'])} | {median_spread(r['with_attention_ms'])} "
+            f"{head} {median_spread(r['products_ms'])} | {kernel} "
+            f"| {median_spread(r['with_attention_ms'])} "
             f"| {' | '.join(cells)} | {' | '.join(ratios)} |"
         )
     return "\n".join(lines)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from etjax.model.products import project
+
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, computed in float32 and cast back to `x.dtype`.
@@ -18,8 +20,9 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
 
 def linear(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., in] times a projection stored output-major, w [out, in] -> [..., out] (what
-    `x @ w.T` computes, without transposing w; etjax/model/leaves.py says why this layout)."""
-    return jnp.einsum("...i,oi->...o", x, w)
+    `x @ w.T` computes, without transposing w; etjax/model/leaves.py says why this layout;
+    products.py where it runs)."""
+    return project(x, w)
 
 
 def swiglu_mlp(x: jax.Array, w_gate_up: jax.Array, w_down: jax.Array) -> jax.Array:

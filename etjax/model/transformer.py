@@ -28,6 +28,7 @@ from etjax.cache.kv_cache import NULL_PAGE, KVCache, PagePool, cache_from_pool, 
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
 from etjax.model.layers import rms_norm
+from etjax.model.products import project
 from etjax.model.rope import apply_rope, rope_attention_factor, rope_inverse_frequencies
 from etjax.model.weights import Weights
 from etjax.pruning.config import PruningShape, PruningThresholds
@@ -167,7 +168,7 @@ def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
     """Project hidden states [..., D] to float32 logits [..., V] (tied or untied head, both
     [V, D]), soft-capped where the model caps them (`Weights.logit_softcap`, Gemma 2)."""
     table = weights.embed if weights.lm_head is None else weights.lm_head
-    logits = jnp.einsum("...d,vd->...v", hidden, table, preferred_element_type=jnp.float32)
+    logits = project(hidden, table, jnp.float32)
     cap = weights.logit_softcap
     return logits if not cap else cap * jnp.tanh(logits / cap)
 

@@ -33,6 +33,7 @@ from etjax.distributed.mesh import DATA, MODEL
 from etjax.distributed.placement import Placement
 from etjax.entropy.cost import CostModel
 from etjax.model.config import ModelConfig
+from etjax.model.products import row_products
 from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.model.weights import Weights
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
@@ -118,7 +119,7 @@ def mixed_step(
     `batch.targets` after each token (0 where there is none).
     """
     cfg, placement = statics.cfg, statics.placement
-    with _on_mesh(placement):
+    with _tracing(placement, statics.attention_backend):
         state = take_rows(store, rows).replace(page_table=page_table)
         num_tokens = batch.tokens.shape[0]
         # Flat index of each row's token and its drafts [Bm, 1 + max_draft]; out of range
@@ -201,7 +202,7 @@ def prefill_chunk(
     shardings the cache and logits keep (etjax/distributed), or None on one device.
     Returns float32 logits [S, V] and the updated cache.
     """
-    with _on_mesh(placement):
+    with _tracing(placement, plan.backend):
         hidden, cache = forward(weights, cache, tokens, positions, write_pages, cfg, plan=plan)
         logits = logits_from_hidden(weights, hidden[last_index])
         if placement is not None:
@@ -210,9 +211,16 @@ def prefill_chunk(
         return logits, cache
 
 
-def _on_mesh(placement: Placement | None):
-    # While tracing: let mesh-aware code (the sharded top-k) see the placement's mesh.
-    return contextlib.nullcontext() if placement is None else placement.tracing()
+@contextlib.contextmanager
+def _tracing(placement: Placement | None, backend: AttentionBackend):
+    # While tracing: mesh-aware code (the sharded top-k) sees the placement's mesh; on one CPU
+    # device with the C++ kernels (the "cpu" backend), projections of a few rows run the
+    # row-products kernel (etjax/model/products.py).
+    with contextlib.ExitStack() as stack:
+        if placement is not None:
+            stack.enter_context(placement.tracing())
+        stack.enter_context(row_products(backend.name == "cpu" and placement is None))
+        yield
 
 
 @functools.partial(
@@ -248,7 +256,7 @@ def decode_steps(
     `data`, logits over `model` too). Returns the store, the cache, and outputs [K, B].
     """
     cfg, cost, placement = statics.cfg, statics.cost, statics.placement
-    with _on_mesh(placement):
+    with _tracing(placement, statics.attention_backend):
         state = take_rows(store, rows).replace(page_table=page_table)
 
         def step(carry: tuple[DecodeState, KVCache], _: None):

@@ -1,10 +1,11 @@
-"""The CPU attention kernels' library: built on first use, loaded, registered with XLA.
+"""The CPU kernels' library: built on first use, loaded, registered with XLA.
 
 `ragged_pass.cc` (dense decode passes, pallas_kernels/ragged_attention/cpu.py),
 `block_sparse.cc` (pruned decode), `page_bounds.cc` (the pages' Quest bounds pruned decode
 ranks them by) and `select_blocks.cc` (its kept blocks; the last three in
 pallas_kernels/block_sparse/cpu.py) read the KV pages (and bounds) where
-they lie, which XLA:CPU cannot (ragged_pass.cc's header says why that matters); all share
+they lie, which XLA:CPU cannot (ragged_pass.cc's header says why that matters);
+`row_products.cc` runs projections of a few rows (etjax/model/products.py); all share
 `kernel_math.h`. They are compiled into one library, once per machine, with the C++ compiler
 at hand (`CXX`, else g++, c++ or clang++) for this CPU (`-march=native`), and cached under
 `$ETJAX_KERNEL_CACHE` (default `~/.cache/etjax/kernels`), keyed by the sources, the flags,
@@ -33,11 +34,18 @@ TARGETS = {
     "etjax_block_sparse_cpu": "EtjaxBlockSparseCpu",
     "etjax_page_bounds_cpu": "EtjaxPageBoundsCpu",
     "etjax_select_blocks_cpu": "EtjaxSelectBlocksCpu",
+    "etjax_row_products_cpu": "EtjaxRowProductsCpu",
 }
 HERE = pathlib.Path(__file__).parent
 SOURCES = tuple(
     HERE / name
-    for name in ("ragged_pass.cc", "block_sparse.cc", "page_bounds.cc", "select_blocks.cc")
+    for name in (
+        "ragged_pass.cc",
+        "block_sparse.cc",
+        "page_bounds.cc",
+        "select_blocks.cc",
+        "row_products.cc",
+    )
 )
 HEADERS = tuple(HERE / name for name in ("kernel_math.h", "ragged_pass.h", "wide_tiles.h"))
 # Associative float arithmetic lets the compiler vectorise the dot products' sums (the

@@ -108,11 +108,41 @@ inline float dot(const float* query, const float* key, int64_t hd) {
   return sum;
 }
 
+// Lane j of the result is the sum of v[j]'s 16 lanes. Summing each register on its own costs
+// a reduction per register, which bound the kernels; here the 16 are reduced together,
+// halving them pairwise in four rounds of shuffles (15 additions for 16 sums instead of
+// 16 x 15). Every v[j] is summed in the same order, whatever the others hold.
+inline Lanes sum_each_of_16(const Lanes v[16]) {
+  // Round 1: w[j] lanes 0-7 hold v[j]'s partial sums, lanes 8-15 v[j + 8]'s.
+  Lanes w[8];
+  for (int j = 0; j < 8; ++j)
+    w[j] = __builtin_shufflevector(v[j], v[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                   21, 22, 23) +
+           __builtin_shufflevector(v[j], v[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
+                                   28, 29, 30, 31);
+  // Round 2: x[j] in fours: v[j], v[j + 4], v[j + 8], v[j + 12].
+  Lanes x[4];
+  for (int j = 0; j < 4; ++j)
+    x[j] = __builtin_shufflevector(w[j], w[j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24,
+                                   25, 26, 27) +
+           __builtin_shufflevector(w[j], w[j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28,
+                                   29, 30, 31);
+  // Round 3: y[j] in pairs: v[j], v[j + 2], v[j + 4], ..., v[j + 14].
+  Lanes y[2];
+  for (int j = 0; j < 2; ++j)
+    y[j] = __builtin_shufflevector(x[j], x[j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,
+                                   13, 28, 29) +
+           __builtin_shufflevector(x[j], x[j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14,
+                                   15, 30, 31);
+  // Round 4: lane j is v[j]'s sum.
+  return __builtin_shufflevector(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                 14, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                 15, 31);
+}
+
 // query . key for kLanes consecutive keys (rows `hd` floats apart), lane j holding key j's
-// score, for hd a multiple of kLanes. Summing each key's lanes on its own costs a reduction of
-// a register per key and query head, which bound the kernels; here the 16 keys' registers are
-// reduced together, halving them pairwise in four rounds of shuffles (15 additions for 16
-// sums instead of 16 x 15).
+// score, for hd a multiple of kLanes.
 inline Lanes dots_of_16_keys(const float* query, const float* keys, int64_t hd) {
   Lanes v[16];
   for (int j = 0; j < 16; ++j) {
@@ -121,32 +151,7 @@ inline Lanes dots_of_16_keys(const float* query, const float* keys, int64_t hd) 
     for (int64_t d = kLanes; d < hd; d += kLanes) acc += load_lanes(query + d) * load_lanes(key + d);
     v[j] = acc;
   }
-  // Round 1: w[j] lanes 0-7 hold key j's partial sums, lanes 8-15 key j + 8's.
-  Lanes w[8];
-  for (int j = 0; j < 8; ++j)
-    w[j] = __builtin_shufflevector(v[j], v[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
-                                   21, 22, 23) +
-           __builtin_shufflevector(v[j], v[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27,
-                                   28, 29, 30, 31);
-  // Round 2: x[j] in fours: keys j, j + 4, j + 8, j + 12.
-  Lanes x[4];
-  for (int j = 0; j < 4; ++j)
-    x[j] = __builtin_shufflevector(w[j], w[j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24,
-                                   25, 26, 27) +
-           __builtin_shufflevector(w[j], w[j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28,
-                                   29, 30, 31);
-  // Round 3: y[j] in pairs: keys j, j + 2, j + 4, ..., j + 14.
-  Lanes y[2];
-  for (int j = 0; j < 2; ++j)
-    y[j] = __builtin_shufflevector(x[j], x[j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12,
-                                   13, 28, 29) +
-           __builtin_shufflevector(x[j], x[j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14,
-                                   15, 30, 31);
-  // Round 4: lane j is key j.
-  return __builtin_shufflevector(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
-                                 14, 30) +
-         __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
-                                 15, 31);
+  return sum_each_of_16(v);
 }
 
 // out = out * rescale + sum over keys j in [from, to) of weights[j] * values[j], each block of

@@ -1,0 +1,74 @@
+"""Where a projection's matrix product runs: XLA's, or on a CPU for a few rows the C++ kernel
+that reads each weight once for all of them (pallas_kernels/cpu/row_products.cc).
+
+A decode step multiplies its 1-32 rows by every weight of the model, so on a CPU the step is
+the weights' read. XLA:CPU streams them at the machine's bandwidth for one row and packs
+them into its own layout first for more (docs/PERF.md, "Row products"): a batch-8 step's
+products cost about twice a batch-1 step's. The kernel's cost stays the read up to a few
+dozen rows. Prompt chunks (hundreds of rows) are compute-bound and stay with XLA.
+
+The choice is made while a step is traced: the engine's step programs enter
+`row_products(...)` when their attention backend is "cpu" (one CPU device, kernels built;
+etjax/attention/backend.py), so a mesh, where XLA partitions the products, never sees the
+kernel. Everything else (`linear`, the LM head) asks `project`, which falls back to XLA's
+product for shapes and dtypes the kernel does not take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import jax
+import jax.numpy as jnp
+
+# The most rows the kernel takes: at 32 rows its product of SmolLM2's weights matched
+# XLA's, and above it XLA's blocked product wins (docs/PERF.md, "Row products").
+MAX_KERNEL_ROWS = 32
+
+_ENABLED = contextvars.ContextVar("etjax_row_products", default=False)
+
+
+@contextlib.contextmanager
+def row_products(enabled: bool):
+    """While tracing: projections of at most `MAX_KERNEL_ROWS` rows run the CPU kernel."""
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def project(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """x [..., in] times w [out, in] (output-major, as the model stores it) -> [..., out], in
+    `out_dtype` (default: x's)."""
+    out_dtype = out_dtype or x.dtype
+    if _takes(x, w, out_dtype):
+        from pallas_kernels.cpu.build import call_cpu_kernel
+
+        rows = x.reshape(-1, x.shape[-1])
+        out = call_cpu_kernel(
+            "etjax_row_products_cpu",
+            jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32),
+            rows,
+            w,
+        )
+        return out.reshape(*x.shape[:-1], w.shape[0])
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
+
+
+def _takes(x: jax.Array, w: jax.Array, out_dtype) -> bool:
+    # The kernel's shapes: float32 rows and results, weights of 16 or 32 bits, K a multiple
+    # of 16 and N of 4 (row_products.cc).
+    if not _ENABLED.get() or x.dtype != jnp.float32 or out_dtype != jnp.float32:
+        return False
+    rows = 1
+    for size in x.shape[:-1]:
+        rows *= size
+    return (
+        0 < rows <= MAX_KERNEL_ROWS
+        and w.ndim == 2
+        and w.dtype in (jnp.float32, jnp.float16, jnp.bfloat16)
+        and x.shape[-1] % 16 == 0
+        and w.shape[0] % 4 == 0
+    )
