@@ -209,6 +209,11 @@ def _add_bench(commands) -> None:
     bench.add_argument("--repetitions", type=int, default=d.repetitions)
     bench.add_argument("--seed", type=int, default=d.seed, help="of the workload")
     bench.add_argument("--load", type=float, default=d.load, help="online: arrival rate / capacity")
+    bench.add_argument(
+        "--equal-length",
+        action="store_true",
+        help="every request generates exactly its max_new_tokens (no EOS): equal work per config",
+    )
     bench.add_argument("--no-quality", action="store_true", help="skip the quality columns")
     bench.add_argument("--ppl-docs", type=int, default=d.ppl_docs)
     bench.add_argument("--ppl-length", type=int, default=d.ppl_length)
@@ -248,13 +253,15 @@ def _bench(args: argparse.Namespace) -> int:
         passkey_keys=args.passkey_keys,
         reference=not args.no_reference,
         reference_batch=args.reference_batch,
+        equal_length=args.equal_length,
     )
     warn_if_map_count_low()  # before an hour of work, not after
     progress = StageProgress(count_work(plan), enabled=not args.no_progress)
     raw = run_ablation(plan, on_progress=progress.stage)
     progress.close()
     command = "etjax " + shlex.join(sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"])
-    paths = write_outputs(raw, args.output / workload_label(plan.workload), command, args.perf_md)
+    label = workload_label(plan.workload) + ("_equal" if plan.equal_length else "")
+    paths = write_outputs(raw, args.output / label, command, args.perf_md)
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)
     return 0

@@ -14,11 +14,12 @@ import etjax
 from etjax.bench.ablation import BenchPlan
 from etjax.bench.accelerators import ACCELERATORS, predicted_tokens_per_s
 from etjax.bench.measure import _request_record, summarise
-from etjax.bench.reference import _until_stop
+from etjax.bench.reference import _until_stop, run_reference
 from etjax.bench.report import additivity, cost_table, relative_table
 from etjax.bench.text_metrics import corpus_bleu, rouge_l
 from etjax.bench.workload_file import read_workload_file, workload_label
 from etjax.bench.workloads import (
+    WorkloadRequest,
     build_workload,
     long,
     long_output,
@@ -267,6 +268,22 @@ def test_reference_outputs_stop_at_eos_and_the_request_limit():
     assert _until_stop([1, 2, 3, 4], eos=[0], limit=3) == [1, 2, 3]
 
 
+def test_equal_length_reference_runs_past_eos_to_the_limit(smollm2, hf_smollm2):
+    # A chat answer that ends within 12 tokens: plain, it stops at its EOS; equal length, the
+    # same greedy tokens go on to exactly the limit (the work `--equal-length` engines do).
+    ids = smollm2.tokenizer.encode_chat(
+        [{"role": "user", "content": "What is 2+2? Answer with just the number."}]
+    )
+    request = WorkloadRequest(kind="file", prompt="", max_new_tokens=12, prompt_ids=tuple(ids))
+    plain = run_reference(hf_smollm2, smollm2.tokenizer, [request])["requests"][0]
+    equal = run_reference(hf_smollm2, smollm2.tokenizer, [request], equal_length=True)
+    equal = equal["requests"][0]
+    eos = set(smollm2.tokenizer.eos_token_ids)
+    assert plain["token_ids"][-1] in eos and len(plain["token_ids"]) < 12
+    assert len(equal["token_ids"]) == 12
+    assert equal["token_ids"][: len(plain["token_ids"])] == plain["token_ids"]
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -302,7 +319,8 @@ def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
     monkeypatch.setattr(ablation, "summarise", lambda run: {})
     calls = []
 
-    def record(model, config, requests, arrivals, greedy=False):
+    def record(model, config, requests, arrivals, greedy=False, equal_length=False):
+        assert equal_length  # the plan's, passed to every run
         calls.append((config.name, float(np.max(arrivals))))
         return {
             "makespan_s": 8.0,
@@ -322,6 +340,7 @@ def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
         requests=8,
         quality=False,
         reference=False,
+        equal_length=True,
     )
     progress = []
     raw = ablation.run_ablation(plan, on_progress=progress.append)

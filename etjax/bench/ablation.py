@@ -65,6 +65,9 @@ class BenchPlan:
     passkey_keys: int = 1
     reference: bool = True
     reference_batch: int = 1
+    # Every request generates exactly its max_new_tokens under every config (no EOS): the
+    # configs compared on equal work, which a sampler that delays or hastens EOS changes.
+    equal_length: bool = False
 
     def __post_init__(self) -> None:
         if self.workload not in WORKLOADS and not is_workload_file(self.workload):
@@ -117,26 +120,27 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
     warmups = raw["warm_up"] = {}
     for config in distinct[:1] if online else distinct:
         on_progress(f"warm-up ({config.name})")
-        cold = measure(model, config, workload, at_once)
+        cold = measure(model, config, workload, at_once, equal_length=plan.equal_length)
         warmups[config.name] = {k: cold[k] for k in ("compile_s", "programs_compiled")}
     arrivals = at_once
     if online:
         on_progress("capacity")
-        probe = measure(model, configs[0], workload, at_once)
+        probe = measure(model, configs[0], workload, at_once, equal_length=plan.equal_length)
         capacity = len(workload) / probe["makespan_s"]
         arrivals = poisson_arrivals(len(workload), plan.load * capacity, seed=plan.seed + 1)
         raw["capacity_requests_per_s"] = capacity
         # Arrivals make batches of other sizes than everything at once: warm those too.
         for config in distinct:
             on_progress(f"warm-up with arrivals ({config.name})")
-            measure(model, config, workload, arrivals)
+            measure(model, config, workload, arrivals, equal_length=plan.equal_length)
     raw["arrivals"] = list(map(float, arrivals))
 
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
     for rep in range(plan.repetitions):
         for config in configs:
             on_progress(f"{config.name} (repetition {rep + 1})")
-            runs[config.name].append(measure(model, config, workload, arrivals))
+            run = measure(model, config, workload, arrivals, equal_length=plan.equal_length)
+            runs[config.name].append(run)
     raw["runs"] = runs
     raw["summary"] = {name: [summarise(r) for r in rs] for name, rs in runs.items()}
     raw["same_tokens_as"] = _same_tokens(configs, runs)
@@ -148,7 +152,7 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
 
         on_progress("transformers reference")
         hf = load_reference(choice.name)
-        ref = run_reference(hf, model.tokenizer, workload, plan.reference_batch)
+        ref = run_reference(hf, model.tokenizer, workload, plan.reference_batch, plan.equal_length)
         baseline_greedy = raw.get("quality", {}).get("greedy_texts", {}).get(configs[0].name)
         if baseline_greedy is not None:
             texts = [r["text"] for r in ref["requests"]]

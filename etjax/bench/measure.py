@@ -51,15 +51,21 @@ class CompileClock:
 
 
 def request_settings(
-    config: RunConfig, workload: Sequence[WorkloadRequest], greedy: bool = False
+    config: RunConfig,
+    workload: Sequence[WorkloadRequest],
+    greedy: bool = False,
+    equal_length: bool = False,
 ) -> list[RequestSettings]:
-    """Each request's settings under `config`: its sampler, seeded by the request's index."""
+    """Each request's settings under `config`: its sampler, seeded by the request's index;
+    with `equal_length`, generating past end-of-sequence to exactly its `max_new_tokens`,
+    so every config does the same work."""
     settings = []
     for i, request in enumerate(workload):
         sampler = SamplerSettings(temperature=0.0) if greedy else config.sampler
         settings.append(
             RequestSettings(
                 request.max_new_tokens,
+                ignore_eos=equal_length,
                 sampler=dataclasses.replace(sampler, seed=i),
             )
         )
@@ -72,15 +78,17 @@ def measure(
     workload: Sequence[WorkloadRequest],
     arrivals: Sequence[float],
     greedy: bool = False,
+    equal_length: bool = False,
 ) -> dict:
     """Run `workload` under `config` with `arrivals` (seconds after start); the raw record.
+    `equal_length`: every request generates exactly its `max_new_tokens` (request_settings).
 
     Per request: latencies (end-to-end, time to first token, per token), tokens, tau, bytes,
     the kept-block fraction and KV bytes of its decode steps, its token ids and, for the plots,
     its per-token traces. Per run: makespan, throughput, host and device time per step.
     """
     prompts = [r.token_ids(model.tokenizer) for r in workload]
-    settings = request_settings(config, workload, greedy)
+    settings = request_settings(config, workload, greedy, equal_length)
     # The model's entropy calibration, if it was loaded with one, is an engine setting.
     options = dataclasses.replace(config.options, calibration=model.calibration)
     engine = build_engine(

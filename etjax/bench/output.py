@@ -20,8 +20,10 @@ _BULKY = ("token_ids", "traces")
 def write_outputs(
     raw: dict, directory: Path, command: str, perf_md: Path | None = None
 ) -> dict[str, Path]:
-    """Write the results of `run_ablation` into `directory`; the paths written by kind."""
+    """Write the results of `run_ablation` into `directory`; the paths written by kind. An
+    equal-length run is filed apart from the same workload's plain one (`WORKLOAD_equal`)."""
     workload = workload_label(raw["plan"]["workload"])
+    section = f"ablation_{workload}" + ("_equal" if raw["plan"].get("equal_length") else "")
     directory.mkdir(parents=True, exist_ok=True)
     raw = {**raw, "machine": machine_line(), "date": str(datetime.date.today()), "command": command}
     plots = write_plots(raw, directory)
@@ -31,7 +33,7 @@ def write_outputs(
     paths["table"].write_text(table + "\n")
     if perf_md is not None:
         links = "\n".join(f"![{p.stem}]({os.path.relpath(p, perf_md.parent)})" for p in plots)
-        replace_section(perf_md, f"ablation_{workload}", table + "\n\n" + links)
+        replace_section(perf_md, section, table + "\n\n" + links)
     return paths | {p.stem: p for p in plots}
 
 
@@ -48,6 +50,11 @@ def _document(raw: dict, workload: str, command: str) -> str:
         else f"Poisson arrivals at {plan['load']:.0%} of the capacity a warm baseline run "
         f"measured ({raw['capacity_requests_per_s']:.2f} requests/s)"
     )
+    if plan.get("equal_length"):
+        arrivals += (
+            "; every request generated exactly its max_new_tokens (`--equal-length`: no EOS), "
+            "so every config did the same work"
+        )
     same = ", ".join(f"{a} = {b}" for a, b in raw["same_tokens_as"].items()) or "none"
     cold = "; ".join(
         f"{name}: {w['programs_compiled']} programs in {w['compile_s']:.1f} s"
@@ -55,7 +62,9 @@ def _document(raw: dict, workload: str, command: str) -> str:
     )
     return "\n".join(
         [
-            f"## Ablation on the `{workload}` workload ({raw['model']})",
+            f"## Ablation on the `{workload}` workload"
+            + (", equal length" if plan.get("equal_length") else "")
+            + f" ({raw['model']})",
             "",
             f"Measured {raw['date']} on {raw['machine']}. Command: `{command}`. "
             f"{len(raw['workload'])} requests "

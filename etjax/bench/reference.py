@@ -51,9 +51,15 @@ def load_reference(model_name: str | None):
 
 
 def run_reference(
-    hf_model, tokenizer, workload: Sequence[WorkloadRequest], batch_size: int = 1
+    hf_model,
+    tokenizer,
+    workload: Sequence[WorkloadRequest],
+    batch_size: int = 1,
+    equal_length: bool = False,
 ) -> dict:
-    """Greedy `generate` over the workload; latencies, throughput and the generated ids."""
+    """Greedy `generate` over the workload; latencies, throughput and the generated ids.
+    `equal_length`: every request runs to its max_new_tokens, past end-of-sequence (as the
+    bench's `--equal-length` engines do)."""
     import torch
 
     prompts = [r.token_ids(tokenizer) for r in workload]
@@ -75,12 +81,14 @@ def run_reference(
                 attention_mask=mask,
                 max_new_tokens=new,
                 do_sample=False,
-                eos_token_id=eos,
+                # No id is -1: generation runs on past EOS (None would mean the model's own).
+                eos_token_id=[-1] if equal_length else eos,
                 pad_token_id=pad,
             )
         finished = time.perf_counter() - start
         for row, i in enumerate(group):
-            tokens = _until_stop(out[row, width:].tolist(), eos, workload[i].max_new_tokens)
+            stops = [] if equal_length else eos
+            tokens = _until_stop(out[row, width:].tolist(), stops, workload[i].max_new_tokens)
             records.append(
                 {
                     "end_to_end_latency": finished,
