@@ -5,6 +5,7 @@ no page another row reads is ever written (tests/engine_mock.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -15,9 +16,11 @@ from hypothesis import strategies as st
 import etjax
 from etjax.cache.page_allocator import OutOfPagesError
 from etjax.cache.prefix_cache import PrefixCache
+from etjax.engine.build import workload_pages
 from etjax.engine.sequence import Status
 from etjax.pruning.config import PruningConfig
-from etjax.runtime.options import RequestSettings
+from etjax.runtime.buckets import pages_bucket
+from etjax.runtime.options import RequestSettings, RuntimeOptions
 from tests.engine_mock import PAGE, K, mock_engine, token_of
 from tests.hypothesis_profiles import examples
 from tests.model_runner import full_logits
@@ -148,6 +151,25 @@ def test_questions_on_one_document_prefill_it_once():
     assert [s.output.metrics["cached_tokens"] for s in seqs] == [0.0] + [28.0] * 4
     _, off, seqs = _run(prompts, prefix_cache=False)
     assert off.prefill_tokens == 5 * 31 and all(s.cached_tokens == 0 for s in seqs)
+
+
+def test_the_pool_counts_a_shared_prompt_page_once():
+    # decode(prompt, n=8) of a 2,050-token prompt, 64 new tokens, pages of 16: the 128 full
+    # pages before the last token are one prompt's; each sample holds its own last page, its
+    # output and a burst: ceil((2050 + 64 + 8) / 16) - 128 = 5 pages.
+    options = RuntimeOptions(page_size=16)
+    prompt, request = list(range(1000, 3050)), RequestSettings(64)
+    assert workload_pages([prompt] * 8, [request] * 8, options) == pages_bucket(128 + 8 * 5 + 1)
+    off = dataclasses.replace(options, prefix_cache=False)
+    assert workload_pages([prompt] * 8, [request] * 8, off) == pages_bucket(8 * 133 + 1)
+    # Prompts that differ in their first page share nothing; one asking for its prompt's
+    # log-probabilities prefills (and holds) every page itself.
+    other = [7, *prompt[1:]]
+    assert workload_pages([prompt, other], [request] * 2, options) == pages_bucket(2 * 133 + 1)
+    logprobs = RequestSettings(64, prompt_logprobs=True)
+    assert workload_pages([prompt, prompt], [request, logprobs], options) == pages_bucket(
+        128 + 5 + 133 + 1
+    )
 
 
 def test_a_prompt_of_whole_pages_still_prefills_its_last_page():

@@ -77,9 +77,25 @@ def pool_pages(needs: Iterable[int], options: RuntimeOptions) -> int:
 def workload_pages(
     prompts: Sequence[Sequence[int]], settings: Sequence[RequestSettings], options: RuntimeOptions
 ) -> int:
-    """A pool that holds every request at once, up to the resident limit (bucketed)."""
-    needs = (request_pages(len(p), s, options) for p, s in zip(prompts, settings, strict=True))
-    return pool_pages(needs, options)
+    """A pool that holds every request at once, up to the resident limit (bucketed). With
+    the prefix cache, a prompt page that several requests start with is counted once (the
+    n samples of `decode(n=...)` need one prompt's pages, not n)."""
+    pairs = list(zip(prompts, settings, strict=True))
+    if not options.prefix_cache:
+        return pool_pages((request_pages(len(p), s, options) for p, s in pairs), options)
+    ps = options.page_size
+    shared: dict[tuple, int] = {}  # (parent page's id, page tokens) -> id: the prefix tree
+    own = []
+    for prompt, request in pairs:
+        # The full pages admission can take from the cache (engine.py `_admit`): all but the
+        # one holding the last token, none where the prompt's log-probabilities are asked.
+        cached = 0 if request.prompt_logprobs else (len(prompt) - 1) // ps
+        node = -1
+        for k in range(cached):
+            node = shared.setdefault((node, tuple(prompt[k * ps : (k + 1) * ps])), len(shared))
+        own.append(request_pages(len(prompt), request, options) - cached)
+    largest = sum(heapq.nlargest(options.resident_rows, own))
+    return pages_bucket(max(largest + len(shared) + 1, MIN_POOL_PAGES))
 
 
 def generate_ids(
