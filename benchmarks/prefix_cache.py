@@ -14,7 +14,7 @@ Each figure is the median of the repetitions (first calls, which compile, exclud
 variants interleaved. Writes the "prefix_cache" section of docs/PERF.md unless --no-write.
 
     .venv/bin/python benchmarks/prefix_cache.py [--repeats 3] [--questions 16]
-        [--records 64] [--no-write]
+        [--records 64] [--parts host,samples,questions,batch] [--no-write]
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ sys.path.append(str(Path(__file__).resolve().parent.parent))
 from benchmarks.perf_report import machine_line, median_spread, write_section
 
 DOCUMENT_TOKENS, NEW_TOKENS, SAMPLE_PROMPT_TOKENS, BLOCK_TOKENS = 3000, 64, 2048, 500
+PARTS = ("host", "samples", "questions", "batch")
 
 
 def main() -> None:
@@ -40,8 +41,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--questions", type=int, default=16)
     parser.add_argument("--records", type=int, default=64)
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma-separated, of " + ", ".join(PARTS) + "; with only some, the table is "
+        "printed and PERF.md left as it is",
+    )
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if unknown := sorted(set(parts) - set(PARTS)):
+        parser.error(f"--parts: unknown {unknown}; allowed: {', '.join(PARTS)}")
     import etjax
     from etjax.bench.corpus import lee_articles
 
@@ -49,16 +59,20 @@ def main() -> None:
     text = "\n\n".join(lee_articles()[:40])
     ids = model.tokenizer.encode(text)
     raw = {"machine": machine_line(), "date": str(datetime.date.today())}
-    raw["host"] = _host()
-    print("host:", raw["host"], flush=True)
-    raw["samples"] = _samples(model, ids, args.repeats)
-    print("samples:", raw["samples"], flush=True)
-    raw["questions"] = _questions(model, ids, args.questions, args.repeats)
-    print("questions:", raw["questions"], flush=True)
-    raw["batch"] = _batch(model, ids, args.records, args.repeats)
-    print("batch:", raw["batch"], flush=True)
-    if not args.no_write:
-        write_section("prefix_cache", _markdown(raw, args), raw)
+    runs = {
+        "host": _host,
+        "samples": lambda: _samples(model, ids, args.repeats),
+        "questions": lambda: _questions(model, ids, args.questions, args.repeats),
+        "batch": lambda: _batch(model, ids, args.records, args.repeats),
+    }
+    for part in parts:
+        raw[part] = runs[part]()
+        print(f"{part}:", raw[part], flush=True)
+    markdown = _markdown(raw, args)
+    if args.no_write or len(parts) < len(PARTS):
+        print(markdown)
+    else:
+        write_section("prefix_cache", markdown, raw)
 
 
 def _timed(calls: dict, repeats: int) -> dict[str, list[float]]:
@@ -195,9 +209,6 @@ def _host() -> dict:
 
 def _markdown(raw: dict, args) -> str:
     med = statistics.median
-    q, s, b, h = raw["questions"], raw["samples"]["seconds"], raw["batch"], raw["host"]
-    q_ratio = med(q["seconds"]["on"]) / med(q["seconds"]["off"])
-    b_ratio = med(b["seconds"]["off"]) / med(b["seconds"]["on"])
     lines = [
         "## Prefix caching: shared beginnings through `decode()` and `etjax batch` "
         "(SmolLM2-135M, float32)",
@@ -209,23 +220,40 @@ def _markdown(raw: dict, args) -> str:
         "",
         "| what | cache on | cache off / reference | ratio | target |",
         "|---|---|---|---|---|",
-        f"| {q['questions']} questions on one {DOCUMENT_TOKENS}-token document, {NEW_TOKENS} new "
-        f"tokens each, one `decode()` | {median_spread(q['seconds']['on'])} s | "
-        f"{median_spread(q['seconds']['off'])} s (off) | {q_ratio:.2f}x the time | <= 0.25x |",
-        f"| `decode(prompt, n=8)`, {SAMPLE_PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new tokens "
-        f"| {median_spread(s['n8'])} s | {median_spread(s['n1'])} s (n=1); "
-        f"{median_spread(s['n8_off'])} s (n=8, off) | {med(s['n8']) / med(s['n1']):.2f}x the n=1 "
-        "time | <= 1.5x |",
-        f"| `etjax batch`, {b['records']} records after one {BLOCK_TOKENS}-token block, 16 new "
-        f"tokens each | {median_spread(b['seconds']['on'])} s | "
-        f"{median_spread(b['seconds']['off'])} s (off) | {b_ratio:.2f}x the throughput "
-        f"(hit rate {b['hit_rate']:.2f}) | >= 2x |",
-        f"| host: admit and release a {SAMPLE_PROMPT_TOKENS}-token context | "
-        f"{h['full']['us']:.0f} us with {h['full']['cached']} pages cached | "
-        f"{h['empty']['us']:.0f} us, empty | {h['full']['us'] / h['empty']['us']:.2f}x | <= 1.2x |",
-        "",
-        f"Cached prompt tokens per question (cache on): {q['cached_tokens']}.",
     ]
+    if q := raw.get("questions"):
+        q_ratio = med(q["seconds"]["on"]) / med(q["seconds"]["off"])
+        lines.append(
+            f"| {q['questions']} questions on one {DOCUMENT_TOKENS}-token document, "
+            f"{NEW_TOKENS} new tokens each, one `decode()` | {median_spread(q['seconds']['on'])} "
+            f"s | {median_spread(q['seconds']['off'])} s (off) | {q_ratio:.2f}x the time | "
+            "<= 0.25x |"
+        )
+    if "samples" in raw:
+        s = raw["samples"]["seconds"]
+        lines.append(
+            f"| `decode(prompt, n=8)`, {SAMPLE_PROMPT_TOKENS}-token prompt, {NEW_TOKENS} new "
+            f"tokens | {median_spread(s['n8'])} s | {median_spread(s['n1'])} s (n=1); "
+            f"{median_spread(s['n8_off'])} s (n=8, off) | {med(s['n8']) / med(s['n1']):.2f}x "
+            "the n=1 time | <= 1.5x |"
+        )
+    if b := raw.get("batch"):
+        b_ratio = med(b["seconds"]["off"]) / med(b["seconds"]["on"])
+        lines.append(
+            f"| `etjax batch`, {b['records']} records after one {BLOCK_TOKENS}-token block, "
+            f"16 new tokens each | {median_spread(b['seconds']['on'])} s | "
+            f"{median_spread(b['seconds']['off'])} s (off) | {b_ratio:.2f}x the throughput "
+            f"(hit rate {b['hit_rate']:.2f}) | >= 2x |"
+        )
+    if h := raw.get("host"):
+        lines.append(
+            f"| host: admit and release a {SAMPLE_PROMPT_TOKENS}-token context | "
+            f"{h['full']['us']:.0f} us with {h['full']['cached']} pages cached | "
+            f"{h['empty']['us']:.0f} us, empty | {h['full']['us'] / h['empty']['us']:.2f}x | "
+            "<= 1.2x |"
+        )
+    if q:
+        lines += ["", f"Cached prompt tokens per question (cache on): {q['cached_tokens']}."]
     return "\n".join(lines) + "\n"
 
 
