@@ -1,10 +1,10 @@
 """Constrained output (`json_schema`, `regex`, `choices`, `grammar`) on SmolLM2, all in one
 engine: every output that ends by itself parses and validates (`jsonschema`, the regex, the
-grammar's language), one cut by max_new_tokens says so, the trace's entropy is the masked
-distribution's, an unconstrained row beside the constrained ones decodes exactly as
-transformers' greedy search does, and drafting the grammar's forced tokens
-(etjax/drafting/forced.py) gives the tokens of the same requests with each forced token a step
-of its own (greedy and a seeded row)."""
+grammar's language; and over hypothesis-drawn schemas), one cut by max_new_tokens says so,
+the trace's entropy is the masked distribution's, an unconstrained row beside the constrained
+ones decodes exactly as transformers' greedy search does, and drafting the grammar's forced
+tokens (etjax/drafting/forced.py) gives the tokens of the same requests with each forced token
+a step of its own (greedy and a seeded row)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from etjax.constraints import matcher
 from etjax.drafting import SpeculationConfig
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.sampling import SamplerSettings
+from tests.hypothesis_profiles import examples
+from tests.json_schemas import SCHEMAS as DRAWN_SCHEMAS
 
 SCHEMAS = {
     "person": {
@@ -128,6 +132,29 @@ def test_constrained_outputs_parse_and_validate(runs):
     _, out = runs["cut"]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     assert matcher.live_count() == 0  # every request's matcher released
+
+
+@settings(max_examples=examples(2))
+@given(schemas=st.lists(DRAWN_SCHEMAS, min_size=8, max_size=8))
+def test_drawn_schemas_give_valid_json_or_say_they_were_cut(smollm2, runs, schemas):
+    # Eight drawn schemas in one engine (the `runs` engine's options, so its programs): an
+    # output that ends by itself validates; one that does not says "length" at the limit.
+    prompts = [
+        _chat(smollm2, f"Describe a place as JSON with the fields {', '.join(s['required'])}.")
+        for s in schemas
+    ]
+    settings_ = [RequestSettings(max_new_tokens=32, json_schema=json.dumps(s)) for s in schemas]
+    options = RuntimeOptions(speculation=SpeculationConfig(pass_fixed_tokens=1000.0))
+    outs = generate_ids(
+        smollm2.weights, smollm2.config, smollm2.tokenizer, prompts, settings_, options
+    )
+    for schema, out in zip(schemas, outs, strict=True):
+        if out.finish_reason == "eos":
+            jsonschema.validate(json.loads(out.text), schema)
+        else:
+            assert out.finish_reason == "length" and len(out.token_ids) == 32, out.text
+    assert sum(out.finish_reason == "eos" for out in outs) >= 6  # the limit is rarely reached
+    assert matcher.live_count() == 0
 
 
 def test_entropy_is_the_masked_distribution_s(runs):

@@ -16,26 +16,7 @@ from hypothesis import strategies as st
 
 from etjax.constraints import matcher
 from tests.hypothesis_profiles import examples
-
-_NAMES = st.sampled_from(["id", "name", "city", "kind", "score", "tags"])
-_LEAVES = st.one_of(
-    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(1, 8)),
-    st.builds(lambda lo: {"type": "integer", "minimum": lo, "maximum": lo + 50}, st.integers(0, 9)),
-    st.just({"type": "boolean"}),
-    st.builds(
-        lambda words: {"enum": sorted(words)},
-        st.sets(st.sampled_from(["red", "green", "blue", "reddish"]), min_size=1, max_size=3),
-    ),
-)
-_SCHEMAS = st.builds(
-    lambda fields: {
-        "type": "object",
-        "properties": dict(fields),
-        "required": [name for name, _ in fields],
-        "additionalProperties": False,
-    },
-    st.lists(st.tuples(_NAMES, _LEAVES), min_size=1, max_size=3, unique_by=lambda f: f[0]),
-)
+from tests.json_schemas import SCHEMAS
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +25,7 @@ def tokenizer(smollm2):
 
 
 @settings(max_examples=examples(25))
-@given(schema=_SCHEMAS, pick=st.randoms(use_true_random=False))
+@given(schema=SCHEMAS, pick=st.randoms(use_true_random=False))
 def test_forced_tokens_are_the_only_tokens_their_masks_allow(tokenizer, schema, pick):
     # Walk the grammar: where the matcher names forced tokens, each must be the single token
     # its mask allows once the ones before it are taken; elsewhere take any allowed token.
