@@ -364,3 +364,13 @@ def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
         assert last_arrival > 0
         assert calls[2:5] == [(n, last_arrival) for n in ("baseline", "scheduling_only", "full")]
         assert all(last == last_arrival for _, last in timed)
+
+
+def test_the_perf_section_links_only_plots_under_its_own_folder(tmp_path):
+    from etjax.bench.output import _plot_links
+
+    document = tmp_path / "docs" / "PERF.md"
+    inside = [tmp_path / "docs" / "bench" / "long" / "traces.png"]
+    assert _plot_links(inside, inside[0].parent, document) == "![traces](bench/long/traces.png)"
+    outside = [tmp_path / "scratch" / "traces.png"]
+    assert "not linked" in _plot_links(outside, outside[0].parent, document)

@@ -32,9 +32,18 @@ def write_outputs(
     paths["json"].write_text(json.dumps(_compact(raw), indent=1) + "\n")
     paths["table"].write_text(table + "\n")
     if perf_md is not None:
-        links = "\n".join(f"![{p.stem}]({os.path.relpath(p, perf_md.parent)})" for p in plots)
-        replace_section(perf_md, section, table + "\n\n" + links)
+        replace_section(perf_md, section, table + "\n\n" + _plot_links(plots, directory, perf_md))
     return paths | {p.stem: p for p in plots}
+
+
+def _plot_links(plots: list[Path], directory: Path, perf_md: Path) -> str:
+    # Images the document can show: plots written under its own folder (`--output docs/bench`
+    # beside docs/PERF.md). Elsewhere (a scratch directory) a link would break once the
+    # directory is gone or the document is read in another clone, so it names the folder.
+    relative = [Path(os.path.relpath(p.resolve(), perf_md.resolve().parent)) for p in plots]
+    if any(r.parts[:1] == ("..",) for r in relative):
+        return f"Plots: {directory} (not linked: outside the document's folder)."
+    return "\n".join(f"![{p.stem}]({r.as_posix()})" for p, r in zip(plots, relative, strict=True))
 
 
 def _document(raw: dict, workload: str, command: str) -> str:
