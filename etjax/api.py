@@ -144,8 +144,8 @@ def decode(
         decode step reads only the KV blocks its entropy budget and query keep.
       speculation: True (default settings) or a `SpeculationConfig`: after confident tokens,
         sequences draft tokens from their prompt and output and verify them in one pass; the
-        outputs are the same as without it. With `pruning` too, a row verifying drafts reads
-        its whole context that step.
+        outputs are the same as without it. With `pruning` too, each drafted token reads
+        the kept blocks a plain pruned step at its position would.
       prefix_cache: requests (and the n samples of a prompt) whose prompts start alike share
         the KV pages of that beginning: it is prefilled once, by the first of them, and
         decode steps read it once for the rows holding it (etjax/attention/cascade.py). The

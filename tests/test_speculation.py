@@ -222,10 +222,13 @@ def test_rollback_leaves_the_cache_and_allocator_as_a_plain_run(tiny_hf_dir, mon
     assert {n: spec_held[n] for n in common} == {n: plain_held[n] for n in common}
 
 
-def test_pruned_engine_verifies_drafts_densely_and_prunes_the_other_rows(tiny_hf_dir, monkeypatch):
-    # Under pruning, a row verifying drafts reads its whole context: with a budget that
-    # keeps every block the outputs are the dense engine's. A row that never drafts stays
-    # pruned beside it: its tokens and kept blocks are those of the pruning-only engine.
+def test_pruned_engine_verifies_drafts_as_pruned_steps_would(tiny_hf_dir, monkeypatch):
+    # Under pruning, a row verifying drafts stays pruned: each of its tokens reads what a
+    # plain pruned step at its position reads. With a budget that keeps every block the
+    # outputs are the dense engine's; with a budget that does not depend on the entropy (the
+    # ramp above the random model's entropy, no mass ranking) the drafting row's tokens and
+    # kept blocks are those of the same engine without speculation. A row that never
+    # drafts stays pruned beside it, with mass ranking too.
     import etjax
     import etjax.engine.engine as engine_module
     from etjax.pruning.config import PruningConfig
@@ -240,7 +243,9 @@ def test_pruned_engine_verifies_drafts_densely_and_prunes_the_other_rows(tiny_hf
     pruned = PruningConfig(
         enabled=True, entropy_low=20.0, entropy_high=30.0, min_blocks=2, recent_blocks=1
     )
+    flat = dataclasses.replace(pruned, mass_threshold=0.0)
     pruned_only = _generate(tiny, prompts, settings, SpeculationConfig(), pruning=pruned, **engine)
+    flat_only = _generate(tiny, prompts, settings, SpeculationConfig(), pruning=flat, **engine)
     assert sum(pruned_only[1].kept_blocks) < 0.5 * sum(dense[1].kept_blocks)
 
     # Drafts for the first prompt only.
@@ -253,6 +258,18 @@ def test_pruned_engine_verifies_drafts_densely_and_prunes_the_other_rows(tiny_hf
         assert b.token_ids == a.token_ids
         np.testing.assert_allclose(b.entropy, a.entropy, rtol=1e-4, atol=1e-5)
     assert both[0].metrics["passes_per_token"] < 1
+
+    # Drafts that continue the pruned engine's own outputs, so they are accepted.
+    monkeypatch.setattr(
+        engine_module, "lookup_draft", _oracle(prompts[:1], flat_only[:1], tiny.config.vocab_size)
+    )
+    both = _generate(tiny, prompts, settings, FORCED, pruning=flat, **engine)
+    assert both[0].metrics["drafted_tokens"] > 0 and both[0].metrics["passes_per_token"] < 1
+    for a, b in zip(flat_only, both, strict=True):
+        assert b.token_ids == a.token_ids
+        np.testing.assert_array_equal(b.kept_blocks, a.kept_blocks)
+        np.testing.assert_allclose(b.entropy, a.entropy, rtol=1e-4, atol=1e-5)
+    assert sum(both[0].kept_blocks) < 0.5 * sum(dense[0].kept_blocks)
 
     both = _generate(tiny, prompts, settings, FORCED, pruning=pruned, **engine)
     assert both[1].token_ids == pruned_only[1].token_ids

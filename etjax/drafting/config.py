@@ -16,7 +16,8 @@ class SpeculationConfig:
     """How decoding sequences draft tokens for verification (etjax/drafting/rule.py has the
     rule and the reasons for its constants).
 
-    enabled: draft and verify (dense attention only: a pruned step reads one token per row).
+    enabled: draft and verify (under pruning, each drafted token reads the kept blocks a
+      plain pruned step at its position would: etjax/runtime/steps.py `_per_token`).
     max_draft: the most tokens one sequence drafts per step; static (the verification pass
       checks this many positions), so a larger value costs every verifying step a little.
     ngram_max, ngram_min: the longest and shortest tail of the sequence matched against its

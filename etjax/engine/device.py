@@ -194,7 +194,7 @@ class DeviceBackend:
         last_index = np.zeros(self.prefill_rows if jobs else 0, np.int32)
         draft_len = np.zeros(width, np.int32)
         targets = np.full(num_tokens, -1, np.int32)  # no prompt log-probabilities asked
-        decoding, windowed, verifying, chunks = [], [], [], []
+        decoding, windowed, verifying, verifying_windows, chunks = [], [], [], [], []
         start = 0
         for j, (row, row_pages, n, draft) in enumerate(
             zip(rows, pages, lengths, drafts, strict=True)
@@ -208,10 +208,10 @@ class DeviceBackend:
             write_pages[span] = np.asarray(row_pages, np.int32)[positions[span] // opts.page_size]
             reach = n + m - 1
             segment = Segment(start, m, n, reach, row_pages[: reach // opts.page_size + 1])
-            if draft:
+            if opts.pruning.enabled:  # pruned: global layers outside the plan, local in it
+                (verifying_windows if draft else windowed).append(segment)
+            elif draft:
                 verifying.append(segment)
-            elif opts.pruning.enabled:  # pruned: global layers outside the plan, local in it
-                windowed.append(segment)
             else:
                 decoding.append(segment)
             start += m
@@ -242,14 +242,17 @@ class DeviceBackend:
             PlanSizes(opts.page_size, passes + prefill_passes),
             self.attention_backend,
             cfg.attention_window,
-            local_groups=[decoding + windowed, *groups[1:], *routed],
+            local_groups=[decoding + windowed, verifying + verifying_windows, *routed]
+            if max_draft
+            else [decoding + windowed, *routed],
         )
         batch = FlatBatch(
             tokens, positions, write_pages, decode_slot, last_index, draft_len, targets
         )
         table, max_kept = None, 0
         if opts.pruning.enabled:
-            table, max_kept = self._pruned_tables(pages, [n + 1 for n in lengths], budgets, width)
+            reach = [n + 1 + len(d) for n, d in zip(lengths, drafts, strict=True)]
+            table, max_kept = self._pruned_tables(pages, reach, budgets, width)
         self.store, self.cache, out, logits, target_logprobs = mixed_step(
             self.weights,
             self.cache,

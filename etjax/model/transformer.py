@@ -162,6 +162,9 @@ class SparsePlan:
     # [B] int32 each row's row of the cache's block mass (the engine's store rows); None: row
     # b is row b.
     rows: jax.Array | None = None
+    # [B] float32 the kept fraction the budgets come from, for a row whose tokens reach past
+    # its first token's page (a verifying row's drafts: runtime/steps.py `_per_token`).
+    fraction: jax.Array | None = None
 
 
 def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
@@ -220,8 +223,8 @@ def _pruned_attention(
     plan: AttentionPlan | None,
     sparse: SparsePlan,
 ) -> tuple[jax.Array, PagePool]:
-    # The rows' decode tokens read the blocks their budgets keep; in a ragged step, the
-    # plan's tokens (chunks, verifying rows) attend densely.
+    # The rows' tokens (a verifying row's drafts each as a row: runtime/steps.py) read the
+    # blocks their budgets keep; in a ragged step, the plan's tokens (chunks) attend densely.
     slots = sparse.slots
 
     def rows_of(x):  # the rows' entries of a flat array (zeros for padding rows)

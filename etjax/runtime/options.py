@@ -48,8 +48,8 @@ class RuntimeOptions:
     compilation_cache: keep compiled programs on disk for later processes
       (etjax/compilation_cache.py; ETJAX_COMPILATION_CACHE=off also turns it off).
     speculation: drafting and verification of tokens (etjax/drafting, off by default); needs
-      1 + max_draft <= steps_per_sync (the pages a round reserves). Under pruning, a row
-      that verifies drafts reads its whole context that step; the others stay pruned.
+      1 + max_draft <= steps_per_sync (the pages a round reserves). Under pruning, each
+      drafted token reads the kept blocks a plain pruned step at its position would.
     calibration: the model's entropy calibration (etjax/calibration; `load_model(...,
       calibration=PATH)` attaches one): pruning, the scheduler and drafting then read the
       calibrated entropy, and the trace has it beside the raw one. None: they read the raw

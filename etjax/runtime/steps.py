@@ -111,9 +111,12 @@ def mixed_step(
     Dense, `plan` holds every token's attention work. With `statics.pruning.enabled`, the
     rows' tokens attend to the blocks their budgets keep under `thresholds` (traced: engines
     that differ in thresholds share the program; as in `decode_steps`), scored over their
-    whole page tables `page_table` [Bm, W], and `plan` holds the chunks' work and that of
-    the rows that verify drafts: those read their whole context, so their drafts are checked
-    against the model itself, not against a pruned approximation of it.
+    whole page tables `page_table` [Bm, W], and `plan` holds the chunks' work (and, on a
+    model with sliding-window layers, every row token's local layers). A verifying row's
+    drafts are pruned too: each reads what a plain pruned step at its position would (its
+    own query's kept blocks, as many as the row's kept fraction gives there: `_per_token`),
+    except that the fraction comes from the entropy before the row's token (a draft's own
+    predecessor's is not known before the pass).
     Returns the store, the cache, the rows' outputs [1, Bm], float32 logits [Sp, V] after
     each prefill sequence's last token, and float32 [T] the log-probability of
     `batch.targets` after each token (0 where there is none).
@@ -128,7 +131,6 @@ def mixed_step(
         row_slots = jnp.where(
             offsets <= batch.draft_len[:, None], batch.decode_slot[:, None] + offsets, num_tokens
         )
-        verifying = batch.draft_len > 0  # attend through the plan, also under pruning
 
         def run_model(tokens, runs, sparse):
             # Returns the rows' hidden states [Bm, D], the cache, and what the step needs
@@ -136,7 +138,8 @@ def mixed_step(
             # states and the pages each row's tokens wrote.
             slot = batch.decode_slot
             if sparse is not None:
-                sparse = sparse.replace(slots=jnp.where(verifying, num_tokens, slot))
+                pad_row = store.lengths.shape[0] - 1
+                sparse = _per_token(sparse, row_slots, batch.positions, pad_row, statics.cost)
             flat = batch.tokens.at[slot].set(tokens, mode="drop")
             # A row that finished on this token writes nothing (its token and drafts are not
             # run).
@@ -153,12 +156,20 @@ def mixed_step(
 
         start = state.lengths
         state, cache, outputs, after = _decode_step(
-            weights, state, statics, thresholds, run_model, rows, dense_rows=verifying
+            weights, state, statics, thresholds, run_model, rows
         )
         prefill_hidden, draft_hidden, row_pages, prompt_logprobs = after
+        fraction = state.entropy.budget  # the kept fraction the rows' tokens read with
         outputs = jax.tree.map(lambda x: x[None], outputs)
         if max_draft:
             drafts = batch.tokens.at[row_slots[:, 1:]].get(mode="fill", fill_value=0)
+            reads = None
+            if statics.pruning.enabled:  # the drafts read their own kept blocks (_per_token)
+
+                def reads(num_blocks):
+                    kept = kept_block_count(fraction, num_blocks, thresholds)
+                    return fraction, jnp.minimum(kept, statics.max_kept)
+
             state, verified = accept_drafts(
                 weights,
                 state,
@@ -167,6 +178,7 @@ def mixed_step(
                 draft_hidden,
                 statics.cost,
                 statics.constrained,
+                reads,
             )
             outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outputs, verified)
             written = jnp.sum(row_pages != 0, axis=1)
@@ -303,13 +315,11 @@ def decode_steps(
         return store, cache, outputs
 
 
-def _decode_step(weights, state, statics, thresholds, run_model, rows, dense_rows=None):
+def _decode_step(weights, state, statics, thresholds, run_model, rows):
     # One step of every row of `state`: sample from its logits, run the model on the token
     # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache, after)`), account.
     # Returns the state, the cache, the outputs and `after`, what run_model passed on.
-    # `rows` [B]: the store rows of `state` (whose block mass pruning reads). `dense_rows` [B]
-    # bool: rows that read every block even under pruning (a verifying row's drafts attend
-    # through the plan, and so does its token).
+    # `rows` [B]: the store rows of `state` (whose block mass pruning reads).
     cost, pruning, max_kept = statics.cost, statics.pruning, statics.max_kept
     active = state.active
     raw_logits = state.logits
@@ -343,10 +353,8 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, dense_row
             pruning=pruning,
             max_kept=max_kept,
             backend=statics.attention_backend,
+            fraction=fraction,
         )
-        if dense_rows is not None:  # what they read, for the trace and the cost
-            fraction = jnp.where(dense_rows, 1.0, fraction)
-            kept = jnp.where(dense_rows, num_blocks, kept)
     else:
         fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
     hidden, cache, after = run_model(tokens, runs, sparse)
@@ -374,6 +382,36 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, dense_row
     if statics.constrained:
         state = state.replace(allowed=allowed)
     return state, cache, outputs, after
+
+
+def _per_token(
+    sparse: SparsePlan,
+    row_slots: jax.Array,
+    positions: jax.Array,
+    pad_row: int,
+    cost: CostModel,
+) -> SparsePlan:
+    # A ragged step's pruned tokens: every token of a row, its drafts too (row_slots [B, n]:
+    # flat indices, out of range past a row's drafts), each as a row of its own. A token
+    # reads what a plain pruned step at its position would: the row's page table, its own
+    # query's kept blocks, as many as the row's kept fraction gives at its position (the
+    # fraction from the entropy the row's token was drawn from, as the drafts' own are not
+    # known before this pass). Only a row's first token remembers the mass it drew.
+    n = row_slots.shape[1]
+    slots = row_slots.reshape(-1)
+    position = positions.at[slots].get(mode="fill", fill_value=0)
+    num_blocks = (position + cost.page_size) // cost.page_size  # with the token's own
+    fraction = jnp.repeat(sparse.fraction, n)
+    kept = kept_block_count(fraction, num_blocks, sparse.thresholds)
+    first = jnp.arange(slots.shape[0]) % n == 0
+    rows = sparse.rows if sparse.rows is not None else jnp.arange(row_slots.shape[0])
+    return sparse.replace(
+        budget_blocks=jnp.minimum(kept, sparse.max_kept),
+        page_table=jnp.repeat(sparse.page_table, n, axis=0),
+        rows=jnp.where(first, jnp.repeat(rows, n), pad_row).astype(jnp.int32),
+        slots=slots,
+        fraction=fraction,
+    )
 
 
 def take_rows(store: DecodeState, rows: jax.Array) -> DecodeState:

@@ -26,6 +26,8 @@ masked draw makes it, not because the host said so.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -46,6 +48,7 @@ def accept_drafts(
     draft_hidden: jax.Array,
     cost: CostModel,
     constrained: bool = False,
+    reads: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[DecodeState, StepOutputs]:
     """Accept the longest prefix of each row's drafts its sampler reproduces.
 
@@ -55,6 +58,8 @@ def accept_drafts(
     draft_hidden: [B, k, D] the final hidden state after each draft. Returns the state after
     the accepted drafts and their outputs [k, B] (emitted where accepted). `constrained`
     (static): the rows' grammars mask each position as in the plain step (`_decode_step`).
+    `reads(num_blocks [B]) -> (kept fraction, kept blocks)`: what a draft read under pruning,
+    for the trace and the cost (None: every block of its context).
 
     Draft i is checked only while some row is still accepting (a `lax.cond`): the i-th
     distribution (an LM-head product over the batch) and sample cost nothing once every row
@@ -82,7 +87,10 @@ def accept_drafts(
                 only_committed=True,
             )
         num_blocks = (state.lengths + cost.page_size) // cost.page_size
-        keys = cost.layer_keys((num_blocks * cost.page_size).astype(jnp.float32))
+        fraction, kept = (
+            (jnp.ones_like(info.model_entropy), num_blocks) if reads is None else reads(num_blocks)
+        )
+        keys = cost.layer_keys((kept * cost.page_size).astype(jnp.float32))
         flops = cost.matmul_flops_per_token + cost.attention_flops_per_key * keys
         flops = jnp.where(take, flops, 0.0)
         nbytes = jnp.where(take, cost.kv_bytes_per_key * keys, 0.0)  # weights: read once
@@ -94,8 +102,8 @@ def accept_drafts(
             sampler_state,
             take,
             logits_from_hidden(weights, hidden),
-            jnp.ones_like(info.model_entropy),
-            num_blocks,
+            fraction,
+            kept,
             flops,
             nbytes,
         )
