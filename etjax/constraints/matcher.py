@@ -70,6 +70,7 @@ _registry: dict[int, RowGrammar] = {}
 _ids = itertools.count()
 _lock = threading.Lock()
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_executor = None  # llguidance's thread pool for masks of several rows, made on first use
 
 
 def _ll_tokenizer(tokenizer, vocab_size: int):
@@ -143,11 +144,34 @@ def advance(
     `only_committed`, for rows that committed nothing: the caller keeps their mask)."""
     masks = np.full((gids.shape[0], width), ALL_TOKENS, np.uint32)
     rows = (gids >= 0) & committed if only_committed else gids >= 0
+    live = []
     for b in np.nonzero(rows)[0]:
         row = _registry.get(int(gids[b]))
         if row is None:  # a pad row's stale id, or a request already released
             continue
         if committed[b]:
             row.consume(int(index[b]), int(tokens[b]))
-        masks[b] = row.mask()
+        live.append((int(b), row))
+    _fill_masks(live, masks)
     return masks
+
+
+def _fill_masks(live: list[tuple[int, RowGrammar]], masks: np.ndarray) -> None:
+    # masks[b] = row b's next mask. The device waits for this callback, its threads idle, so
+    # llguidance computes the rows' masks on threads of its own (32 rows of a JSON schema:
+    # 1.1 ms against 3.2 one by one, on this project's 2-core CPU); one at a time where its
+    # mask is narrower than the model's vocabulary needs (`_fit`).
+    if len(live) < 2 or any(
+        row.matcher.is_error() or mask_words(row.vocab_size) != masks.shape[1] for _, row in live
+    ):
+        for b, row in live:
+            masks[b] = row.mask()
+        return
+    import llguidance.numpy
+
+    global _executor
+    if _executor is None:
+        _executor = llguidance.LLExecutor()
+    llguidance.numpy.fill_next_token_bitmask_par(
+        _executor, [(row.matcher, b) for b, row in live], masks.view(np.int32)
+    )
