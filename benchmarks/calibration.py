@@ -9,11 +9,17 @@ entropy bins (the entropy's own calibration error). A monotone map from entropy 
 surprisal (isotonic regression on the fit text, after the temperature) is measured the same
 way, to see whether it earns a place beside the temperature. Then pruning at the default
 setting: teacher-forced perplexity of long documents' last tokens through the decode path
-(etjax/bench/perplexity.py), dense, with budgets from the raw entropy and from the calibrated
-one. Writes the "calibration" section of docs/PERF.md.
+(etjax/bench/perplexity.py), on documents of articles the fit never saw: dense; with budgets
+from the raw entropy; from the calibrated one under the unshifted ramp; from the calibrated
+one under the ramp moved by the shift fitted with it (etjax/calibration/ramp.py, on the fit
+text: what `etjax calibrate` writes and the engine applies); and from the raw entropy with its
+ramp moved until it keeps what that paired run keeps (secant search), the comparison at equal
+kept fraction. Per-document paired differences of log perplexity carry a standard error, so
+a reader can see whether a difference is resolved. Writes the "calibration" section of
+docs/PERF.md.
 
     .venv/bin/python benchmarks/calibration.py [--models smollm2-135m-instruct,gemma3-270m]
-        [--tokens 2048] [--pruning-docs 2] [--pruning-length 2048]
+        [--tokens 2048] [--pruning-docs 8] [--pruning-length 2048]
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from benchmarks.perf_report import machine_line, write_section
 
 FIT_ARTICLES = slice(0, 100)
 HELD_ARTICLES = slice(150, 250)
+PRUNING_ARTICLES = slice(100, 300)  # the long documents: never the fit text
 
 
 def isotonic(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -65,14 +72,49 @@ def _shifted(delta: float):
     )
 
 
+def paired_difference(a: dict, b: dict) -> dict:
+    """Per-document difference of log(ppl ratio) of run `a` minus run `b` (= the difference
+    of their mean NLLs): mean, standard error over documents, and each document's value."""
+    diff = np.log(np.array(a["ppl"])) - np.log(np.array(b["ppl"]))
+    se = float(diff.std(ddof=1) / np.sqrt(diff.size)) if diff.size > 1 else float("nan")
+    return {"mean": float(diff.mean()), "se": se, "per_document": diff.tolist()}
+
+
+def equal_kept(run, target: float, start: dict, steps: int, tolerance: float = 2e-3) -> dict:
+    """The raw signal's run (`run(shift)`) whose ramp shift makes it keep `target`: secant
+    steps on kept fraction against shift from the unshifted run `start` (kept fraction is
+    smooth and decreasing in the shift), the closest run found."""
+    points = [(0.0, start)]
+    shift = -0.4 if start["kept_fraction"] < target else 0.4
+    best = start
+    # The unshifted run is never taken as the answer without one search step: a shift that
+    # lands closer (as it usually does) replaces it.
+    for _ in range(steps):
+        r = run(shift)
+        r["shift"] = shift
+        points.append((shift, r))
+        if abs(r["kept_fraction"] - target) < abs(best["kept_fraction"] - target):
+            best = r
+        if abs(r["kept_fraction"] - target) < tolerance:
+            break
+        (s0, r0), (s1, r1) = points[-2], points[-1]
+        slope = (r1["kept_fraction"] - r0["kept_fraction"]) / (s1 - s0)
+        if slope >= 0:  # flat or noisy: halve towards the start instead
+            shift = s1 / 2
+        else:
+            shift = float(np.clip(s1 + (target - r1["kept_fraction"]) / slope, -4.0, 4.0))
+    best.setdefault("shift", 0.0)
+    return best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="smollm2-135m-instruct,gemma3-270m")
     parser.add_argument("--tokens", type=int, default=2048, help="scored positions per set")
     parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--pruning-docs", type=int, default=2, help="0 skips pruning")
+    parser.add_argument("--pruning-docs", type=int, default=8, help="0 skips pruning")
     parser.add_argument("--pruning-length", type=int, default=2048)
-    parser.add_argument("--bisection-steps", type=int, default=5)
+    parser.add_argument("--secant-steps", type=int, default=3, help="equal-kept search")
     args = parser.parse_args()
 
     import etjax
@@ -80,6 +122,8 @@ def main() -> None:
     from etjax.bench.perplexity import long_documents, perplexity, prefill_documents
     from etjax.calibration.fit import fit_temperature, teacher_forced, text_statistics
     from etjax.calibration.metrics import entropy_gap, summarise, token_statistics
+    from etjax.calibration.ramp import ramp_shift
+    from etjax.pruning.budget import kept_fraction
     from etjax.pruning.config import PruningConfig
 
     articles = lee_articles()
@@ -96,7 +140,11 @@ def main() -> None:
         t = fit.temperature
         fit_stats = token_statistics(jnp.asarray(logits), jnp.asarray(targets), jnp.float32(t))
         fit_stats = {k: np.asarray(v) for k, v in fit_stats.items()}
-        del logits
+        fit_raw = token_statistics(jnp.asarray(logits), jnp.asarray(targets), jnp.float32(1.0))
+        fit_raw_entropy = np.asarray(fit_raw["entropy"])
+        del logits, fit_raw
+        # The ramp paired with the calibration, on the fit text (what `etjax calibrate` writes).
+        shift = ramp_shift(fit_raw_entropy, fit_stats["entropy"])
         raw, calibrated = text_statistics(model, held_texts, [1.0, t], args.window, args.tokens)
         row = {
             "temperature": t,
@@ -104,6 +152,13 @@ def main() -> None:
             "fit_tokens": int(targets.size),
             "fit_nll_before": fit.nll_before,
             "fit_nll_after": fit.nll_after,
+            "ramp_shift": shift,
+            "fit_ramp_kept": {
+                "raw": float(np.mean(kept_fraction(fit_raw_entropy, PruningConfig(), np))),
+                "calibrated": float(
+                    np.mean(kept_fraction(fit_stats["entropy"], PruningConfig(), np))
+                ),
+            },
             "forward_s": forward_s,
             "fit_s": fit_s,
             "held_out": {"raw": summarise(raw), "calibrated": summarise(calibrated)},
@@ -119,37 +174,50 @@ def main() -> None:
         }
         print(name, row, flush=True)
         if args.pruning_docs:
-            docs = long_documents(model.tokenizer, articles, args.pruning_docs, args.pruning_length)
+            docs = long_documents(
+                model.tokenizer, articles[PRUNING_ARTICLES], args.pruning_docs, args.pruning_length
+            )
+            started = time.perf_counter()
             prefilled = prefill_documents(model, docs)
-            dense = perplexity(model, prefilled, PruningConfig())
-            pruning = {}
-            for label, temperature in (("raw", 1.0), ("calibrated", t)):
-                r = perplexity(model, prefilled, PruningConfig(enabled=True), temperature)
+            prefill_s = time.perf_counter() - started
+
+            def run(cfg, temperature=1.0, m=model, p=prefilled):
+                # One teacher-forced pass, timed (the first pruned one compiles the program).
+                started = time.perf_counter()
+                r = perplexity(m, p, cfg, temperature)
+                r["seconds"] = time.perf_counter() - started
+                print(f"  {cfg.entropy_low:.3f} T={temperature:.4f}: {r}", flush=True)
+                return r
+
+            dense = run(PruningConfig())
+            on = PruningConfig(enabled=True)
+            pruning = {
+                "raw": run(on),
+                "calibrated": run(on, t),
+                "calibrated_paired": run(_shifted(shift), t),
+            }
+            # Equal kept fraction: the raw signal under a ramp moved until it keeps what the
+            # paired calibrated run keeps; then the two differ only in which steps get blocks.
+            pruning["raw_equal_kept"] = equal_kept(
+                lambda d: run(_shifted(d)),
+                pruning["calibrated_paired"]["kept_fraction"],
+                pruning["raw"],
+                args.secant_steps,
+            )
+            for r in pruning.values():
                 r["ratio"] = (np.array(r["ppl"]) / np.array(dense["ppl"])).tolist()
-                pruning[label] = r
-            # Equal kept fraction: the raw signal under a ramp shifted down by delta nats
-            # (bisection), so it keeps what the calibrated one keeps; then the two differ only
-            # in which steps get the blocks.
-            target = pruning["calibrated"]["kept_fraction"]
-            low, high, best = -4.0, 0.0, None
-            for _ in range(args.bisection_steps):
-                delta = (low + high) / 2
-                shifted = perplexity(model, prefilled, _shifted(delta))
-                shifted["shift"] = delta
-                if best is None or abs(shifted["kept_fraction"] - target) < abs(
-                    best["kept_fraction"] - target
-                ):
-                    best = shifted
-                if shifted["kept_fraction"] > target:
-                    low = delta
-                else:
-                    high = delta
-            best["ratio"] = (np.array(best["ppl"]) / np.array(dense["ppl"])).tolist()
-            pruning["raw_equal_kept"] = best
-            row["pruning"] = {"dense": dense, **pruning}
+            row["pruning"] = {
+                "dense": dense,
+                **pruning,
+                "prefill_s": prefill_s,
+                "paired_vs_raw_equal_kept": paired_difference(
+                    pruning["calibrated_paired"], pruning["raw_equal_kept"]
+                ),
+                "paired_vs_raw": paired_difference(pruning["calibrated_paired"], pruning["raw"]),
+            }
             print(name, row["pruning"], flush=True)
         results[name] = row
-    _report(results, args)
+        _report(results, args)  # after each model: a run cut short keeps what it measured
 
 
 def _report(results: dict, args) -> None:
@@ -181,28 +249,45 @@ def _report(results: dict, args) -> None:
             f"{b['entropy_gap_binned']:.3f} / {m['entropy_gap_binned']:.3f} | "
             f"{r['forward_s']:.0f} s, {r['fit_s']:.1f} s ({r['iterations']} steps) |"
         )
-    pruned = {n: r["pruning"] for n, r in results.items() if "pruning" in r}
+    pruned = {n: r for n, r in results.items() if "pruning" in r}
     if pruned:
         lines += [
             "",
-            f"Pruning at the default setting (`PruningConfig(enabled=True)`), budgets from the "
-            f"raw or the calibrated entropy: teacher-forced perplexity of the last 512 tokens "
-            f"of {args.pruning_docs} documents of {args.pruning_length} tokens, pruned over "
-            "dense (mean over documents), and the fraction of the pruned layers' blocks read. "
-            "The calibrated signal is higher (T > 1), so it keeps more; `raw, equal kept` moves "
-            "the raw signal's ramp down by the shift given (bisection) until it keeps as much, "
-            "the comparison at equal kept fraction.",
+            f"Pruning at the default setting (`PruningConfig(enabled=True)`): teacher-forced "
+            f"perplexity of the last 512 tokens of {args.pruning_docs} documents of "
+            f"{args.pruning_length} tokens (Lee articles {PRUNING_ARTICLES.start}-"
+            f"{PRUNING_ARTICLES.stop - 1}, none of them fit text), pruned over dense: mean "
+            "(min-max) over documents, and the fraction of the pruned layers' blocks read. "
+            "Budgets from the raw entropy; from the calibrated one under the default ramp "
+            "(`calibrated, same ramp`); from the calibrated one under the ramp moved by the "
+            "shift fitted with the temperature on the fit text so that it keeps the default "
+            "budget there (`calibrated, paired ramp`: what `etjax calibrate` writes and the "
+            "engine applies); and from the raw entropy with its ramp moved until it keeps what "
+            "the paired run keeps (`raw, equal kept`). The last column: the paired run's "
+            "log-perplexity minus the equal-kept raw run's, per document, mean +- standard "
+            "error (negative: the calibrated signal is better).",
             "",
-            "| model | raw: ppl ratio (kept) | calibrated: ppl ratio (kept) | "
-            "raw, equal kept: ppl ratio (kept, shift) |",
-            "|---|---|---|---|",
+            "| model | ramp shift (fit-text kept raw / calibrated) | raw | calibrated, same ramp "
+            "| calibrated, paired ramp | raw, equal kept (shift) | paired - raw equal kept, "
+            "log ppl |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for name, p in pruned.items():
-            r, c, e = p["raw"], p["calibrated"], p["raw_equal_kept"]
+        for name, row in pruned.items():
+            p = row["pruning"]
+
+            def cell(r):
+                ratio = np.array(r["ratio"])
+                return (
+                    f"{ratio.mean():.4f} ({ratio.min():.4f}-{ratio.max():.4f}), "
+                    f"{r['kept_fraction']:.1%}"
+                )
+
+            e, d, fk = p["raw_equal_kept"], p["paired_vs_raw_equal_kept"], row["fit_ramp_kept"]
             lines.append(
-                f"| {name} | {np.mean(r['ratio']):.4f} ({r['kept_fraction']:.1%}) | "
-                f"{np.mean(c['ratio']):.4f} ({c['kept_fraction']:.1%}) | "
-                f"{np.mean(e['ratio']):.4f} ({e['kept_fraction']:.1%}, {e['shift']:+.2f} nats) |"
+                f"| {name} | {row['ramp_shift']:+.3f} nats ({fk['raw']:.1%} / "
+                f"{fk['calibrated']:.1%}) | {cell(p['raw'])} | {cell(p['calibrated'])} | "
+                f"{cell(p['calibrated_paired'])} | {cell(e)} ({e['shift']:+.3f}) | "
+                f"{d['mean']:+.4f} +- {d['se']:.4f} |"
             )
     write_section("calibration", "\n".join(lines), raw)
     print("\n".join(lines))

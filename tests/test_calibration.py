@@ -130,10 +130,16 @@ def test_calibrated_entropy_is_raw_at_t1_and_the_tempered_entropy_otherwise():
 
 
 def test_calibration_file_round_trip(tmp_path):
-    cal = Calibration(1.25, "tiny", 49152, {"tokens": 10, "nll_before": 3.0})
+    cal = Calibration(1.25, "tiny", 49152, {"tokens": 10, "nll_before": 3.0}, ramp_shift=0.375)
     path = save_calibration(cal, tmp_path / "cal.json")
     assert load_calibration(path, vocab_size=49152) == cal
     assert load_calibration(path).fit == {"tokens": 10, "nll_before": 3.0}
+    assert load_calibration(path).ramp_shift == 0.375
+
+
+def test_a_file_without_a_ramp_shift_leaves_the_ramp_where_it_is(tmp_path):
+    (tmp_path / "cal.json").write_text(json.dumps(GOOD))  # a temperature alone, as by hand
+    assert load_calibration(tmp_path / "cal.json").ramp_shift == 0.0
 
 
 GOOD = {
@@ -158,6 +164,10 @@ GOOD = {
         ({"code": "import os"}, r"unknown field 'code'"),
         ({"temperature": None}, r"field 'temperature' = None"),
         ({"fit": {"nested": {"a": 1}}}, r"field 'fit'"),
+        ({"ramp_shift": "0.4"}, r"field 'ramp_shift' = '0.4'; must be a number of nats"),
+        ({"ramp_shift": 40.0}, r"field 'ramp_shift' = 40.0; must be a number of nats in \[-16"),
+        ({"ramp_shift": float("inf")}, r"field 'ramp_shift' = inf"),
+        ({"ramp_shift": False}, r"field 'ramp_shift' = False"),
     ],
 )
 def test_bad_calibration_files_are_refused_naming_file_field_and_value(tmp_path, change, message):
@@ -258,6 +268,25 @@ def test_pruning_budgets_follow_the_calibrated_signal(tiny):
     assert sum(out.kept_blocks) > sum(raw_kept)  # T > 1: a higher signal keeps more blocks
 
 
+def test_a_calibrations_ramp_shift_moves_the_engines_ramp(tiny):
+    # With a ramp shift s the budget is the ramp moved by s nats, read against the calibrated
+    # signal: fraction = 0.2 + 0.8 * clip((H - s) / 20); fewer blocks than unshifted (s > 0).
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(3, tiny.config.vocab_size, size=120).tolist()
+    shift = 3.0
+    moved = PruningConfig(min_fraction=0.2, entropy_low=shift, entropy_high=20.0 + shift)
+    kept = {}
+    for s in (0.0, shift):
+        cal = Calibration(T, "tiny", tiny.config.vocab_size, ramp_shift=s)
+        (out,) = _run(tiny, [prompt], cal, RAMP)
+        blocks = (len(prompt) + np.arange(len(out.token_ids)) + 4) // 4
+        fraction = kept_fraction(np.float64(out.calibrated_entropy), moved if s else RAMP, xp=np)
+        expected = kept_block_count(fraction, blocks, RAMP, xp=np)
+        np.testing.assert_array_equal(out.kept_blocks[:-1], expected[:-1])
+        kept[s] = sum(out.kept_blocks)
+    assert kept[shift] < kept[0.0]
+
+
 def test_load_model_with_a_calibration_and_decode(tiny_hf_dir, tmp_path):
     directory = tiny_hf_dir("llama")
     path = save_calibration(Calibration(T, "tiny", 49152), tmp_path / "cal.json")
@@ -286,6 +315,8 @@ def test_calibrate_command_fits_on_one_text_and_reports_on_another(tiny_hf_dir, 
     # A random model is far too sure of itself: the fit raises T and closes most of the gap
     # between its entropy and the surprisal, on the text it saw and on the other.
     assert cal.temperature > 1
+    # The paired ramp: a higher signal (T > 1) needs the ramp moved up to keep the budget.
+    assert cal.ramp_shift > 0 and 0.2 <= fit["ramp_kept_fraction"] <= 1
     for where in ("", "held_out_"):
         before, after = fit[f"{where}entropy_gap_before"], fit[f"{where}entropy_gap_after"]
         assert abs(after) < abs(before) / 10

@@ -36,11 +36,14 @@ PREFILL_ROWS = 2
 
 @functools.partial(jax.jit, static_argnames=("cfg", "pruning", "max_kept"))
 def _teacher_forced(
-    weights, cache, logits, tokens, start, table, plan, temperature, cfg, pruning, max_kept
-):
+    weights, cache, logits, tokens, start, table, plan, temperature, thresholds, cfg, pruning,
+    max_kept,
+):  # fmt: skip
     # Feed tokens[:, :-1] from position `start` [B]; score every token of `tokens` [B, T] (the
     # first by the prefill's logits). Returns per-token NLL, blocks read and blocks available.
     # `temperature` [B]: the entropy signal's calibration (etjax/calibration; 1 = raw).
+    # `pruning` (its shape) is static and `thresholds` traced, as in the engine: settings that
+    # differ only in their numbers (a sweep of ramps) run one compiled program.
     def step(carry, xs):
         cache, logits = carry
         target, offset = xs  # [B], scalar
@@ -55,13 +58,13 @@ def _teacher_forced(
                 logits, exact_entropy(logits, temperature), pruning, temperature
             )
             kept = jnp.minimum(
-                kept_block_count(kept_fraction(signal, pruning), blocks, pruning), max_kept
+                kept_block_count(kept_fraction(signal, thresholds), blocks, thresholds), max_kept
             )
             sparse = SparsePlan(
                 budget_blocks=kept,
                 page_table=table,
-                thresholds=pruning.thresholds(),  # constants of this program
-                pruning=pruning.shape(),
+                thresholds=thresholds,
+                pruning=pruning,
                 max_kept=max_kept,
             )
         else:
@@ -183,8 +186,9 @@ def perplexity(
         table,
         plan,
         jnp.full((rows,), calibration_temperature, jnp.float32),
+        pruning.thresholds(),
         model.config,
-        pruning,
+        pruning.shape(),
         max_kept,
     )
     nll, kept, blocks = (np.asarray(x, np.float64) for x in (nll, kept, blocks))  # [T, B]

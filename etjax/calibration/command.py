@@ -12,8 +12,10 @@ from etjax.errors import CalibrationError
 DESCRIPTION = """Fit the temperature of a model's entropy signal to text (minimising the
 next-token NLL with optax's L-BFGS) and write it to a small JSON file. Load it with
 etjax.load_model(MODEL, calibration=PATH): pruning, the scheduler and drafting then read the
-calibrated entropy; sampling is unchanged. Pass --held-out text the fit does not see to judge
-it: the file records NLL, top-token ECE and the entropy - surprisal gap before and after."""
+calibrated entropy; sampling is unchanged. The file also holds the shift of the pruning
+ramp that keeps the default budget under the calibrated signal on the same text (the engine
+moves its thresholds by it). Pass --held-out text the fit does not see to judge it: the file
+records NLL, top-token ECE and the entropy - surprisal gap before and after."""
 
 
 def add_calibrate(commands) -> None:
@@ -55,7 +57,10 @@ def _calibrate(args: argparse.Namespace) -> int:
     result = calibrate(model, texts, held, window=args.window, max_tokens=args.max_tokens)
     save_calibration(result, out)
     print(json.dumps(result.to_json(), indent=2), file=sys.stderr)
-    print(f"wrote {out}: temperature {result.temperature:.4f}")
+    print(
+        f"wrote {out}: temperature {result.temperature:.4f}, "
+        f"pruning ramp shift {result.ramp_shift:+.3f} nats"
+    )
     return 0
 
 

@@ -2,12 +2,15 @@
 
     {"format": "etjax-calibration", "version": 1,
      "model": "smollm2-135m-instruct", "vocab_size": 49152,
-     "temperature": 1.04,
+     "temperature": 1.04, "ramp_shift": 0.35,
      "fit": {"tokens": 4096, "nll_before": 3.01, "nll_after": 2.99, ...}}
 
-`temperature` is the calibration; `model` and `vocab_size` say what it was fitted for (a
-file for another vocabulary is refused); `fit` records how it was fitted and what it
-measured (free-form numbers and strings, never read back into the engine).
+`temperature` is the calibration; `ramp_shift` (nats, optional, 0 when absent) moves the
+pruning ramp's thresholds onto the calibrated scale so that the default setting keeps, on the
+fit text, the budget it keeps on the raw signal (etjax/calibration/ramp.py); `model` and
+`vocab_size` say what it was fitted for (a file for another vocabulary is refused); `fit`
+records how it was fitted and what it measured (free-form numbers and strings, never read
+back into the engine).
 """
 
 from __future__ import annotations
@@ -24,7 +27,12 @@ FORMAT = "etjax-calibration"
 VERSION = 1
 # A temperature outside this range is not a calibration but a broken fit (or file).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.05, 20.0
-_FIELDS = {"format", "version", "model", "vocab_size", "temperature", "fit"}
+# A ramp shift beyond this is not a pairing but a broken fit or file: the entropy of even a
+# 262K-token vocabulary (Gemma 3) is at most 12.5 nats.
+MAX_RAMP_SHIFT = 16.0
+_FIELDS = {"format", "version", "model", "vocab_size", "temperature", "ramp_shift", "fit"}
+# Optional: a file written by hand may state only a temperature (its ramp then unshifted).
+_OPTIONAL = {"ramp_shift", "fit"}
 
 
 @dataclass(frozen=True)
@@ -33,15 +41,19 @@ class Calibration:
 
     temperature: the entropy signal is that of softmax(logits / temperature).
     model, vocab_size: the model it was fitted for. fit: how, and what it measured.
+    ramp_shift: nats added to the pruning ramp's thresholds while this calibration is loaded
+      (etjax/calibration/ramp.py: the shift that keeps the default budget on the fit text).
     """
 
     temperature: float
     model: str
     vocab_size: int
     fit: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    ramp_shift: float = 0.0
 
     def __post_init__(self) -> None:
         _check_temperature(self.temperature, "Calibration")
+        _check_ramp_shift(self.ramp_shift, "Calibration.ramp_shift")
 
     def to_json(self) -> dict[str, Any]:
         """The file's document."""
@@ -51,6 +63,7 @@ class Calibration:
             "model": self.model,
             "vocab_size": self.vocab_size,
             "temperature": self.temperature,
+            "ramp_shift": self.ramp_shift,
             "fit": self.fit,
         }
 
@@ -79,7 +92,7 @@ def load_calibration(path: str | Path, vocab_size: int | None = None) -> Calibra
     unknown = sorted(set(doc) - _FIELDS)
     if unknown:
         raise CalibrationError(f"{path}: unknown field {unknown[0]!r}; allowed: {sorted(_FIELDS)}")
-    missing = sorted(_FIELDS - {"fit"} - set(doc))
+    missing = sorted(_FIELDS - _OPTIONAL - set(doc))
     if missing:
         raise CalibrationError(f"{path}: missing field {missing[0]!r}")
     if doc["format"] != FORMAT:
@@ -99,6 +112,8 @@ def load_calibration(path: str | Path, vocab_size: int | None = None) -> Calibra
             f"this calibration was fitted for another model ({doc['model']!r})"
         )
     _check_temperature(doc["temperature"], f"{path}: field 'temperature'")
+    shift = doc.get("ramp_shift", 0.0)
+    _check_ramp_shift(shift, f"{path}: field 'ramp_shift'")
     fit = doc.get("fit", {})
     if not isinstance(fit, dict) or not all(
         isinstance(v, str | int | float | bool) or v is None for v in fit.values()
@@ -106,7 +121,7 @@ def load_calibration(path: str | Path, vocab_size: int | None = None) -> Calibra
         raise CalibrationError(
             f"{path}: field 'fit' = {fit!r}; must be an object of numbers and strings"
         )
-    return Calibration(float(doc["temperature"]), doc["model"], size, fit)
+    return Calibration(float(doc["temperature"]), doc["model"], size, fit, float(shift))
 
 
 def _check_temperature(value: Any, where: str) -> None:
@@ -114,4 +129,13 @@ def _check_temperature(value: Any, where: str) -> None:
     if not ok or not MIN_TEMPERATURE <= value <= MAX_TEMPERATURE:
         raise CalibrationError(
             f"{where} = {value!r}; must be a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]"
+        )
+
+
+def _check_ramp_shift(value: Any, where: str) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or abs(value) > MAX_RAMP_SHIFT:
+        raise CalibrationError(
+            f"{where} = {value!r}; must be a number of nats in "
+            f"[{-MAX_RAMP_SHIFT}, {MAX_RAMP_SHIFT}]"
         )

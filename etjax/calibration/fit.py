@@ -28,8 +28,11 @@ from etjax.attention import padded_batch_plan
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.calibration.file import MAX_TEMPERATURE, MIN_TEMPERATURE, Calibration
 from etjax.calibration.metrics import summarise, token_statistics
+from etjax.calibration.ramp import ramp_shift
 from etjax.errors import CalibrationError
 from etjax.loaders.loaded_model import Model
+from etjax.pruning.budget import kept_fraction
+from etjax.pruning.config import PruningConfig
 from etjax.runtime.steps import prefill_chunk
 
 WINDOW = 512  # tokens per teacher-forced window (a short context: the first tokens see little)
@@ -236,7 +239,9 @@ def calibrate(
     with `etjax.load_model(..., calibration=PATH)`), its `fit` recording the NLL, the
     top-token ECE and the mean entropy - surprisal gap before and after, on this text and,
     with `held_out` (other text, up to `max_tokens` positions), on that text: a fit is judged
-    on text it did not see.
+    on text it did not see. Its `ramp_shift` is fitted on `texts` too: the shift of the
+    pruning ramp that keeps the default budget under the calibrated signal
+    (etjax/calibration/ramp.py).
     """
     texts = _text_list(texts, "texts")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -244,8 +249,13 @@ def calibrate(
     logits, targets = teacher_forced(model, texts, window, max_tokens)
     fit = fit_temperature(logits, targets)
     temperatures = (1.0, fit.temperature)
-    figures = {"fit": [_summary(logits, targets, t) for t in temperatures]}
+    stats = [_statistics(logits, targets, t) for t in temperatures]
     del logits
+    figures = {"fit": [summarise(s) for s in stats]}
+    # The pruning ramp on the calibrated scale: the shift that keeps, on this same text, the
+    # default setting's budget (etjax/calibration/ramp.py).
+    raw_entropy, calibrated_entropy = (s["entropy"] for s in stats)
+    shift = ramp_shift(raw_entropy, calibrated_entropy)
     if held_out is not None:
         held = _text_list(held_out, "held_out")
         figures["held_out"] = evaluate(model, held, temperatures, window, max_tokens)
@@ -254,6 +264,8 @@ def calibrate(
         "window": window,
         "optimizer": "optax.lbfgs",
         "iterations": fit.iterations,
+        # The default ramp's mean kept fraction on the fit text, raw (preserved by the shift).
+        "ramp_kept_fraction": float(np.mean(kept_fraction(raw_entropy, PruningConfig(), np))),
     }
     for where, (before, after) in figures.items():
         prefix = "" if where == "fit" else "held_out_"
@@ -267,12 +279,13 @@ def calibrate(
         model=model.name,
         vocab_size=model.config.vocab_size,
         fit=record,
+        ramp_shift=shift,
     )
 
 
-def _summary(logits: np.ndarray, targets: np.ndarray, temperature: float) -> dict[str, float]:
+def _statistics(logits: np.ndarray, targets: np.ndarray, temperature: float) -> dict:
     stats = token_statistics(jnp.asarray(logits), jnp.asarray(targets), jnp.float32(temperature))
-    return summarise({k: np.asarray(v) for k, v in stats.items()})
+    return {k: np.asarray(v) for k, v in stats.items()}
 
 
 def _text_list(texts: str | Sequence[str], name: str) -> list[str]:

@@ -29,6 +29,7 @@ from etjax.attention import (
 )
 from etjax.cache.kv_cache import forget_row_mass, init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
+from etjax.calibration.ramp import shifted_thresholds
 from etjax.calibration.signal import identity_params, row_params
 from etjax.constraints.matcher import ALL_TOKENS, initial_mask, mask_words
 from etjax.distributed.mesh import make_mesh
@@ -133,10 +134,14 @@ class DeviceBackend:
         # The most tokens a row drafts: speculation's, or a constrained row's forced run.
         self.max_draft = forced_draft_limit(options.speculation, options.steps_per_sync)
         # The pruning's thresholds, traced (engines that differ only in them share the
-        # programs) and on the device once; its shape is in the statics.
+        # programs) and on the device once; its shape is in the statics. Under a calibration
+        # the ramp moves onto the calibrated scale by the shift fitted with it, so the setting
+        # keeps the budget it was chosen for (etjax/calibration/ramp.py).
+        thresholds = options.pruning.thresholds()
+        if calibration is not None and calibration.ramp_shift:
+            thresholds = shifted_thresholds(thresholds, calibration.ramp_shift)
         self.thresholds = jax.device_put(
-            options.pruning.thresholds(),
-            None if self.placement is None else self.placement.replicated,
+            thresholds, None if self.placement is None else self.placement.replicated
         )
         self.attention_backend = resolve_backend(options.attention_backend, devices=shape.size)
         # What shapes the step programs (static); each call adds its rows' kept-table width.

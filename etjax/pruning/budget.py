@@ -24,10 +24,13 @@ def budget_entropy(
     return tail_bounds(logits, cfg.estimator_k)[1]
 
 
-def kept_fraction(entropy: jax.Array, cfg: PruningConfig | PruningThresholds) -> jax.Array:
-    """Fraction [B] of blocks to keep, monotone nondecreasing in the entropy [B] (nats)."""
+def kept_fraction(entropy: jax.Array, cfg: PruningConfig | PruningThresholds, xp=jnp) -> jax.Array:
+    """Fraction [B] of blocks to keep, monotone nondecreasing in the entropy [B] (nats).
+
+    `xp=np` computes it on the host in the entropy's precision (the calibration fit solves
+    for a ramp shift with it, etjax/calibration/ramp.py)."""
     ramp = (entropy - cfg.entropy_low) / (cfg.entropy_high - cfg.entropy_low)
-    return cfg.min_fraction + (1.0 - cfg.min_fraction) * jnp.clip(ramp, 0.0, 1.0)
+    return cfg.min_fraction + (1.0 - cfg.min_fraction) * xp.clip(ramp, 0.0, 1.0)
 
 
 def kept_block_count(

@@ -29,9 +29,11 @@ class PruningConfig:
                  = 1                                  if H >= entropy_high
                  = linear between the two             otherwise
 
-    and never fewer than `min_blocks` blocks. The first `sink_blocks` blocks (attention sinks)
-    and the last `recent_blocks` (the local window, which holds the current token) are always
-    kept and count towards the budget.
+    and never fewer than `min_blocks` blocks. The thresholds are on the model's raw entropy
+    scale; under an entropy calibration the engine moves both by the calibration's
+    `ramp_shift`, so the setting keeps its budget (etjax/calibration/ramp.py). The first
+    `sink_blocks` blocks (attention sinks) and the last `recent_blocks` (the local window,
+    which holds the current token) are always kept and count towards the budget.
 
     `signal`: "exact" reads the exact entropy the sampler computes anyway over the full
     vocabulary (free, and the tightest value); "upper_bound" reads the tail-corrected upper
