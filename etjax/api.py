@@ -12,6 +12,7 @@ from pathlib import Path
 from etjax.drafting import SpeculationConfig
 from etjax.engine.build import RuntimeOptions, generate_ids
 from etjax.errors import RequestError
+from etjax.experts.config import ExpertConfig
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.resolve import load_model
 from etjax.model.config import DTYPE_CHOICES, resolve_dtype
@@ -113,6 +114,7 @@ def decode(
     page_size: int = 16,
     pruning: PruningConfig | bool = False,
     speculation: SpeculationConfig | bool = False,
+    experts: ExpertConfig | bool = False,
     prefix_cache: bool = True,
     kv_dtype: str = "auto",
     mesh: str = "1x1",
@@ -146,6 +148,10 @@ def decode(
         sequences draft tokens from their prompt and output and verify them in one pass; the
         outputs are the same as without it. With `pruning` too, each drafted token reads
         the kept blocks a plain pruned step at its position would.
+      experts: True (default settings) or an `ExpertConfig`: entropy-steered experts, an
+        experiment (etjax/experts): on a mixture-of-experts model, a decode token drawn from
+        a distribution of entropy below `entropy_threshold` runs `reduced_top_k` of its k
+        routed experts. Refused for a model without routed experts.
       prefix_cache: requests (and the n samples of a prompt) whose prompts start alike share
         the KV pages of that beginning: it is prefilled once, by the first of them, and
         decode steps read it once for the rows holding it (etjax/attention/cascade.py). The
@@ -191,6 +197,10 @@ def decode(
         raise RequestError(
             f"speculation={speculation!r}; must be True, False or a SpeculationConfig"
         )
+    if isinstance(experts, bool):
+        experts = ExpertConfig(enabled=experts)
+    elif not isinstance(experts, ExpertConfig):
+        raise RequestError(f"experts={experts!r}; must be True, False or an ExpertConfig")
     max_batch_size = positive_int("max_batch_size", max_batch_size)
     options = RuntimeOptions(  # FieldError for what they cannot take together
         page_size=positive_int("page_size", page_size),
@@ -200,6 +210,7 @@ def decode(
         pruning=pruning,
         mesh=mesh,
         speculation=speculation,
+        experts=experts,
         prefix_cache=flag("prefix_cache", prefix_cache),
         kv_dtype=kv_dtype,
     )

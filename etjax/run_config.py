@@ -1,13 +1,15 @@
 """Named run configurations: declarative TOML files in `etjax/configs/`, loaded into the frozen
 dataclasses that steer a run.
 
-A file has up to six tables, each optional:
+A file has up to seven tables, each optional:
 
     [model]    name (a model name or path), dtype ("auto" | "float32" | "bfloat16")
-    [engine]   any `RuntimeOptions` field except pruning and speculation (page_size,
+    [engine]   any `RuntimeOptions` field except pruning, speculation and experts (page_size,
                max_batch_size, policy, ...)
     [pruning]  any `PruningConfig` field (enabled, min_fraction, entropy_low, ...)
     [speculation]  any `SpeculationConfig` field (enabled, max_draft, entropy_max, ...)
+    [experts]  any `ExpertConfig` field (enabled, entropy_threshold, reduced_top_k): entropy-
+               steered experts on a mixture-of-experts model (etjax/experts)
     [sampler]  any `SamplerSettings` field: the default for requests that do not set it
     [request]  any request field open to configs (etjax/request_fields.py: max_new_tokens,
                stop, chat, ...): the default for requests that do not set it
@@ -31,6 +33,7 @@ from pathlib import Path
 
 from etjax.drafting.config import SpeculationConfig
 from etjax.errors import ConfigError, EtjaxError, FieldError
+from etjax.experts.config import ExpertConfig
 from etjax.model.config import DTYPE_CHOICES
 from etjax.pruning.config import PruningConfig
 from etjax.request_fields import RequestDefaults
@@ -72,6 +75,7 @@ _TABLES = {
     "engine": RuntimeOptions,
     "pruning": PruningConfig,
     "speculation": SpeculationConfig,
+    "experts": ExpertConfig,
     "sampler": SamplerSettings,
     "request": RequestDefaults,
 }
@@ -110,7 +114,10 @@ def load_run_config(name_or_path: str | Path, model: str | Path | None = None) -
         built["engine"] = _build(preset_path, "engine", RuntimeOptions, engine)
     try:  # the engine checks how the tables combine (max_draft and steps_per_sync)
         options = dataclasses.replace(
-            built["engine"], pruning=built["pruning"], speculation=built["speculation"]
+            built["engine"],
+            pruning=built["pruning"],
+            speculation=built["speculation"],
+            experts=built["experts"],
         )
     except FieldError as e:
         raise ConfigError(f"{path}: {e}") from None
@@ -173,7 +180,7 @@ def _build(path: Path, table: str, cls, values: object):
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: [{table}] must be a table of key = value pairs")
     allowed = {f.name for f in dataclasses.fields(cls)} - (
-        {"pruning", "speculation"} if table == "engine" else set()
+        {"pruning", "speculation", "experts"} if table == "engine" else set()
     )
     for key, value in values.items():
         if key not in allowed:

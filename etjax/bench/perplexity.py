@@ -7,6 +7,10 @@ cache, each forward pass reading the blocks its pruning budget keeps (the budget
 comes from the distribution that predicted it, as in generation), and the negative
 log-likelihood of each next true token is accumulated. The ratio of pruned to dense perplexity
 on the same documents is the quality cost of pruning at that length.
+
+On a mixture-of-experts model the fed tokens can also run fewer experts where the entropy of
+the distribution that predicted them is low (`ExpertSteering`, etjax/experts), as decode steps
+do.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,19 +39,43 @@ CHUNK = 512
 PREFILL_ROWS = 2
 
 
+@flax.struct.dataclass
+class ExpertSteering:
+    """Which fed tokens run `reduced_top_k` experts instead of the model's k: those whose
+    predicting distribution's entropy signal is below `entropy_threshold` (nats), as
+    `ExpertConfig` decides in decode steps, and those `forced` marks (an entropy-blind
+    control: tokens picked at random, whatever their entropy). Traced: settings share one
+    program."""
+
+    entropy_threshold: jax.Array  # [] float32
+    reduced_top_k: jax.Array  # [] int32
+    forced: jax.Array  # [T, B] bool, T the scored tokens per document
+
+    @classmethod
+    def by_entropy(cls, threshold: float, reduced_top_k: int, shape: tuple[int, int]):
+        return cls(jnp.float32(threshold), jnp.int32(reduced_top_k), jnp.zeros(shape, bool))
+
+    @classmethod
+    def at_random(cls, forced: np.ndarray, reduced_top_k: int):
+        return cls(jnp.float32(-1.0), jnp.int32(reduced_top_k), jnp.asarray(forced, bool))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "pruning", "max_kept"))
 def _teacher_forced(
     weights, cache, logits, tokens, start, table, plan, temperature, thresholds, cfg, pruning,
-    max_kept,
+    max_kept, steer,
 ):  # fmt: skip
     # Feed tokens[:, :-1] from position `start` [B]; score every token of `tokens` [B, T] (the
-    # first by the prefill's logits). Returns per-token NLL, blocks read and blocks available.
-    # `temperature` [B]: the entropy signal's calibration (etjax/calibration; 1 = raw).
-    # `pruning` (its shape) is static and `thresholds` traced, as in the engine: settings that
-    # differ only in their numbers (a sweep of ramps) run one compiled program.
+    # first by the prefill's logits). Returns per-token NLL, blocks read, blocks available and
+    # experts run. `temperature` [B]: the entropy signal's calibration (etjax/calibration;
+    # 1 = raw). `pruning` (its shape) is static and `thresholds` traced, as in the engine:
+    # settings that differ only in their numbers (a sweep of ramps) run one compiled program.
+    # `steer`: an ExpertSteering, or None (every token runs k experts).
+    k = cfg.num_experts_per_tok
+
     def step(carry, xs):
         cache, logits = carry
-        target, offset = xs  # [B], scalar
+        target, offset, forced = xs  # [B], scalar, [B]
         position = start + offset
         nll = (
             jax.nn.logsumexp(logits, axis=-1)
@@ -69,6 +98,10 @@ def _teacher_forced(
             )
         else:
             kept, sparse = blocks, None
+        active_k = None
+        if steer is not None:
+            low = (exact_entropy(logits, temperature) < steer.entropy_threshold) | forced
+            active_k = jnp.where(low, steer.reduced_top_k, k).astype(jnp.int32)
         write_pages = token_pages(table, position, jnp.ones_like(position, bool), PAGE)
         hidden, cache = forward(
             weights,
@@ -79,11 +112,14 @@ def _teacher_forced(
             cfg,
             plan=plan,  # under pruning, only a sliding-window model's local layers use it
             sparse=sparse,
+            active_k=active_k,
         )
-        return (cache, logits_from_hidden(weights, hidden)), (nll, kept, blocks)
+        ran = jnp.full_like(target, k) if active_k is None else active_k
+        return (cache, logits_from_hidden(weights, hidden)), (nll, kept, blocks, ran)
 
     offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    (cache, _), outs = jax.lax.scan(step, (cache, logits), (tokens.T, offsets))
+    forced = jnp.zeros(tokens.T.shape, bool) if steer is None else steer.forced
+    (cache, _), outs = jax.lax.scan(step, (cache, logits), (tokens.T, offsets, forced))
     return outs
 
 
@@ -149,13 +185,20 @@ def prefill_documents(model, docs: list[list[int]], kv_dtype: str | None = None)
 
 
 def perplexity(
-    model, prefilled: Prefilled, pruning: PruningConfig, calibration_temperature: float = 1.0
+    model,
+    prefilled: Prefilled,
+    pruning: PruningConfig,
+    calibration_temperature: float = 1.0,
+    experts: ExpertSteering | None = None,
 ) -> dict:
     """Perplexity of every document's last tokens under `pruning`, and the fraction of blocks
     read: {"ppl": [per document], "kept_fraction": mean over tokens and documents of the
     pruned layers' blocks, "read_fraction": of every layer's key reads against the dense
     model's (a sliding-window layer reads its window, pruned or not)}. The budgets follow the
-    entropy at `calibration_temperature` (the calibrated signal; 1 = the model's own)."""
+    entropy at `calibration_temperature` (the calibrated signal; 1 = the model's own).
+    With `experts` (a mixture-of-experts model), the fed tokens it picks run fewer experts;
+    "experts_run" is then the fraction of the k-expert products the fed tokens ran and
+    "reduced" the fraction of fed tokens that ran fewer."""
     table, prefix = prefilled.table, prefilled.prefix
     pages = table.shape[1]
     max_kept = 0
@@ -177,7 +220,7 @@ def perplexity(
         PlanSizes.decode(rows, table_host.size + 1, PAGE),
         window=model.config.attention_window,
     )
-    nll, kept, blocks = _teacher_forced(
+    nll, kept, blocks, ran = _teacher_forced(
         model.weights,
         prefilled.cache,  # not donated: every setting starts from the same prefilled cache
         prefilled.logits,
@@ -190,8 +233,10 @@ def perplexity(
         model.config,
         pruning.shape(),
         max_kept,
+        experts,
     )
-    nll, kept, blocks = (np.asarray(x, np.float64) for x in (nll, kept, blocks))  # [T, B]
+    nll, kept, blocks, ran = (np.asarray(x, np.float64) for x in (nll, kept, blocks, ran))
+    # [T, B] each; the last fed token predicts nothing scored, so it is not counted.
     # Key reads per token over all layers (a sliding-window layer reads at most its window).
     cost = CostModel.for_model(model.config, PAGE)
     read = cost.layer_keys(kept * PAGE, blocks * PAGE, xp=np)
@@ -200,4 +245,12 @@ def perplexity(
         "ppl": np.exp(nll.mean(axis=0)).tolist(),
         "kept_fraction": float((kept / blocks).mean()),
         "read_fraction": float((read / dense_read).mean()),
+        **(
+            {}
+            if experts is None
+            else {
+                "experts_run": float(ran[:-1].mean() / model.config.num_experts_per_tok),
+                "reduced": float((ran[:-1] < model.config.num_experts_per_tok).mean()),
+            }
+        ),
     }

@@ -82,6 +82,7 @@ class DeviceBackend:
         num_pages: int,
     ) -> None:
         self.cfg, self.options = cfg, options
+        options.experts.check_model(cfg)  # FieldError: steering a model it cannot steer
         self.vocab_size = cfg.vocab_size  # token ids the engine accepts
         # The KV cache's dtype (None: the model's); "auto" resolves by platform here.
         self.kv_dtype = options.kv_cache_dtype(cfg.dtype)
@@ -151,6 +152,7 @@ class DeviceBackend:
             pruning=options.pruning.shape(),
             placement=self.placement,
             attention_backend=self.attention_backend,
+            experts=options.experts if options.experts.enabled else None,
         )
 
     # One ragged step ------------------------------------------------------------------------

@@ -22,7 +22,8 @@ other E - k experts. W is then the weights one token's pass reads, exact for a p
 sequence; a pass of n tokens reads the union of their experts, between k and min(E, n k) per
 layer, which W / n undercounts for large batches. (On XLA:CPU the grouped products run every
 expert, masked: etjax/model/experts.py; the model counts what the routing asks for, which is
-what an accelerator runs.)
+what an accelerator runs.) A token that runs fewer experts (entropy-steered experts,
+etjax/experts) counts that many: `token_cost(..., active_k=)`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ class CostModel:
     num_layers: int = 1
     num_local_layers: int = 0
     window_keys: float = 0.0
+    # Mixture of experts: the k experts a token runs per sparse layer, and the FLOPs and
+    # bytes of one of them summed over the sparse layers (0 for a dense model).
+    experts_per_token: int = 0
+    expert_flops: float = 0.0
+    expert_bytes: float = 0.0
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, page_size: int, kv_dtype: str | None = None) -> CostModel:
@@ -77,6 +83,9 @@ class CostModel:
             num_layers=cfg.num_layers,
             num_local_layers=len(cfg.local_layers),
             window_keys=float((-(-cfg.attention_window // page_size) + 1) * page_size),
+            experts_per_token=cfg.num_experts_per_tok,
+            expert_flops=2.0 * sparse * expert,
+            expert_bytes=float(sparse * expert * itemsize),
         )
 
     def layer_keys(
@@ -99,12 +108,22 @@ class CostModel:
         return self.layer_keys((pages * self.page_size).astype(np.float32), xp=xp)
 
     def token_cost(
-        self, keys: jax.Array, active: jax.Array, context_keys: jax.Array | None = None
+        self,
+        keys: jax.Array,
+        active: jax.Array,
+        context_keys: jax.Array | None = None,
+        active_k: jax.Array | None = None,
     ) -> tuple[jax.Array, jax.Array]:
         """FLOPs and bytes [B] of one forward step over rows `active` [B] whose global layers
-        attend `keys` [B] of `context_keys` [B] (default: all of them; see `layer_keys`)."""
+        attend `keys` [B] of `context_keys` [B] (default: all of them; see `layer_keys`) and
+        whose sparse layers run `active_k` [B] experts (default: k)."""
         keys = self.layer_keys(keys, context_keys)
         sharing = jnp.maximum(jnp.sum(active), 1).astype(jnp.float32)
         flops = self.matmul_flops_per_token + self.attention_flops_per_key * keys
-        nbytes = self.weight_bytes / sharing + self.kv_bytes_per_key * keys
+        weight_bytes = self.weight_bytes
+        if active_k is not None:
+            unrun = (self.experts_per_token - active_k).astype(jnp.float32)
+            flops = flops - unrun * self.expert_flops
+            weight_bytes = weight_bytes - unrun * self.expert_bytes
+        nbytes = weight_bytes / sharing + self.kv_bytes_per_key * keys
         return jnp.where(active, flops, 0.0), jnp.where(active, nbytes, 0.0)

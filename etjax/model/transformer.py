@@ -43,6 +43,7 @@ def forward(
     cfg: ModelConfig,
     plan: AttentionPlan | None = None,
     sparse: SparsePlan | None = None,
+    active_k: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder over a flat batch of new tokens, appending their keys and values.
 
@@ -59,6 +60,9 @@ def forward(
         take the pruned path; the plan lists no items for them. Pruning applies to global
         layers only: a sliding-window layer already reads at most its window, and reads it
         whole, the rows' tokens included (the plan's local passes list them).
+      active_k: [T] int32 in 1..num_experts_per_tok, the routed experts each token runs in
+        every sparse layer (entropy-steered experts, etjax/experts); None: all k. A model
+        without routed experts refuses it.
 
     Returns:
       hidden: [T, D] final-normed hidden states in the model dtype, and the updated cache.
@@ -81,6 +85,8 @@ def forward(
             "pruned attention on a model with sliding-window layers needs a plan: its local "
             "layers read each row's window densely (plan_passes(local_groups=...))"
         )
+    if active_k is not None and not cfg.num_experts:
+        raise ValueError(f"active_k given for a model without routed experts ({cfg.architecture})")
     # What a layer computes around attention is its family's (etjax/model/families/).
     fam = family(cfg.architecture)
     x = weights.embed[tokens]
@@ -102,8 +108,11 @@ def forward(
     per_layer_qkv = [
         functools.partial(fam.qkv_projection, layer, cfg=cfg) for layer in weights.layers
     ]
+    # Only families with routed experts take active_k (and only when it is given, so the
+    # programs without it are the ones they always were).
+    routing = {} if active_k is None else {"active_k": active_k}
     per_layer_rest = [
-        functools.partial(fam.output_and_mlp, layer, cfg=cfg) for layer in weights.layers
+        functools.partial(fam.output_and_mlp, layer, cfg=cfg, **routing) for layer in weights.layers
     ]
 
     def layer_step(carry, index):

@@ -10,6 +10,7 @@ from etjax.calibration.file import Calibration
 from etjax.distributed.mesh import MeshShape
 from etjax.drafting.config import SpeculationConfig
 from etjax.errors import FieldError
+from etjax.experts.config import ExpertConfig
 from etjax.pruning.config import PruningConfig
 from etjax.request_fields import RequestSettings as RequestSettings  # where the engine reads it
 
@@ -67,6 +68,10 @@ class RuntimeOptions:
       saturate), while XLA:CPU writes into a bfloat16 pool by converting all of it to
       float32 and back, which made a decode step 32x slower (docs/PERF.md, "kv_dtype"): hence
       "auto". On accelerators bfloat16 is native.
+    experts: entropy-steered experts (etjax/experts, off by default; an experiment): on a
+      mixture-of-experts model, a decode token drawn from a distribution of entropy below
+      `experts.entropy_threshold` runs `experts.reduced_top_k` of its k routed experts.
+      Refused for a model without routed experts.
     """
 
     page_size: int = 16
@@ -88,6 +93,7 @@ class RuntimeOptions:
     calibration: Calibration | None = None
     prefix_cache: bool = True
     kv_dtype: str = "auto"
+    experts: ExpertConfig = field(default_factory=ExpertConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefix_cache, bool):

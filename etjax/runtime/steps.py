@@ -32,6 +32,7 @@ from etjax.cache.kv_cache import KVCache
 from etjax.distributed.mesh import DATA, MODEL
 from etjax.distributed.placement import Placement
 from etjax.entropy.cost import CostModel
+from etjax.experts.config import ExpertConfig
 from etjax.model.config import ModelConfig
 from etjax.model.products import row_products
 from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
@@ -64,6 +65,10 @@ class StepStatics:
     # tokens and asks the host for the next masks (etjax/runtime/token_mask.py). Calls
     # without one compile and run programs with none of it.
     constrained: bool = False
+    # Entropy-steered experts (etjax/experts): the rows' decode tokens run fewer routed
+    # experts after a confident step. None: every token runs all k (engines with the setting
+    # off share their programs whatever its numbers).
+    experts: ExpertConfig | None = None
 
 
 @flax.struct.dataclass
@@ -132,10 +137,11 @@ def mixed_step(
             offsets <= batch.draft_len[:, None], batch.decode_slot[:, None] + offsets, num_tokens
         )
 
-        def run_model(tokens, runs, sparse):
+        def run_model(tokens, runs, sparse, row_k):
             # Returns the rows' hidden states [Bm, D], the cache, and what the step needs
             # after sampling: the prefill sequences' last hidden states, the drafts' hidden
-            # states and the pages each row's tokens wrote.
+            # states and the pages each row's tokens wrote. row_k [Bm]: the experts each
+            # row's token runs (None: all); chunks and drafts run all k.
             slot = batch.decode_slot
             if sparse is not None:
                 pad_row = store.lengths.shape[0] - 1
@@ -146,8 +152,20 @@ def mixed_step(
             own = batch.write_pages.at[row_slots].get(mode="fill", fill_value=0)
             own = jnp.where(runs[:, None], own, 0)
             write_pages = batch.write_pages.at[row_slots].set(own, mode="drop")
+            active_k = None
+            if row_k is not None:
+                active_k = jnp.full(num_tokens, cfg.num_experts_per_tok, jnp.int32)
+                active_k = active_k.at[slot].set(row_k, mode="drop")
             hidden, new_cache = forward(
-                weights, cache, flat, batch.positions, write_pages, cfg, plan=plan, sparse=sparse
+                weights,
+                cache,
+                flat,
+                batch.positions,
+                write_pages,
+                cfg,
+                plan=plan,
+                sparse=sparse,
+                active_k=active_k,
             )
             rows_hidden = hidden.at[row_slots].get(mode="fill", fill_value=0)
             prompt_logprobs = target_logprobs(weights, hidden, batch.targets)
@@ -156,7 +174,7 @@ def mixed_step(
 
         start = state.lengths
         state, cache, outputs, after = _decode_step(
-            weights, state, statics, thresholds, run_model, rows
+            weights, state, statics, thresholds, run_model, rows, batch.draft_len > 0
         )
         prefill_hidden, draft_hidden, row_pages, prompt_logprobs = after
         fraction = state.entropy.budget  # the kept fraction the rows' tokens read with
@@ -274,7 +292,7 @@ def decode_steps(
         def step(carry: tuple[DecodeState, KVCache], _: None):
             state, cache = carry
 
-            def run_model(tokens, runs, sparse):
+            def run_model(tokens, runs, sparse, row_k):
                 logical = state.lengths // cost.page_size - page_base
                 pages = jnp.take_along_axis(
                     state.page_table, jnp.clip(logical, 0, page_table.shape[1] - 1)[:, None], 1
@@ -291,6 +309,7 @@ def decode_steps(
                         cfg,
                         plan=plan,
                         sparse=sparse,
+                        active_k=row_k,
                     )
 
                 def idle() -> tuple[jax.Array, KVCache]:
@@ -315,11 +334,13 @@ def decode_steps(
         return store, cache, outputs
 
 
-def _decode_step(weights, state, statics, thresholds, run_model, rows):
+def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying=None):
     # One step of every row of `state`: sample from its logits, run the model on the token
-    # (`run_model(tokens [B], runs [B], sparse) -> (hidden [B, D], cache, after)`), account.
+    # (`run_model(tokens [B], runs [B], sparse, row_k) -> (hidden [B, D], cache, after)`,
+    # row_k [B] the experts each token runs or None for all), account.
     # Returns the state, the cache, the outputs and `after`, what run_model passed on.
-    # `rows` [B]: the store rows of `state` (whose block mass pruning reads).
+    # `rows` [B]: the store rows of `state` (whose block mass pruning reads). `verifying` [B]
+    # bool: rows whose drafts run after their token (which then runs all k experts).
     cost, pruning, max_kept = statics.cost, statics.pruning, statics.max_kept
     active = state.active
     raw_logits = state.logits
@@ -357,7 +378,14 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows):
         )
     else:
         fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
-    hidden, cache, after = run_model(tokens, runs, sparse)
+    row_k = None
+    if statics.experts is not None:
+        # The experts a token runs follow the signal of the distribution it was drawn from
+        # (etjax/experts); a verifying row's token, like its drafts, runs all k.
+        row_k = statics.experts.active_k(info.calibrated_entropy, statics.cfg.num_experts_per_tok)
+        if verifying is not None:
+            row_k = jnp.where(verifying, statics.cfg.num_experts_per_tok, row_k)
+    hidden, cache, after = run_model(tokens, runs, sparse, row_k)
     # The LM head only where a row runs on (its logits are kept only there).
     next_logits = jax.lax.cond(
         jnp.any(runs), lambda: logits_from_hidden(weights, hidden), lambda: state.logits
@@ -366,6 +394,7 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows):
         (kept * cost.page_size).astype(jnp.float32),
         runs,
         (num_blocks * cost.page_size).astype(jnp.float32),
+        row_k,
     )
     state, outputs = commit_tokens(
         state,

@@ -23,7 +23,8 @@ class Family:
     attention and the final norm. Per layer it calls
       qkv_projection(layer, x [T, D], cfg) -> q|k|v [T, Q], before RoPE, and
       output_and_mlp(layer, x [T, D], heads [T, A], cfg) -> x [T, D], the residual stream
-    after the attention output and the MLP.
+    after the attention output and the MLP; a family with routed experts also takes
+    `active_k` [T], the experts each token runs (etjax/model/experts.py).
     """
 
     name: str  # ModelConfig.architecture

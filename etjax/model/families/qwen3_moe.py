@@ -69,9 +69,16 @@ def expert_leaves(router: str, gate: str, up: str, down: str) -> Table:
     }
 
 
-def moe_output_and_mlp(layer, x: jax.Array, heads: jax.Array, cfg: ModelConfig) -> jax.Array:
+def moe_output_and_mlp(
+    layer,
+    x: jax.Array,
+    heads: jax.Array,
+    cfg: ModelConfig,
+    active_k: jax.Array | None = None,
+) -> jax.Array:
     """x [T, D], heads [T, A] -> x [T, D]: add the attention output, then the normed stream's
-    routed experts (a sparse layer) or dense SwiGLU MLP (a layer without a router)."""
+    routed experts (a sparse layer) or dense SwiGLU MLP (a layer without a router).
+    active_k: [T] int32 experts each token runs, 1..k (None: k; etjax/model/experts.py)."""
     x = x + linear(heads, layer.wo)
     h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
     if layer.router is None:
@@ -83,6 +90,7 @@ def moe_output_and_mlp(layer, x: jax.Array, heads: jax.Array, cfg: ModelConfig) 
         layer.experts_down,
         cfg.num_experts_per_tok,
         cfg.norm_topk_prob,
+        active_k,
     )
     return x + mlp
 
