@@ -185,8 +185,7 @@ def mixed_step(
             if statics.pruning.enabled:  # the drafts read their own kept blocks (_per_token)
 
                 def reads(num_blocks):
-                    kept = kept_block_count(fraction, num_blocks, thresholds)
-                    return fraction, jnp.minimum(kept, statics.max_kept)
+                    return fraction, _kept(fraction, num_blocks, thresholds, statics.max_kept)
 
             state, verified = accept_drafts(
                 weights,
@@ -365,7 +364,7 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
             raw_logits, info.calibrated_entropy, pruning, state.calibration.temperature
         )
         fraction = kept_fraction(signal, thresholds)
-        kept = jnp.minimum(kept_block_count(fraction, num_blocks, thresholds), max_kept)
+        kept = _kept(fraction, num_blocks, thresholds, max_kept)
         sparse = SparsePlan(
             budget_blocks=kept,
             page_table=state.page_table,
@@ -413,6 +412,12 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
     return state, cache, outputs, after
 
 
+def _kept(fraction, num_blocks, thresholds, max_kept):
+    # Blocks a token reads: its kept fraction of `num_blocks`, with the floors, at most the
+    # kept table's width.
+    return jnp.minimum(kept_block_count(fraction, num_blocks, thresholds), max_kept)
+
+
 def _per_token(
     sparse: SparsePlan,
     row_slots: jax.Array,
@@ -431,11 +436,11 @@ def _per_token(
     position = positions.at[slots].get(mode="fill", fill_value=0)
     num_blocks = (position + cost.page_size) // cost.page_size  # with the token's own
     fraction = jnp.repeat(sparse.fraction, n)
-    kept = kept_block_count(fraction, num_blocks, sparse.thresholds)
+    kept = _kept(fraction, num_blocks, sparse.thresholds, sparse.max_kept)
     first = jnp.arange(slots.shape[0]) % n == 0
     rows = sparse.rows if sparse.rows is not None else jnp.arange(row_slots.shape[0])
     return sparse.replace(
-        budget_blocks=jnp.minimum(kept, sparse.max_kept),
+        budget_blocks=kept,
         page_table=jnp.repeat(sparse.page_table, n, axis=0),
         rows=jnp.where(first, jnp.repeat(rows, n), pad_row).astype(jnp.int32),
         slots=slots,
