@@ -153,7 +153,8 @@ def decode(
         a distribution of entropy below `entropy_threshold` runs `reduced_top_k` of its k
         routed experts. Refused for a model without routed experts.
       prefix_cache: requests (and the n samples of a prompt) whose prompts start alike share
-        the KV pages of that beginning: it is prefilled once, by the first of them, and
+        the KV pages of that beginning: it is prefilled once, by the first of them (the
+        other samples of a prompt start from its last logits, prefilling nothing), and
         decode steps read it once for the rows holding it (etjax/attention/cascade.py). The
         cache lives for this call. Greedy outputs are the same with it off; log-probabilities
         agree to float rounding (a seeded draw can differ where rounding moves it across a

@@ -65,6 +65,7 @@ class MockBackend:
         self.slots: dict[int, list[int | None]] = {}  # page -> the token in each slot
         self.row_pages: dict[int, list[int]] = {}  # row -> its pages (from its prefill jobs)
         self.prefill_tokens = 0  # tokens run by prefill jobs
+        self.forks = 0  # rows that took another row's prefill result
         self.decode_log: list[list[int]] = []  # request ids of each decode burst
 
     def entropy_of(self, request_id: int, step: int) -> float:
@@ -137,6 +138,21 @@ class MockBackend:
         )
         assert self.prefilled.pop(row) == self.rows[row].length
         self._check_holds(self.row_pages.pop(row), self.rows[row].context)
+
+    def fork(self, source: int, row: int, pages: list[int], copy) -> None:
+        # As the device does: the source's prefill result, its partial last page copied.
+        assert source not in self.rows and row not in self.rows, "fork of a resident row"
+        assert row not in self.prefilled, "fork into a row that is prefilling"
+        self._claim(row, pages)
+        if copy is not None:
+            page, into = copy
+            assert into in pages and page not in pages, "the copy must land in a page of its own"
+            others = self.readers.get(into, set()) - {row}
+            assert not others, f"fork copied into page {into}, which rows {others} read"
+            self.slots[into] = list(self.slots[page])
+        self.row_pages[row] = pages
+        self.prefilled[row] = self.prefilled[source]
+        self.forks += 1
 
     def release(self, row: int) -> None:
         self.rows.pop(row, None)

@@ -37,6 +37,9 @@ def main() -> None:
     model = etjax.load_model(args.model)
     articles = lee_articles()
     prompts = [model.tokenizer.encode(articles[i])[: 24 + 40 * i] for i in range(3)]
+    # The first prompt again, drawn with another seed: it forks from the first's prefill (its
+    # partly filled second page copied on whatever devices hold the pages).
+    prompts.append(prompts[0])
     pruning = PruningConfig(enabled=True, min_fraction=0.3) if args.pruning else PruningConfig()
     outputs = {}
     for mesh in args.meshes.split(","):

@@ -172,12 +172,30 @@ def test_the_pool_counts_a_shared_prompt_page_once():
     )
 
 
-def test_a_prompt_of_whole_pages_still_prefills_its_last_page():
+def test_a_prompt_of_whole_pages_arriving_later_still_prefills_its_last_page():
     # Every page of the prompt is cached, but the first logits come from a prefill: the last
     # page is computed again (into a page of its own), never written in the shared one.
     doc = list(range(100, 107))  # with the id: 8 tokens, two full pages
-    _, backend, seqs = _run([_asking(doc, 1), _asking(doc, 1)])
-    assert backend.prefill_tokens == 8 + 4 and seqs[1].cached_tokens == 4
+    engine, backend = mock_engine("fcfs", batch=4, resident=4, prefill_chunk=32, id_at=-1)
+    engine.submit(_asking(doc, 1), RequestSettings(6)).result()
+    later = engine.submit(_asking(doc, 1), RequestSettings(6))
+    assert later.result().token_ids == [token_of(1, i) for i in range(6)]
+    assert backend.prefill_tokens == 8 + 4 and later.sequence.cached_tokens == 4
+    assert backend.forks == 0
+
+
+@pytest.mark.parametrize("doc_tokens", [7, 9])  # with the id: two full pages; and a partial
+def test_copies_of_a_prompt_waiting_for_it_fork_from_its_prefill(doc_tokens):
+    # The n samples of one prompt: the first prefills it, the others take its last logits,
+    # share its full pages and get a copy of its partial last page, prefilling nothing. The
+    # mock checks the copies hold the context and that nobody writes a page another reads.
+    doc = list(range(100, 100 + doc_tokens))
+    _, backend, seqs = _run([_asking(doc, 1)] * 3 + [_asking(doc, 2)])
+    assert backend.forks == 2
+    # The first prompt whole; the other question its pages after the shared ones, and at
+    # least its last token (8 tokens: the second page; 10: the third, partial).
+    assert backend.prefill_tokens == {7: 8 + 4, 9: 10 + 2}[doc_tokens]
+    assert [s.cached_tokens for s in seqs[1:3]] == [doc_tokens + 1] * 2
 
 
 def test_the_next_turn_finds_the_previous_turn_with_its_answer():
@@ -202,7 +220,8 @@ workloads = st.lists(
         st.integers(0, 5),  # tokens of its own after it
         st.integers(1, 24),  # max new tokens
         st.integers(0, 6),  # the round it is submitted in
-        st.one_of(st.none(), st.integers(0, 12)),  # the round it is cancelled in
+        st.one_of(st.none(), st.integers(0, 12)),  # the round its first copy is cancelled in
+        st.integers(1, 3),  # copies submitted together (the n samples of one prompt: forks)
     ),
     min_size=1,
     max_size=10,
@@ -214,10 +233,11 @@ workloads = st.lists(
 def test_any_interleaving_keeps_refcounts_shares_read_only_and_leaks_nothing(
     workload, pages, batch
 ):
-    # Random submissions, cancellations and the preemptions a small pool forces; after every
-    # round the index's counts match the live sequences, no page is both free and held, the
-    # pages two live sequences share are indexed entries both hold, and the mock has checked
-    # every row's pages against its context and every write against the other rows' reads.
+    # Random submissions (copies of one prompt among them: forks), cancellations and the
+    # preemptions a small pool forces; after every round the index's counts match the live
+    # sequences, no page is both free and held, the pages two live sequences share are
+    # indexed entries both hold, and the mock has checked every row's pages against its
+    # context and every write against the other rows' reads.
     docs = [[500 + 20 * d + i for i in range(14)] for d in range(3)]
     engine, _ = mock_engine(
         "fcfs", batch=batch, resident=batch * 2, pages=pages, rounds=2, id_at=-1
@@ -227,12 +247,13 @@ def test_any_interleaving_keeps_refcounts_shares_read_only_and_leaks_nothing(
         if round_ > 12 and not engine.live:
             break
         assert round_ < 2000, "the engine stopped making progress"
-        for r, (doc, used, own, new, at, cancel) in enumerate(workload, start=1):
+        for r, (doc, used, own, new, at, cancel, copies) in enumerate(workload, start=1):
             prompt = [*docs[doc][:used], *[7] * own, r]
             if at == round_ and -(-(len(prompt) + new - 1 + K) // PAGE) <= pages - 1:
-                handles[r] = (engine.submit(prompt, RequestSettings(new)), new)
-            if cancel == round_ and r in handles:
-                handles[r][0].cancel()
+                for c in range(copies):
+                    handles[r, c] = (engine.submit(prompt, RequestSettings(new)), new)
+            if cancel == round_ and (r, 0) in handles:
+                handles[r, 0][0].cancel()
         engine.step()
         live = [s for s in engine.live if s.status in (Status.PREFILLING, Status.RUNNING)]
         engine.page_cache.check([s.held for s in live])
@@ -242,7 +263,7 @@ def test_any_interleaving_keeps_refcounts_shares_read_only_and_leaks_nothing(
                 owners.setdefault(page, []).append(i < len(s.held))
         assert all(all(shared) for shared in owners.values() if len(shared) > 1)
         assert engine.pages_in_use == len(owners)
-    for r, (h, new) in handles.items():
+    for (r, _), (h, new) in handles.items():
         out = h.result()
         assert out.token_ids == [token_of(r, i) for i in range(len(out.token_ids))]
         assert out.finish_reason == "cancelled" or len(out.token_ids) == new
@@ -282,9 +303,13 @@ def test_questions_and_samples_on_one_document_match_full_passes_on_smollm2(smol
         if b < len(greedy):
             assert r.token_ids == predicting.argmax(-1).tolist()
     shared = [r.cached_tokens for r in results]
-    # The first greedy request and the first sample prefill the document; the others find
-    # its full pages (300 tokens and the question's start: at least 18 pages).
-    assert shared[0] == shared[3] == 0 and min(shared[1:3] + shared[4:]) >= 18 * 16
+    # The first greedy request and the first sample prefill the document; the other
+    # questions find its full pages (300 tokens and the question's start: at least 18
+    # pages), the other samples fork from the first's prefill (the whole prompt, its partly
+    # filled last page copied).
+    assert shared[0] == shared[3] == 0 and min(shared[1:3]) >= 18 * 16
+    assert shared[4:] == [len(sampled[0].prompt_token_ids)] * 2
+    assert len(sampled[0].prompt_token_ids) % 16  # the copy was needed
 
 
 def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_dir):

@@ -192,6 +192,19 @@ def forget_row_mass(cache: KVCache, row: jax.Array) -> KVCache:
     return cache.replace(block_mass=cache.block_mass.at[:, row].set(0.0, mode="drop"))
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def copy_page(cache: KVCache, source: jax.Array, dest: jax.Array) -> KVCache:
+    """Page `dest` of every layer becomes a copy of page `source`: keys, values and their
+    bounds (a sequence forked from another takes its partly filled last page this way)."""
+
+    def copied(pool: jax.Array) -> jax.Array:
+        return pool.at[:, dest].set(pool[:, source])
+
+    return cache.replace(
+        k=copied(cache.k), v=copied(cache.v), k_min=copied(cache.k_min), k_max=copied(cache.k_max)
+    )
+
+
 def token_pages(
     page_table: jax.Array, positions: jax.Array, real: jax.Array, page_size: int
 ) -> jax.Array:

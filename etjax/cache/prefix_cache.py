@@ -15,8 +15,10 @@ prefix and the full pages of its context it publishes at admission, while it pre
 those are *pending* until its prefill has written them, and another sequence that reaches a
 pending page waits (`Lookup.pending`) rather than computing the same page again. Nobody writes
 a page another sequence holds: only full pages are shared, a lookup stops at least one token
-short of the context (the last token's logits must come from a prefill), and a sequence's
-writes start at its first unshared page. When a sequence releases its pages, the full pages it
+short of the context (the last token's logits must come from a prefill; the engine's fork of
+a context's copies, engine.py `_fork_waiting`, is the exception: they take the logits of the
+prefill that just ended and a copy of its partial page), and a sequence's writes start at its
+first unshared page. When a sequence releases its pages, the full pages it
 wrote that are not indexed yet are published (the next turn of a conversation, a preempted
 sequence coming back), the rest go back to the free list.
 

@@ -80,6 +80,12 @@ class Backend(Protocol):
     def insert(self, row: int, init: RowInit) -> None:
         """Make `row` resident once its context is fully prefilled."""
 
+    def fork(self, source: int, row: int, pages: list[int], copy: tuple[int, int] | None) -> None:
+        """Give `row` (whose sequence has the same context and holds `pages`) the result of
+        `source`'s prefill, which just completed and is not inserted yet: its last logits,
+        and where its last page is partly filled, that page's keys and values copied
+        (`copy` = (source's page, row's page)). `insert(row, ...)` follows."""
+
     def save(self, row: int) -> object:
         """The row's state, to restore on readmission after a preemption."""
 

@@ -27,7 +27,7 @@ from etjax.attention import (
     plan_passes,
     resolve_backend,
 )
-from etjax.cache.kv_cache import forget_row_mass, init_kv_cache
+from etjax.cache.kv_cache import copy_page, forget_row_mass, init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.calibration.ramp import shifted_thresholds
 from etjax.calibration.signal import identity_params, row_params
@@ -376,6 +376,13 @@ class DeviceBackend:
                 np.float32(init.prefill_flops),
                 np.float32(init.prefill_bytes),
             )
+
+    def fork(self, source: int, row: int, pages: list[int], copy: tuple[int, int] | None) -> None:
+        """See `Backend.fork`: the row's first logits are `source`'s, its partly filled last
+        page a copy (keys, values and the pruning's key bounds)."""
+        self._logits[row] = self._logits[source]
+        if copy is not None:
+            self.cache = copy_page(self.cache, np.int32(copy[0]), np.int32(copy[1]))
 
     def release(self, row: int) -> None:
         """Forget a row whose sequence finished or was preempted (its state is overwritten by

@@ -18,14 +18,15 @@ A round (`step`):
      (and its drafts) per picked sequence;
   5. the device runs one ragged step: the batch's sequences decode a token each (and verify
      their drafts: etjax/runtime/verify.py) and the chunks are appended, in one flat batch;
-     a finished context makes its sequence resident. With nothing to prefill or verify, the
-     batch runs `steps_per_sync` decode steps in one `lax.scan`
-     instead (as a few bursts of rows of similar attention width when that reads fewer bytes:
-     grouping.py; with ragged attention that only pays under pruning). The host streams the
-     new tokens, applies stop strings and frees finished sequences.
+     a finished context makes its sequence resident, and waiting sequences with the same
+     context fork from it (its pages shared, its partial last page copied, its logits).
+     With nothing to prefill or verify, the batch runs `steps_per_sync` decode steps in one
+     `lax.scan` instead (as a few bursts of rows of similar attention width when that reads
+     fewer bytes: grouping.py; with ragged attention that only pays under pruning). The
+     host streams the new tokens, applies stop strings and frees finished sequences.
 
 The host loop is plain, single-threaded Python over a small backend interface (`mixed`,
-`decode`, insert, save, release, and row_width / burst_bytes for the grouping), so the same
+`decode`, insert, fork, save, release, and row_width / burst_bytes for the grouping), so the same
 code runs on the device (`DeviceBackend`) and on a mock with hand-computable outputs in the tests.
 """
 
@@ -38,7 +39,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from etjax.cache.page_allocator import pages_needed
-from etjax.cache.prefix_cache import PrefixCache
+from etjax.cache.prefix_cache import CachedPage, PrefixCache
 from etjax.constraints.matcher import register as register_grammar
 from etjax.constraints.matcher import release as release_grammar
 from etjax.drafting import DraftHistory, draft_lengths, lookup_draft, with_forced_drafts
@@ -291,7 +292,6 @@ class Engine:
 
     def _admit(self, waiting: list[Sequence]) -> None:
         opts = self.options
-        burst_pages = pages_needed(opts.steps_per_sync, opts.page_size) + 1
         resident = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self.live)
         cache = self.page_cache
         for seq in scheduler.admission_order(waiting, self.policy, self.round):
@@ -306,24 +306,38 @@ class Engine:
                 continue
             need = pages_needed(len(seq.context) + opts.steps_per_sync, opts.page_size)
             need -= len(found.pages)
-            cost = need + found.idle  # idle cached pages it takes leave the free count too
-            # Keep enough free pages for every resident sequence's next burst; an empty
-            # engine admits whatever fits.
-            fits = bool(self.free_rows) and cache.num_free >= cost
-            keeps_reserve = cache.num_free - cost >= resident * burst_pages
-            if not fits or not (keeps_reserve or resident == 0):
+            if not self._room_for(need + found.idle, resident):
                 break
-            cache.take(found.pages)
-            seq.pages = [entry.page for entry in found.pages] + cache.allocate(need)
+            self._take_pages(seq, found.pages, need)
             seq.held = cache.publish(found.pages, seq.pages, seq.context)
-            seq.row = self.free_rows.pop()
-            seq.status, seq.prefilled = Status.PREFILLING, len(found.pages) * opts.page_size
-            if seq.admitted_round < 0:
-                seq.cached_tokens = seq.prefilled
-            seq.admitted_round = self.round
-            if seq.admitted_time is None:
-                seq.admitted_time = self.clock()
+            self._admitted(seq, Status.PREFILLING, len(found.pages) * opts.page_size)
             resident += 1
+
+    def _room_for(self, cost: int, resident: int) -> bool:
+        # Whether a sequence that takes `cost` pages out of the free count (new ones and
+        # idle cached ones) can be admitted beside `resident` others: a free row, the pages,
+        # and enough left for every resident sequence's next burst (an empty engine admits
+        # whatever fits).
+        burst_pages = pages_needed(self.options.steps_per_sync, self.options.page_size) + 1
+        free = self.page_cache.num_free
+        if not self.free_rows or free < cost:
+            return False
+        return free - cost >= resident * burst_pages or resident == 0
+
+    def _take_pages(self, seq: Sequence, shared: list[CachedPage], new: int) -> None:
+        # The sequence's page list: the cached pages it shares, then `new` of its own.
+        self.page_cache.take(shared)
+        seq.pages = [entry.page for entry in shared] + self.page_cache.allocate(new)
+
+    def _admitted(self, seq: Sequence, status: Status, prefilled: int) -> None:
+        # A row for `seq`, whose first `prefilled` context tokens its pages already hold.
+        seq.row = self.free_rows.pop()
+        seq.status, seq.prefilled = status, prefilled
+        if seq.admitted_round < 0:
+            seq.cached_tokens = prefilled
+        seq.admitted_round = self.round
+        if seq.admitted_time is None:
+            seq.admitted_time = self.clock()
 
     def _prefill_jobs(
         self, prefilling: list[Sequence], budget: int
@@ -434,6 +448,48 @@ class Engine:
         seq.recompute_bytes += nbytes
         if end < len(seq.context):
             return
+        forks = self._fork_waiting(seq)  # before its insert: they take its last logits
+        for resident in (seq, *forks):
+            self._make_resident(resident)
+
+    def _fork_waiting(self, seq: Sequence) -> list[Sequence]:
+        # Waiting sequences whose context is the one `seq` just finished prefilling (the n
+        # samples of one prompt, the same question asked twice) start from its result instead
+        # of prefilling: its full pages shared, a copy of its partly filled last page, its
+        # last logits. Without the fork each would prefill at least its last page again.
+        opts, cache = self.options, self.page_cache
+        context = seq.context
+        full = len(context) // opts.page_size
+        partial = len(context) % opts.page_size != 0
+        now = self.clock()
+        resident = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in self.live)
+        forks = []
+        for other in self.live:
+            if (
+                other.status is not Status.WAITING
+                or other.cancelled
+                or other.arrival_time > now
+                or other.context != context
+                or _prompt_targets(other, 0, len(context))
+            ):
+                continue
+            found = cache.lookup(context, full)
+            if len(found.pages) < full:
+                break  # its pages are not all indexed (the cache is off, or it lost a race)
+            need = pages_needed(len(context) + opts.steps_per_sync, opts.page_size) - full
+            if not self._room_for(need + found.idle, resident):
+                break
+            self._take_pages(other, found.pages, need)
+            other.held = list(found.pages)
+            self._admitted(other, Status.PREFILLING, len(context))
+            copy = (seq.pages[full], other.pages[full]) if partial else None
+            self.backend.fork(seq.row, other.row, other.pages, copy)
+            resident += 1
+            forks.append(other)
+        return forks
+
+    def _make_resident(self, seq: Sequence) -> None:
+        # Its context is cached: its row takes the sequence's state and it decodes from now.
         self.backend.insert(
             seq.row,
             RowInit(
