@@ -4,7 +4,9 @@ expert products against a dense all-experts reference.
 The tiny models: 2 layers, grouped-query attention, 8 experts of which each token runs 2,
 random norm scales. Qwen3-MoE's second layer is dense (`mlp_only_layers`) and its top-2
 weights are not renormalised (`norm_topk_prob` false); Mixtral renormalises them and has a
-sliding window of 8 positions on every layer. Tolerance as in test_model_parity.py.
+sliding window of 8 positions on every layer. Their GGUF files are of the same shapes as
+llama.cpp's converter can write them: every layer routed, the top 2 renormalised, no window.
+Tolerance as in test_model_parity.py.
 """
 
 from __future__ import annotations
