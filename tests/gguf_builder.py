@@ -121,20 +121,7 @@ def write_f32_gguf(hf_model, path: Path, arch: str) -> None:
     """
     cfg = hf_model.config
     state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_vocab_size(cfg.vocab_size)
+    writer = _writer_with_shapes(path, arch, cfg)
     if getattr(cfg, "sliding_window", None) and arch in ("phi3", "gemma2"):
         writer.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
@@ -178,6 +165,93 @@ def write_f32_gguf(hf_model, path: Path, arch: str) -> None:
     writer.add_tensor("output_norm.weight", state["model.norm.weight"])
     if not cfg.tie_word_embeddings:
         writer.add_tensor("output.weight", state["lm_head.weight"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _writer_with_shapes(path: Path, arch: str, cfg) -> gguf.GGUFWriter:
+    # A writer holding the metadata every architecture has, from transformers config `cfg`.
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(cfg.vocab_size)
+    return writer
+
+
+def write_moe_gguf(
+    hf_model,
+    path: Path,
+    arch: str,
+    matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    split_experts: bool = False,
+) -> None:
+    """Write `hf_model` (a transformers Qwen3-MoE or Mixtral causal LM) to `path` as
+    llama.cpp's converter lays out `arch` ("qwen3moe", or "llama" for Mixtral), without a
+    tokenizer; norms F32, every matrix `matrix_type`.
+
+    Each layer's router is `ffn_gate_inp` and its experts' gate, up and down matrices (as
+    transformers' `[out, in]`) are stacked into `ffn_{gate,up,down}_exps`, `[E, out, in]`;
+    `split_experts`: one tensor per expert instead, `ffn_gate.{e}`, as llama.cpp wrote Mixtral
+    before April 2024. Mixtral's q and k rows are interleaved per head as Llama's, its experts'
+    width is `feed_forward_length`; Qwen3-MoE keeps Hugging Face's q/k order and writes its
+    width as `expert_feed_forward_length`. Neither writes `norm_topk_prob`.
+    """
+    cfg = hf_model.config
+    state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+    writer = _writer_with_shapes(path, arch, cfg)
+    writer.add_expert_count(cfg.num_local_experts if arch == "llama" else cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+
+    def matrix(name: str, w: np.ndarray) -> None:
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if matrix_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, w)
+        else:
+            writer.add_tensor(name, quantize(w, matrix_type), raw_dtype=matrix_type)
+
+    matrix("token_embd.weight", state["model.embed_tokens.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        writer.add_tensor(b + "attn_norm.weight", state[p + "input_layernorm.weight"])
+        writer.add_tensor(b + "ffn_norm.weight", state[p + "post_attention_layernorm.weight"])
+        q, k = state[p + "self_attn.q_proj.weight"], state[p + "self_attn.k_proj.weight"]
+        if arch == "llama":
+            q = llama_cpp_permute(q, cfg.num_attention_heads)
+            k = llama_cpp_permute(k, cfg.num_key_value_heads)
+        else:
+            writer.add_tensor(b + "attn_q_norm.weight", state[p + "self_attn.q_norm.weight"])
+            writer.add_tensor(b + "attn_k_norm.weight", state[p + "self_attn.k_norm.weight"])
+        matrix(b + "attn_q.weight", q)
+        matrix(b + "attn_k.weight", k)
+        matrix(b + "attn_v.weight", state[p + "self_attn.v_proj.weight"])
+        matrix(b + "attn_output.weight", state[p + "self_attn.o_proj.weight"])
+        matrix(b + "ffn_gate_inp.weight", state[p + "mlp.gate.weight"])
+        # transformers keeps each layer's experts as gate|up [E, 2M, D] and down [E, D, M].
+        gate, up = np.split(state[p + "mlp.experts.gate_up_proj"], 2, axis=1)
+        experts = {"gate": gate, "up": up, "down": state[p + "mlp.experts.down_proj"]}
+        for proj, stacked in experts.items():
+            if split_experts:
+                for e, w in enumerate(stacked):
+                    matrix(f"{b}ffn_{proj}.{e}.weight", w)
+            else:
+                matrix(f"{b}ffn_{proj}_exps.weight", stacked)
+    writer.add_tensor("output_norm.weight", state["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        matrix("output.weight", state["lm_head.weight"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

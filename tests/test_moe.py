@@ -4,7 +4,9 @@ expert products against a dense all-experts reference.
 The tiny models: 2 layers, grouped-query attention, 8 experts of which each token runs 2,
 random norm scales. Qwen3-MoE's second layer is dense (`mlp_only_layers`) and its top-2
 weights are not renormalised (`norm_topk_prob` false); Mixtral renormalises them and has a
-sliding window of 8 positions on every layer. Tolerance as in test_model_parity.py.
+sliding window of 8 positions on every layer. Their GGUF files are of the same shapes as
+llama.cpp's converter can write them: every layer routed, the top 2 renormalised, no window.
+Tolerance as in test_model_parity.py.
 """
 
 from __future__ import annotations
@@ -197,20 +199,157 @@ def test_unsupported_moe_config_is_refused_by_name(family, change, named):
         hf_config_to_model_config(raw, "float32", source="config.json")
 
 
-def test_mixture_of_experts_gguf_is_refused_by_name(tmp_path):
-    # llama.cpp writes Mixtral as `llama` with `llama.expert_count` and 3-D expert tensors,
-    # which etjax does not read: refused by the field, not by a missing tensor later.
+# What llama.cpp's converter can write: every layer routed, the top k renormalised (its
+# graphs always renormalise), and for Mixtral (`llama`) no window (not in its metadata).
+GGUF_CONFIGS = {
+    "qwen3moe": lambda: tiny_qwen3_moe_config(norm_topk_prob=True, mlp_only_layers=[]),
+    "llama": lambda: tiny_mixtral_config(sliding_window=None),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(GGUF_CONFIGS))
+def tiny_moe_gguf(request, tmp_path_factory, hf_smollm2_tokenizer):
+    """(GGUF architecture, etjax's model read from the Hugging Face directory, transformers'
+    model, the model written as llama.cpp lays out that architecture, F32)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_builder import write_moe_gguf
+
+    arch = request.param
+    directory = tmp_path_factory.mktemp(f"tiny-gguf-{arch}")
+    save_tiny_model(GGUF_CONFIGS[arch](), directory, hf_smollm2_tokenizer, seed=17)
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    path = directory / f"tiny-{arch}.gguf"
+    write_moe_gguf(reference, path, arch)
+    return arch, etjax.load_model(directory, dtype="float32"), reference, path
+
+
+def _read_gguf(path):
+    from etjax.loaders.gguf_weights import (
+        gguf_model_config,
+        gguf_tensors,
+        load_gguf_weights,
+        open_gguf,
+    )
+
+    reader = open_gguf(path)
+    cfg = gguf_model_config(reader, "float32")
+    return cfg, load_gguf_weights(gguf_tensors(reader), cfg)
+
+
+def test_tiny_moe_gguf_loads_the_same_model(tiny_moe_gguf):
+    # etjax reads the file to the config and the weights, bit for bit, it reads from the
+    # Hugging Face directory, and its logits are transformers'. transformers reads the
+    # qwen3moe file back to its own tensors (so the layout is llama.cpp's as transformers
+    # knows it; it has no reader for Mixtral's, whose experts the converter stacks alike).
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    arch, model, reference_model, path = tiny_moe_gguf
+    if arch == "qwen3moe":
+        reread = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, config=reference_model.config, dtype=torch.float32
+        )
+        expected = reference_model.state_dict()
+        for name, tensor in reread.state_dict().items():
+            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+    cfg, weights = _read_gguf(path)
+    eps = float(np.float32(model.config.rms_norm_eps))  # GGUF metadata holds a float32
+    assert cfg == dataclasses.replace(model.config, rms_norm_eps=eps)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.dense_mlp_layers) == (8, 2, ())
+    jax.tree.map(np.testing.assert_array_equal, weights, model.weights)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, size=(2, 48), dtype=np.int32)
+    with torch.no_grad():
+        reference = reference_model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    assert relative_error(full_logits(weights, cfg, ids, page_size=4), reference) < TOLERANCE
+
+
+def test_moe_gguf_experts_read_quantized_and_one_tensor_each(tiny_moe_gguf, tmp_path):
+    # Q8_0 experts: each expert's slice of the stacked tensor is the `gguf` package's
+    # dequantization of the whole tensor, cut at that expert. Mixtral as llama.cpp wrote it
+    # before stacking its experts (one tensor per expert): the same weights as stacked.
+    import gguf
+    from gguf.quants import dequantize
+
+    from tests.gguf_builder import write_moe_gguf
+
+    arch, model, reference_model, _ = tiny_moe_gguf
+    path = tmp_path / "q8.gguf"
+    write_moe_gguf(reference_model, path, arch, gguf.GGMLQuantizationType.Q8_0)
+    _, weights = _read_gguf(path)
+    stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
+
+    def whole(name):
+        t = stored[name]
+        return dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+
+    for i, layer in enumerate(weights.layers):
+        gate_up = np.concatenate(
+            [whole(f"blk.{i}.ffn_gate_exps.weight"), whole(f"blk.{i}.ffn_up_exps.weight")], 1
+        )
+        np.testing.assert_array_equal(layer.experts_gate_up, gate_up)
+        np.testing.assert_array_equal(layer.experts_down, whole(f"blk.{i}.ffn_down_exps.weight"))
+    if arch == "llama":
+        split = tmp_path / "split.gguf"
+        write_moe_gguf(reference_model, split, arch, split_experts=True)
+        assert "blk.0.ffn_gate.7.weight" in {t.name for t in gguf.GGUFReader(split).tensors}
+        jax.tree.map(np.testing.assert_array_equal, _read_gguf(split)[1], model.weights)
+
+
+def _moe_header(path, arch, fields, tensors=("blk.0.ffn_gate_inp.weight",)):
+    # A GGUF file with the metadata `gguf_model_config` reads before the experts', `fields`
+    # ({arch}.key: value) and tiny stand-ins for the named tensors.
     import gguf
 
-    from etjax.loaders.gguf_weights import gguf_model_config, open_gguf
-
-    path = tmp_path / "mixtral.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_expert_count(8)
-    writer.add_block_count(2)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(4)
+    writer.add_vocab_size(TINY_VOCAB)
+    for key, value in fields.items():
+        add = {bool: writer.add_bool, int: writer.add_uint32, float: writer.add_float32}
+        add[type(value)](f"{arch}.{key}", value)
+    for name in tensors:
+        writer.add_tensor(name, np.zeros((2, 32), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match=r"llama\.expert_count=8"):
+
+
+EXPERTS = {"expert_count": 8, "expert_used_count": 2}
+
+
+@pytest.mark.parametrize(
+    ("arch", "fields", "tensors", "named"),
+    [
+        ("grok", EXPERTS, (), r"general\.architecture='grok'.*allowed: \('llama', "),
+        ("qwen2", EXPERTS, (), r"qwen2\.expert_count=8 .*from: \('llama', 'qwen3moe'\)"),
+        ("qwen3moe", {}, (), r"qwen3moe\.expert_count is missing"),
+        ("qwen3moe", {**EXPERTS, "expert_used_count": 9}, None, "expert_used_count=9"),
+        ("qwen3moe", {**EXPERTS, "expert_gating_func": 2}, None, "expert_gating_func=2"),
+        ("llama", {**EXPERTS, "expert_weights_norm": False}, None, "expert_weights_norm"),
+        ("llama", {**EXPERTS, "expert_shared_count": 1}, None, "expert_shared_count=1"),
+        ("qwen3moe", {**EXPERTS, "leading_dense_block_count": 1}, None, "leading_dense"),
+        ("qwen3moe", EXPERTS, ("blk.0.ffn_up_exps.weight",), r"layers \[0\] have no router"),
+        (
+            "llama",
+            EXPERTS,
+            ("blk.0.ffn_gate_inp.weight", "blk.0.ffn_up_shexp.weight"),
+            "shared-expert tensors",
+        ),
+    ],
+)
+def test_moe_gguf_llama_cpp_cannot_mean_is_refused_by_name(arch, fields, tensors, named, tmp_path):
+    # What a file says that llama.cpp's Mixtral and Qwen3-MoE do not compute (another
+    # gating, unnormalised or scaled weights, shared experts, dense layers) is refused by the
+    # key or tensor that says it; an architecture or expert count etjax does not read, with
+    # what it reads.
+    from etjax.loaders.gguf_weights import gguf_model_config, open_gguf
+
+    path = tmp_path / "x.gguf"
+    _moe_header(path, arch, fields, *(() if tensors is None else (tensors,)))
+    with pytest.raises(ModelLoadError, match=named):
         gguf_model_config(open_gguf(path), "float32")

@@ -7,6 +7,7 @@ header is read by `gguf_file.py`, the tensors dequantized by the `gguf` package.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -23,9 +24,12 @@ from etjax.loaders.assemble import SourceTensor, assemble_weights
 from etjax.loaders.gguf_file import GGUFFile, read_gguf
 from etjax.loaders.hf_config import every_layer_windowed
 from etjax.model.config import ModelConfig
-from etjax.model.families import gguf_architectures
+from etjax.model.families import gguf_architectures, gguf_family
 from etjax.model.leaves import Part
 from etjax.model.weights import MODEL_LEAVES, Weights
+
+# `{arch}.expert_gating_func` values (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE): 1 softmax.
+_SOFTMAX_GATING = 1
 
 # Tensor types are whatever `gguf.quants.dequantize` implements (F32, F16, BF16, the legacy
 # Q4/Q5/Q8 blocks and the K-quants); the rest (Q8_1, Q8_K, integer tensors) are refused by name.
@@ -55,13 +59,25 @@ def gguf_field(reader: GGUFFile, key: str, default: Any = ...) -> Any:
 def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
     """Build the `ModelConfig` from the `{arch}.*` metadata of a GGUF file."""
     arch = gguf_field(reader, "general.architecture")
-    families = gguf_architectures()
-    if arch not in families:
+    allowed = gguf_architectures()
+    if arch not in allowed:
         raise ModelLoadError(
-            f"{reader.path}: general.architecture={arch!r} is not supported; "
-            f"allowed: {tuple(families)}"
+            f"{reader.path}: general.architecture={arch!r} is not supported; allowed: {allowed}"
         )
-    fam = families[arch]
+    num_experts = int(gguf_field(reader, f"{arch}.expert_count", 0) or 0)
+    fam = gguf_family(arch, routed_experts=num_experts > 0)
+    if fam is None:
+        with_experts = tuple(a for a in allowed if gguf_family(a, True))
+        if num_experts:
+            raise ModelLoadError(
+                f"{reader.path}: {arch}.expert_count={num_experts} (a mixture of experts) is "
+                f"not supported for general.architecture={arch!r}; etjax reads routed experts "
+                f"from: {with_experts}"
+            )
+        raise ModelLoadError(
+            f"{reader.path}: {arch}.expert_count is missing or 0; general.architecture="
+            f"{arch!r} has routed experts (llama.cpp requires them)"
+        )
     factors = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
     found = sorted(factors & {t.name for t in reader.tensors})
     if found:
@@ -69,12 +85,6 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
             f"{reader.path}: per-frequency RoPE factors ({', '.join(found)}: Llama 3.1 or "
             "longrope scaling) are not supported in GGUF; load the Hugging Face directory of "
             "the model instead"
-        )
-    experts = gguf_field(reader, f"{arch}.expert_count", 0)
-    if experts:  # llama.cpp's Mixtral is `llama` with 3-D expert tensors
-        raise ModelLoadError(
-            f"{reader.path}: {arch}.expert_count={experts} (a mixture of experts) is not "
-            "supported in GGUF; load the Hugging Face directory of the model instead"
         )
     num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
@@ -96,6 +106,9 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
     elif fam.name == "phi3":  # Phi-3's window covers every layer
         sliding = gguf_field(reader, f"{arch}.attention.sliding_window", None)
         window = every_layer_windowed(sliding, num_layers, max_positions)
+    experts = {}
+    if num_experts:
+        experts = _expert_fields(reader, arch, num_experts, num_layers, tensor_names)
     return ModelConfig(
         vocab_size=_vocab_size(reader, arch),
         hidden_size=hidden,
@@ -115,6 +128,64 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
         dtype=dtype,
         architecture=fam.name,
         **window,
+        **experts,
+    )
+
+
+def _expert_fields(
+    reader: GGUFFile, arch: str, num_experts: int, num_layers: int, tensor_names: set[str]
+) -> dict:
+    # What llama.cpp's `llama` (Mixtral) and `qwen3moe` graphs compute, and so what their files
+    # mean: every layer routes (a router in each), a softmax over the E experts, the top k
+    # renormalised to sum to 1, unscaled, no shared expert. A file that says otherwise is
+    # refused by the key or tensors that say it. Qwen3-MoE's dense layers (`mlp_only_layers`,
+    # `decoder_sparse_step`) cannot be written (the converter has no name for their tensors);
+    # `norm_topk_prob` false is not recorded, so such a model's file is read as llama.cpp
+    # runs it, renormalised (every released Qwen3-MoE renormalises).
+    field = functools.partial(gguf_field, reader)
+    top_k = int(field(f"{arch}.expert_used_count"))
+    if not 0 < top_k <= num_experts:
+        raise ModelLoadError(
+            f"{reader.path}: {arch}.expert_used_count={top_k}; must be 1..{num_experts} "
+            f"({arch}.expert_count)"
+        )
+    checks = (  # key, its value when absent, the one value allowed, what that means
+        ("expert_gating_func", _SOFTMAX_GATING, "1 (softmax)"),
+        ("expert_weights_norm", True, "true (the top k renormalised)"),
+        ("expert_weights_scale", 1.0, "1.0 (unscaled)"),
+        ("expert_shared_count", 0, "0 (no shared expert)"),
+        ("leading_dense_block_count", 0, "0 (every layer routed)"),
+    )
+    for key, default, allowed in checks:
+        value = field(f"{arch}.{key}", default)
+        if value != default:
+            raise ModelLoadError(
+                f"{reader.path}: {arch}.{key}={value!r} is not supported; allowed: {allowed}"
+            )
+    shared = sorted(n for n in tensor_names if "_shexp." in n)
+    if shared:
+        raise ModelLoadError(
+            f"{reader.path}: shared-expert tensors ({shared[0]}, ...) are not supported"
+        )
+    routerless = [
+        i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+    ]
+    if routerless:
+        raise ModelLoadError(
+            f"{reader.path}: layers {routerless} have no router (blk.N.ffn_gate_inp.weight); "
+            f"dense layers in a mixture of experts are not supported in GGUF ({arch} routes "
+            "every layer); load the Hugging Face directory of the model instead"
+        )
+    # llama.cpp's Mixtral (`llama`) gives its experts the model's feed-forward width;
+    # `qwen3moe` its own key, else that width over k, as llama.cpp falls back.
+    width = int(field(f"{arch}.feed_forward_length"))
+    if arch != "llama":
+        width = int(field(f"{arch}.expert_feed_forward_length", width // top_k))
+    return dict(
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
     )
 
 
@@ -205,6 +276,8 @@ def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:
     """
 
     def find(part: Part, layer: int | None) -> SourceTensor:
+        if part.expert is not None and "{e}" not in part.gguf:
+            return _expert_slice(tensors, part.gguf_name(layer), part.expert, cfg.num_experts)
         name = part.gguf_name(layer)
         stored = tensors.stored.get(name)
         if stored is None:
@@ -216,6 +289,43 @@ def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:
         return SourceTensor(name, stored.shape, read)
 
     return assemble_weights(cfg, find, str(tensors.path))
+
+
+def _expert_slice(tensors: GGUFTensors, name: str, expert: int, num_experts: int) -> SourceTensor:
+    # Expert `expert`'s matrix [out, in] of llama.cpp's stacked tensor `name` [E, out, in]: its
+    # rows e * out ... (e + 1) * out, the stacked tensor's leading axes read as one. Mixtral
+    # files written before llama.cpp stacked its experts (April 2024) hold each expert's
+    # matrix on its own, named with ".{e}" where the stacked name has "_exps".
+    stored = tensors.stored.get(name)
+    if stored is None:
+        split = name.replace("_exps.", f".{expert}.")
+        if split in tensors.stored:
+            single = tensors.stored[split]
+            read = functools.partial(
+                _read_rows, tensors.path, split, single, np.arange(single.shape[0])
+            )
+            return SourceTensor(split, single.shape, read)
+        fused = f"{name.rsplit('.ffn_', 1)[0]}.ffn_gate_up_exps.weight"
+        if fused in tensors.stored:
+            raise ModelLoadError(
+                f"{tensors.path}: tensor {fused!r} (gate and up experts fused, the converter's "
+                "--fuse-gate-up-exps) is not supported; allowed: ffn_gate_exps and ffn_up_exps"
+            )
+        raise ModelLoadError(f"{tensors.path}: tensor {name!r} is missing")
+    if len(stored.shape) != 3 or stored.shape[0] != num_experts:
+        raise ModelLoadError(
+            f"{tensors.path}: tensor {name!r} has shape {stored.shape}; expected "
+            f"[{num_experts}, out, in] (the experts stacked)"
+        )
+    _, out, *inner = stored.shape
+    rows = dataclasses.replace(
+        stored,
+        shape=(num_experts * out, *inner),
+        data_shape=(num_experts * out, *stored.data_shape[2:]),
+    )
+    order = np.arange(expert * out, (expert + 1) * out)
+    read = functools.partial(_read_rows, tensors.path, name, rows, order)
+    return SourceTensor(f"{name}[{expert}]", (out, *inner), read)
 
 
 def _read_rows(

@@ -59,25 +59,31 @@ class Part:
     files only); the GGUF loader restores the Hugging Face half-split order etjax rotates in.
     `hf_offset` is added to the Hugging Face tensor: Gemma's norms scale by 1 + w, which
     llama.cpp stores as such and etjax keeps as the scale itself.
+    `gguf` is None for a tensor no GGUF file holds (Qwen3-MoE's dense layers: llama.cpp's
+    qwen3moe has routed experts in every layer). `expert` is set on the part of one expert
+    (`of_expert`); a GGUF name without "{e}" is llama.cpp's tensor of all experts stacked,
+    `[E, out, in]`, of which the part is the expert's slice.
     """
 
     hf: str
-    gguf: str
+    gguf: str | None
     gguf_rope_heads: str | None = None
     hf_offset: float = 0.0
+    expert: int | None = None
 
     def hf_name(self, layer: int | None) -> str:
         return self.hf.format(i=layer)
 
     def gguf_name(self, layer: int | None) -> str:
+        if self.gguf is None:
+            raise ValueError(f"no GGUF file holds the tensor of {self.hf!r}")
         return self.gguf.format(i=layer)
 
     def of_expert(self, expert: int) -> Part:
-        """This part with "{e}" in its names replaced by `expert`."""
+        """This part for expert `expert`: "{e}" in its names replaced by the index."""
         e = str(expert)
-        return dataclasses.replace(
-            self, hf=self.hf.replace("{e}", e), gguf=self.gguf.replace("{e}", e)
-        )
+        gguf = None if self.gguf is None else self.gguf.replace("{e}", e)
+        return dataclasses.replace(self, hf=self.hf.replace("{e}", e), gguf=gguf, expert=expert)
 
 
 # Layouts. Products are stored output-major, `[out, in]` as Hugging Face and GGUF files keep
@@ -180,7 +186,8 @@ def pytree_class(name: str, table: Table, module: str) -> type:
 
 
 def layer_part(
-    hf: str, gguf: str, gguf_rope_heads: str | None = None, hf_offset: float = 0.0
+    hf: str, gguf: str | None, gguf_rope_heads: str | None = None, hf_offset: float = 0.0
 ) -> Part:
     """A `Part` of layer i: `hf` under "model.layers.{i}.", `gguf` under "blk.{i}."."""
-    return Part(f"model.layers.{{i}}.{hf}", f"blk.{{i}}.{gguf}", gguf_rope_heads, hf_offset)
+    gguf_name = None if gguf is None else f"blk.{{i}}.{gguf}"
+    return Part(f"model.layers.{{i}}.{hf}", gguf_name, gguf_rope_heads, hf_offset)

@@ -39,6 +39,15 @@ def hf_model_types() -> dict[str, Family]:
     return {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 
 
-def gguf_architectures() -> dict[str, Family]:
-    """Each GGUF `general.architecture` etjax reads, and its family."""
-    return {a: f for f in FAMILIES.values() for a in f.gguf_architectures}
+def gguf_architectures() -> tuple[str, ...]:
+    """Each GGUF `general.architecture` etjax reads."""
+    return tuple(dict.fromkeys(a for f in FAMILIES.values() for a in f.gguf_architectures))
+
+
+def gguf_family(architecture: str, routed_experts: bool) -> Family | None:
+    """The family of a GGUF file of `architecture` with routed experts (`{arch}.expert_count`
+    > 0) or without; None where etjax reads no such file."""
+    for f in FAMILIES.values():
+        if architecture in f.gguf_architectures and f.routed_experts == routed_experts:
+            return f
+    return None

@@ -33,7 +33,10 @@ class Family:
     qkv_projection: Callable[[Any, jax.Array, ModelConfig], jax.Array]
     output_and_mlp: Callable[[Any, jax.Array, jax.Array, ModelConfig], jax.Array]
     hf_model_types: tuple[str, ...]  # config.json `model_type` values read as this family
-    gguf_architectures: tuple[str, ...]  # GGUF `general.architecture` values
+    # GGUF `general.architecture` values read as this family: a file with routed experts
+    # (`{arch}.expert_count` > 0) as the family that has them, one without as the one that
+    # has none (llama.cpp writes Mixtral as `llama`).
+    gguf_architectures: tuple[str, ...]
     # The leaves outside the layers, where the family's differ from `MODEL_LEAVES`
     # (etjax/model/weights.py) in more than names: None for the shared table.
     model: Table | None = None
@@ -43,6 +46,11 @@ class Family:
     # `rope_local_theta`, and no RoPE scaling (Gemma 3); otherwise they rotate as every other
     # layer does (Qwen3's and Phi-3's windows only limit what a layer reads).
     local_rope: bool = False
+
+    @property
+    def routed_experts(self) -> bool:
+        """Whether the family's layers can hold routed experts (a mixture of experts)."""
+        return "router" in self.layer
 
     def __post_init__(self) -> None:
         fields = tuple(f.name for f in dataclasses.fields(self.layer_type))

@@ -4,9 +4,10 @@ token run, weighted by a softmax over their two router logits (the softmax over 
 renormalised over the two: `ModelConfig.norm_topk_prob`). A sliding window, where its config
 has one, covers every layer (etjax/loaders/hf_config.py).
 
-llama.cpp writes Mixtral as `llama` with each layer's experts in one 3-D tensor per
-projection, which the GGUF reader does not read: such files are refused at load
-(etjax/loaders/gguf_weights.py).
+llama.cpp writes Mixtral as `llama` with `llama.expert_count` experts, the q and k rows
+interleaved per head as Llama's, and each layer's experts stacked in one tensor per
+projection, `[E, out, in]` (files written before April 2024: one tensor per expert,
+`blk.{i}.ffn_gate.{e}.weight`; etjax/loaders/gguf_weights.py reads both).
 """
 
 from __future__ import annotations
@@ -49,5 +50,5 @@ MIXTRAL = Family(
     qkv_projection=qkv_projection,
     output_and_mlp=moe_output_and_mlp,
     hf_model_types=("mixtral",),
-    gguf_architectures=(),
+    gguf_architectures=("llama",),  # with `llama.expert_count` > 0
 )

@@ -5,8 +5,10 @@ so (`norm_topk_prob`). No shared expert. Layers listed in `ModelConfig.dense_mlp
 (the config's `mlp_only_layers`, or off the `decoder_sparse_step`) keep Qwen3's dense MLP and
 have no router or experts; the others have no dense MLP.
 
-llama.cpp stores a layer's experts as one 3-D tensor per projection, which the GGUF reader does
-not read: mixture-of-experts GGUF files are refused at load (etjax/loaders/gguf_weights.py).
+llama.cpp's `qwen3moe` GGUF files store a layer's experts as one tensor per projection with
+the experts stacked, `[E, out, in]` (each expert's Hugging Face matrix as it is; q and k rows
+unpermuted, as Qwen3's), and have routed experts in every layer: the dense layers' tensors
+have no GGUF names (etjax/loaders/gguf_weights.py reads the rest).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def _dense(cfg: ModelConfig, layer: int) -> bool:
 
 def expert_leaves(router: str, gate: str, up: str, down: str) -> Table:
     """The leaves of a sparse layer's MLP, from the Hugging Face names of its router and of
-    expert "{e}"'s three projections (each under "model.layers.{i}.")."""
+    expert "{e}"'s three projections (each under "model.layers.{i}."); their GGUF tensors
+    are llama.cpp's, each expert a slice of its projection's stacked tensor."""
 
     def expert_part(hf: str, gguf: str):
         return layer_part(hf, f"{gguf}.weight")
@@ -95,10 +98,15 @@ def moe_output_and_mlp(
     return x + mlp
 
 
+def _dense_only(leaf: Leaf) -> Leaf:
+    # A dense layer's MLP: never in a GGUF file (llama.cpp's converter cannot name it).
+    parts = tuple(dataclasses.replace(p, gguf=None) for p in leaf.parts)
+    return dataclasses.replace(leaf, in_layer=_dense, parts=parts)
+
+
 def _layer_table() -> Table:
     table = {
-        name: dataclasses.replace(leaf, in_layer=_dense) if name in DENSE_MLP else leaf
-        for name, leaf in qwen3.LAYER.items()
+        name: _dense_only(leaf) if name in DENSE_MLP else leaf for name, leaf in qwen3.LAYER.items()
     }
     experts = expert_leaves(
         "mlp.gate.weight",
@@ -119,5 +127,5 @@ QWEN3_MOE = Family(
     qkv_projection=qwen3.qkv_projection,
     output_and_mlp=moe_output_and_mlp,
     hf_model_types=("qwen3_moe",),
-    gguf_architectures=(),
+    gguf_architectures=("qwen3moe",),
 )
