@@ -125,6 +125,23 @@ def test_drafting_reads_the_calibrated_entropy(monkeypatch):
     assert all(h in (None, 2.0) for step in seen for h in step)
 
 
+@pytest.mark.parametrize("policy, short_resident_round", [("entropic", 0), ("fcfs", 5)])
+def test_entropic_policy_prefills_the_prompt_closest_to_its_first_token_first(
+    policy, short_resident_round
+):
+    # Three requests admitted together; chunks of 8 tokens, two rows a step. FCFS prefills
+    # the two 40-token prompts first (five rounds), so the 4-token one waits for them; the
+    # entropic policy gives the short prompt its chunk at once, beside the first long one.
+    engine, _ = _engine(policy, batch=3, resident=3, prefill_chunk=8)
+    seqs = _generate(
+        engine, [_prompt(1, 40), _prompt(2, 40), _prompt(3, 4)], [RequestSettings(2)] * 3
+    )
+    assert seqs[2].resident_round == short_resident_round
+    assert [s.output.token_ids for s in seqs] == [
+        [token_of(r, i) for i in range(2)] for r in (1, 2, 3)
+    ]
+
+
 def test_fcfs_with_one_slot_alternates_only_when_overdue():
     # FCFS ranks by arrival: request 1 keeps the slot; 2 runs only when overdue, that is in
     # the third round after its last run (R = 3). Both prompts are prefilled before the first

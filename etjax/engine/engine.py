@@ -342,11 +342,11 @@ class Engine:
     def _prefill_jobs(
         self, prefilling: list[Sequence], budget: int
     ) -> list[tuple[Sequence, PrefillJob]]:
-        # The next chunk of each admitted sequence, oldest admission first, within the token
-        # budget and `max_prefill_rows`.
+        # The next chunk of each admitted sequence, in the policy's prefill order (FCFS: oldest
+        # admission first), within the token budget and `max_prefill_rows`.
         opts = self.options
         jobs = []
-        for seq in sorted(prefilling, key=lambda s: (s.admitted_round, s.order)):
+        for seq in scheduler.prefill_order(prefilling, self.policy, self.round):
             if len(jobs) == opts.max_prefill_rows or budget <= 0:
                 break
             end = min(seq.prefilled + opts.prefill_chunk, len(seq.context), seq.prefilled + budget)

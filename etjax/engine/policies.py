@@ -1,5 +1,6 @@
-"""Scheduling policies: in which order waiting requests are admitted, which resident sequences
-fill the device batch, and which one yields its pages when the pool runs out.
+"""Scheduling policies: in which order waiting requests are admitted and admitted ones get
+their prompt chunks, which resident sequences fill the device batch, and which one yields its
+pages when the pool runs out.
 
 A policy only ranks; the scheduler (scheduler.py) enforces the guarantees every policy shares:
 minimum advancement, aging and page accounting.
@@ -16,7 +17,10 @@ cost of one token is the bytes it reads: its share of the weights (the batch sha
 plus the KV bytes of the blocks its budget keeps (the last kept fraction times its length).
 Priority = predicted dH+ per byte. Waiting requests have no history: they are ranked by the
 prior over their cost, so short contexts (cheap tokens) go first, and by `aging` per round
-waited so none waits forever.
+waited so none waits forever. Admitted requests still prefilling are ranked the same way, by
+what their first token still costs: the fewest context tokens left to prefill first (aged by
+the rounds since admission), so a short question is not made to wait behind the prefill of
+a long document admitted with it (FCFS prefills in admission order).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ class Policy(Protocol):
     def admission_key(self, seq: Sequence, round_: int) -> tuple:
         """Sort key of a waiting sequence: smaller is admitted first."""
 
+    def prefill_key(self, seq: Sequence, round_: int) -> tuple:
+        """Sort key of an admitted sequence still prefilling: smaller gets its chunk first."""
+
     def run_priority(self, seq: Sequence, round_: int) -> float:
         """Value of running a resident sequence now: larger runs first, smaller yields pages."""
 
@@ -47,6 +54,9 @@ class FcfsPolicy:
     def admission_key(self, seq: Sequence, round_: int) -> tuple:
         return (seq.order,)
 
+    def prefill_key(self, seq: Sequence, round_: int) -> tuple:
+        return (seq.admitted_round, seq.order)
+
     def run_priority(self, seq: Sequence, round_: int) -> float:
         return -float(seq.order)
 
@@ -59,6 +69,9 @@ class PriorityPolicy(FcfsPolicy):
 
     def admission_key(self, seq: Sequence, round_: int) -> tuple:
         return (-seq.priority, seq.order)
+
+    def prefill_key(self, seq: Sequence, round_: int) -> tuple:
+        return (-seq.priority, seq.admitted_round, seq.order)
 
     def run_priority(self, seq: Sequence, round_: int) -> float:
         # Priority first; arrival order breaks ties (scaled far below one priority unit).
@@ -93,6 +106,13 @@ class EntropicPolicy:
         gain = self.prior_drop / self.token_bytes(seq)
         waited = max(round_ - seq.waiting_since, 0)
         return (-(gain * (1.0 + self.aging * waited)), seq.order)
+
+    def prefill_key(self, seq: Sequence, round_: int) -> tuple:
+        # Every prefilling sequence expects the prior's gain from its first token; what that
+        # token still costs is the prefill left (the same weights' share and keys per token).
+        left = len(seq.context) - seq.prefilled
+        waited = max(round_ - seq.admitted_round, 0)
+        return (left / (1.0 + self.aging * waited), seq.order)
 
     def run_priority(self, seq: Sequence, round_: int) -> float:
         return self.expected_drop(seq) / self.token_bytes(seq)

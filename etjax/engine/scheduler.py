@@ -25,6 +25,9 @@ Guarantees, whatever the policy:
   first waiting request does not fit, none behind it is admitted, so a stream of short
   prompts cannot starve a long one. (A request whose next prompt page another request is
   prefilling steps aside until that page is written, a bounded wait: etjax/engine/engine.py.)
+- Prompt chunks go to admitted sequences in the policy's prefill order; where it is not
+  arrival order (entropic: fewest tokens left first), aging by the rounds since admission
+  bounds how long any prefill waits.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ def check_starvation_bound(resident_rows: int, batch_size: int, min_advance_roun
 def admission_order(waiting: Iterable[Sequence], policy: Policy, round_: int) -> list[Sequence]:
     """Waiting sequences in the order the policy admits them."""
     return sorted(waiting, key=lambda s: policy.admission_key(s, round_))
+
+
+def prefill_order(prefilling: Iterable[Sequence], policy: Policy, round_: int) -> list[Sequence]:
+    """Admitted sequences still prefilling, in the order the policy gives them chunks."""
+    return sorted(prefilling, key=lambda s: policy.prefill_key(s, round_))
 
 
 def forced_count(
