@@ -7,6 +7,7 @@ model does not use. The tokenizer metadata is copied from the real SmolLM2 GGUF.
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import gguf
@@ -127,6 +128,7 @@ def write_f32_gguf(hf_model, path: Path, arch: str) -> None:
     if arch == "gemma2":
         writer.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_logit_softcapping)
         writer.add_float32(f"{arch}.final_logit_softcapping", cfg.final_logit_softcapping)
+    _add_rope_scaling(writer, arch, cfg)
 
     names = {  # Hugging Face name under model.layers.{i}. -> llama.cpp name under blk.{i}.
         "input_layernorm.weight": "attn_norm.weight",
@@ -171,6 +173,41 @@ def write_f32_gguf(hf_model, path: Path, arch: str) -> None:
     writer.close()
 
 
+def _add_rope_scaling(writer: gguf.GGUFWriter, arch: str, cfg) -> None:
+    # What llama.cpp's converter writes of `cfg`'s RoPE scaling: linear and yarn as keys
+    # (yarn's optional fields where the config has them); Phi-3 its original context always,
+    # and for longrope the temperature as a key and the factors as tensors.
+    rope = cfg.rope_parameters
+    kind = rope.get("rope_type", "default")
+    if arch == "phi3":
+        original = rope.get("original_max_position_embeddings")
+        original = original or cfg.original_max_position_embeddings
+        writer.add_rope_scaling_orig_ctx_len(original)
+        if rope.get("long_factor"):
+            scale = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            )
+            long, short = (np.asarray(rope[k], np.float32) for k in ("long_factor", "short_factor"))
+            writer.add_tensor("rope_factors_long.weight", long)
+            writer.add_tensor("rope_factors_short.weight", short)
+    elif kind == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif kind == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        optional = {
+            "attention_factor": writer.add_rope_scaling_yarn_attn_factor,
+            "beta_fast": writer.add_rope_scaling_yarn_beta_fast,
+            "beta_slow": writer.add_rope_scaling_yarn_beta_slow,
+        }
+        for key, add in optional.items():
+            if rope.get(key) is not None:
+                add(rope[key])
+
+
 def _writer_with_shapes(path: Path, arch: str, cfg) -> gguf.GGUFWriter:
     # A writer holding the metadata every architecture has, from transformers config `cfg`.
     writer = gguf.GGUFWriter(str(path), arch)
@@ -196,6 +233,7 @@ def write_moe_gguf(
     arch: str,
     matrix_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     split_experts: bool = False,
+    fuse_gate_up: bool = False,
 ) -> None:
     """Write `hf_model` (a transformers Qwen3-MoE or Mixtral causal LM) to `path` as
     llama.cpp's converter lays out `arch` ("qwen3moe", or "llama" for Mixtral), without a
@@ -204,9 +242,11 @@ def write_moe_gguf(
     Each layer's router is `ffn_gate_inp` and its experts' gate, up and down matrices (as
     transformers' `[out, in]`) are stacked into `ffn_{gate,up,down}_exps`, `[E, out, in]`;
     `split_experts`: one tensor per expert instead, `ffn_gate.{e}`, as llama.cpp wrote Mixtral
-    before April 2024. Mixtral's q and k rows are interleaved per head as Llama's, its experts'
-    width is `feed_forward_length`; Qwen3-MoE keeps Hugging Face's q/k order and writes its
-    width as `expert_feed_forward_length`. Neither writes `norm_topk_prob`.
+    before April 2024; `fuse_gate_up`: gate|up as one `ffn_gate_up_exps`, `[E, 2M, D]`, as
+    the converter's `--fuse-gate-up-exps` writes them. Mixtral's q and k rows are
+    interleaved per head as Llama's, its experts' width is `feed_forward_length`; Qwen3-MoE
+    keeps Hugging Face's q/k order and writes its width as `expert_feed_forward_length`.
+    Neither writes `norm_topk_prob`.
     """
     cfg = hf_model.config
     state = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
@@ -243,6 +283,8 @@ def write_moe_gguf(
         # transformers keeps each layer's experts as gate|up [E, 2M, D] and down [E, D, M].
         gate, up = np.split(state[p + "mlp.experts.gate_up_proj"], 2, axis=1)
         experts = {"gate": gate, "up": up, "down": state[p + "mlp.experts.down_proj"]}
+        if fuse_gate_up:
+            experts = {"gate_up": state[p + "mlp.experts.gate_up_proj"], "down": experts["down"]}
         for proj, stacked in experts.items():
             if split_experts:
                 for e, w in enumerate(stacked):

@@ -353,3 +353,25 @@ def test_moe_gguf_llama_cpp_cannot_mean_is_refused_by_name(arch, fields, tensors
     _moe_header(path, arch, fields, *(() if tensors is None else (tensors,)))
     with pytest.raises(ModelLoadError, match=named):
         gguf_model_config(open_gguf(path), "float32")
+
+
+def test_moe_gguf_fused_gate_up_experts_are_refused_by_name(tiny_moe_gguf, tmp_path):
+    # llama.cpp's converter can fuse each layer's gate and up experts into one tensor
+    # (`--fuse-gate-up-exps`: ffn_gate_up_exps, [E, 2M, D]); etjax reads them apart.
+    from etjax.loaders.gguf_weights import (
+        gguf_model_config,
+        gguf_tensors,
+        load_gguf_weights,
+        open_gguf,
+    )
+    from tests.gguf_builder import write_moe_gguf
+
+    arch, _, reference_model, _ = tiny_moe_gguf
+    if arch != "qwen3moe":
+        pytest.skip("one architecture shows the refusal")
+    path = tmp_path / "fused.gguf"
+    write_moe_gguf(reference_model, path, arch, fuse_gate_up=True)
+    reader = open_gguf(path)
+    cfg = gguf_model_config(reader, "float32")
+    with pytest.raises(ModelLoadError, match=r"'blk\.0\.ffn_gate_up_exps\.weight'.*allowed"):
+        load_gguf_weights(gguf_tensors(reader), cfg)

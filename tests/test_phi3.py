@@ -13,6 +13,7 @@ import dataclasses
 import json
 import shutil
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -22,7 +23,7 @@ from etjax.errors import ModelLoadError
 from etjax.loaders.hf_config import hf_config_to_model_config
 from tests.conftest import TINY_VOCAB, relative_error
 from tests.model_runner import full_logits
-from tests.test_qwen3 import assert_gguf_reads_as_hf_dir, save_tiny_model
+from tests.test_qwen3 import assert_gguf_reads_as_hf_dir, gguf_of, save_tiny_model
 
 TOLERANCE = 1e-4
 WINDOW = 8
@@ -141,10 +142,24 @@ def test_tiny_phi3_longrope_matches_transformers_within_the_original_context(
     assert scaling.rope_type == "longrope" and model.config.max_position_embeddings == 64
     assert scaling.attention_factor == pytest.approx((1 + np.log(8) / np.log(64)) ** 0.5)
     ids = np.random.default_rng(3).integers(0, TINY_VOCAB, size=(1, 64), dtype=np.int32)
-    reference = _logits(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32), ids)
+    reference_model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    reference = _logits(reference_model, ids)
     assert relative_error(full_logits(model.weights, model.config, ids, 4), reference) < TOLERANCE
     unscaled = dataclasses.replace(model.config, rope_scaling=None)
     assert relative_error(full_logits(model.weights, unscaled, ids, 4), reference) > 1e-2
+
+    # As llama.cpp's converter writes it: the factors as tensors rope_factors_short/long
+    # (float32), the temperature as phi3.rope.scaling.attn_factor. The same config but for
+    # the factors' rounding, the same weights, transformers' logits.
+    cfg, weights = gguf_of(reference_model, "phi3", tmp_path)
+    short = tuple(float(f) for f in np.float32(scaling.frequency_factors))
+    assert cfg == dataclasses.replace(
+        model.config,
+        rms_norm_eps=float(np.float32(model.config.rms_norm_eps)),
+        rope_scaling=dataclasses.replace(scaling, frequency_factors=short),
+    )
+    jax.tree.map(np.testing.assert_array_equal, weights, model.weights)
+    assert relative_error(full_logits(weights, cfg, ids, 4), reference) < TOLERANCE
 
 
 @pytest.mark.parametrize(

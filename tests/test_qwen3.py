@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -173,14 +174,18 @@ def test_tiny_qwen3_gguf_loads_the_same_model(tiny_qwen3, hf_tiny_qwen3, tmp_pat
     "scaling",
     [
         # Qwen's long-context recipe; an original context of 16 puts the band of blended
-        # frequencies inside head_dim 16, and the temperature (0.1 ln 4 + 1) applies. (Linear
-        # scaling is checked on Gemma 3's global layers, test_gemma3.py.)
+        # frequencies inside head_dim 16, and the temperature (0.1 ln 4 + 1) applies.
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        {"rope_type": "linear", "factor": 4.0},
     ],
     ids=lambda scaling: scaling["rope_type"],
 )
 def test_tiny_qwen3_rope_scaling_matches_transformers(scaling, tiny_qwen3_dir, tmp_path):
-    # The same weights under a scaled config: every layer, windowed or not, rotates scaled.
+    # The same weights under a scaled config: every layer, windowed or not, rotates scaled,
+    # at 64 positions (past yarn's original 16). The model written as llama.cpp's converter
+    # writes it (the scaling as `qwen3.rope.scaling.*` keys) reads to the same config, less
+    # the window llama.cpp's qwen3 does not have, and to transformers' logits without it (the
+    # unscaled rotation was shown off above, on the same weights).
     import json
     import shutil
 
@@ -200,6 +205,36 @@ def test_tiny_qwen3_rope_scaling_matches_transformers(scaling, tiny_qwen3_dir, t
     assert relative_error(full_logits(model.weights, model.config, ids, 4), reference) < TOLERANCE
     unscaled = dataclasses.replace(model.config, rope_scaling=None)
     assert relative_error(full_logits(model.weights, unscaled, ids, 4), reference) > 1e-2
+
+    cfg, weights = gguf_of(reference_model, "qwen3", tmp_path)
+    no_window = dataclasses.replace(model.config, sliding_window=0, local_layers=())
+    assert cfg == dataclasses.replace(no_window, rms_norm_eps=float(np.float32(1e-6)))
+    jax.tree.map(np.testing.assert_array_equal, weights, model.weights)
+    config["use_sliding_window"] = False
+    del config["layer_types"]
+    (directory / "config.json").write_text(json.dumps(config))
+    windowless = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        reference = windowless(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    assert relative_error(full_logits(weights, cfg, ids, 4), reference) < TOLERANCE
+
+
+def gguf_of(hf_model, arch: str, tmp_path):
+    """`hf_model` written as llama.cpp lays out `arch` (F32) and read by etjax: (config,
+    weights)."""
+    from etjax.loaders.gguf_weights import (
+        gguf_model_config,
+        gguf_tensors,
+        load_gguf_weights,
+        open_gguf,
+    )
+    from tests.gguf_builder import write_f32_gguf
+
+    path = tmp_path / f"scaled-{arch}.gguf"
+    write_f32_gguf(hf_model, path, arch)
+    reader = open_gguf(path)
+    cfg = gguf_model_config(reader, "float32")
+    return cfg, load_gguf_weights(gguf_tensors(reader), cfg)
 
 
 def test_qwen3_rope_scaling_fields_are_read():

@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 from etjax.errors import ModelLoadError
 from etjax.loaders.assemble import SourceTensor, assemble_weights
 from etjax.loaders.gguf_file import GGUFFile, read_gguf
+from etjax.loaders.gguf_rope import gguf_rope_scaling
 from etjax.loaders.hf_config import every_layer_windowed
 from etjax.model.config import ModelConfig
 from etjax.model.families import gguf_architectures, gguf_family
@@ -78,14 +79,6 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
             f"{reader.path}: {arch}.expert_count is missing or 0; general.architecture="
             f"{arch!r} has routed experts (llama.cpp requires them)"
         )
-    factors = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
-    found = sorted(factors & {t.name for t in reader.tensors})
-    if found:
-        raise ModelLoadError(
-            f"{reader.path}: per-frequency RoPE factors ({', '.join(found)}: Llama 3.1 or "
-            "longrope scaling) are not supported in GGUF; load the Hugging Face directory of "
-            "the model instead"
-        )
     num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
     hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
     tensor_names = {t.name for t in reader.tensors}
@@ -97,7 +90,9 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
         )
     )
     num_layers = int(gguf_field(reader, f"{arch}.block_count"))
-    max_positions = int(gguf_field(reader, f"{arch}.context_length", 4096))
+    rope_scaling, max_positions = gguf_rope_scaling(
+        reader, arch, fam.name, head_dim, int(gguf_field(reader, f"{arch}.context_length", 4096))
+    )
     window = {}
     if fam.name == "gemma3":
         window = _gemma3_window(reader, arch, num_layers, head_dim)
@@ -118,6 +113,7 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
         num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
         rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         max_position_embeddings=max_positions,
         # Optional leaves are there when their tensors are (the first part, of layer 0).

@@ -40,7 +40,8 @@ class RopeScaling:
     - linear: every frequency divided by `factor`.
     - llama3 (Llama 3.1): long wavelengths slowed by `factor`, short ones kept, the band
       between (`low_freq_factor`, `high_freq_factor` of `original_max_position_embeddings`)
-      interpolated.
+      interpolated. Read from a GGUF file, which holds what those parameters compute and not
+      the parameters, it is `frequency_factors` instead: frequency i divided by the i-th.
     - yarn: frequencies blended between `factor`-slowed and unchanged over the band of
       rotation counts `beta_slow`..`beta_fast` within `original_max_position_embeddings`.
     - longrope (Phi-3): frequency i divided by `frequency_factors[i]`; etjax reads the short

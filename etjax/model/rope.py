@@ -20,11 +20,12 @@ def rope_inverse_frequencies(cfg: ModelConfig) -> jax.Array:
         return inv_freq
     if s.rope_type == "linear":
         return inv_freq / s.factor
-    if s.rope_type == "llama3":
+    if s.rope_type == "llama3" and not s.frequency_factors:
         return _llama3_scale(inv_freq, s)
     if s.rope_type == "yarn":
         return _yarn_scale(inv_freq, s, cfg.rope_theta, cfg.head_dim)
-    return inv_freq / jnp.asarray(s.frequency_factors, jnp.float32)  # longrope
+    # longrope, or llama3 as a GGUF file holds it (its divisors per frequency)
+    return inv_freq / jnp.asarray(s.frequency_factors, jnp.float32)
 
 
 def rope_attention_factor(cfg: ModelConfig) -> float:
