@@ -6,8 +6,11 @@ subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8:
     python -m tests.mesh_worker MODEL --meshes 1x1,2x4 --new 12 [--temperatures 0,0.8]
 
 Prints {"devices": n, "outputs": {temperature: {mesh: [token ids per prompt, then the
-second prompt's top-3 ids per token]}}} on its last line. Temperatures are request settings,
-not part of a program: each mesh compiles once for all of them.
+second prompt's top-3 ids per token]}}, "experts": {mesh: {weight: layout}}} on its last
+line, where a layout is the shard shapes the engine placed the first layer's router and
+stacked experts in and the number of devices holding them (empty for a model without
+experts). Temperatures are request settings, not part of a program: each mesh compiles once
+for all of them.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def main() -> None:
 
     import etjax
     from etjax.bench.corpus import lee_articles
-    from etjax.engine.build import generate_ids
+    from etjax.engine.build import build_engine, workload_pages
     from etjax.pruning.config import PruningConfig
     from etjax.runtime.options import RequestSettings, RuntimeOptions
     from etjax.sampling.settings import SamplerSettings
@@ -41,7 +44,7 @@ def main() -> None:
     # partly filled second page copied on whatever devices hold the pages).
     prompts.append(prompts[0])
     pruning = PruningConfig(enabled=True, min_fraction=0.3) if args.pruning else PruningConfig()
-    outputs = {}
+    outputs, experts = {}, {}
     for mesh in args.meshes.split(","):
         options = RuntimeOptions(max_batch_size=4, mesh=mesh, pruning=pruning)
         for temperature in args.temperatures.split(","):
@@ -54,12 +57,27 @@ def main() -> None:
                 )
                 for i in range(len(prompts))
             ]
-            outs = generate_ids(
-                model.weights, model.config, model.tokenizer, prompts, settings, options
-            )
+            # generate_ids, keeping the engine to read where it placed the weights.
+            pages = workload_pages(prompts, settings, options)
+            engine = build_engine(model.weights, model.config, model.tokenizer, options, pages)
+            outs = engine.generate(prompts, settings)
             top_ids = [[t for t, _ in top] for top in outs[1].top_logprobs]
             outputs.setdefault(temperature, {})[mesh] = [o.token_ids for o in outs] + [top_ids]
-    print(json.dumps({"devices": jax.device_count(), "outputs": outputs}))
+        experts[mesh] = expert_layout(engine.backend.weights.layers[0])
+    print(json.dumps({"devices": jax.device_count(), "outputs": outputs, "experts": experts}))
+
+
+def expert_layout(layer) -> dict:
+    """{weight: {"shards": shard shapes, "devices": n}} of a layer's router and experts."""
+    layout = {}
+    for name in ("router", "experts_gate_up", "experts_down"):
+        weight = getattr(layer, name, None)
+        if weight is not None:
+            layout[name] = {
+                "shards": sorted({tuple(s.data.shape) for s in weight.addressable_shards}),
+                "devices": len(weight.sharding.device_set),
+            }
+    return layout
 
 
 if __name__ == "__main__":

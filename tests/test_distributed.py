@@ -68,6 +68,37 @@ def test_tiny_model_pruned_outputs_equal_on_every_mesh(tiny_hf_dir):
     assert outputs["2x4"] == outputs["1x1"]
 
 
+# Mixtral's check takes as long again as Qwen3-MoE's (its own four step programs to compile,
+# about 10 s of CPU), so it runs with the slow tests.
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_tiny_moe_outputs_equal_on_every_mesh(family, tmp_path_factory, hf_smollm2_tokenizer):
+    # Expert parallelism: on a 2x4 mesh each device holds 2 of the 8 experts and runs the
+    # rows routed to them. Greedy and seeded tokens, and the top-3 ids, equal one device's.
+    from tests.test_moe import save_tiny_moe
+
+    directory = save_tiny_moe(family, tmp_path_factory, hf_smollm2_tokenizer)
+    result = _run_worker(
+        "tests.mesh_worker",
+        str(directory),
+        "--meshes",
+        "1x1,2x4",
+        "--temperatures",
+        "0.0,0.8",
+    )
+    outputs = result["outputs"]
+    for temperature in ("0.0", "0.8"):
+        assert outputs[temperature]["2x4"] == outputs[temperature]["1x1"], temperature
+    assert outputs["0.8"]["1x1"] != outputs["0.0"]["1x1"]  # it sampled
+    # Where the engine placed them: the stacked experts, gate|up [E=8, 2M=64, D=64] and down
+    # [8, D=64, M=32], split by expert over the model axis of 4, each expert whole on its
+    # device; the router [8, 64] replicated.
+    layout = result["experts"]["2x4"]
+    assert layout["experts_gate_up"] == {"shards": [[8 // 4, 64, 64]], "devices": 8}
+    assert layout["experts_down"] == {"shards": [[8 // 4, 64, 32]], "devices": 8}
+    assert layout["router"] == {"shards": [[8, 64]], "devices": 8}
+    assert result["experts"]["1x1"]["experts_gate_up"]["shards"] == [[8, 64, 64]]
+
+
 @pytest.mark.slow
 def test_smollm2_greedy_outputs_equal_on_every_mesh():
     outputs = _run_worker(

@@ -71,13 +71,18 @@ def tiny_mixtral_config(**overrides):
 CONFIGS = {"qwen3_moe": tiny_qwen3_moe_config, "mixtral": tiny_mixtral_config}
 
 
+def save_tiny_moe(family: str, tmp_path_factory, tokenizer):
+    """The tiny random model of `family` (a key of CONFIGS), saved to a new directory."""
+    directory = tmp_path_factory.mktemp(f"tiny-{family}")
+    return save_tiny_model(CONFIGS[family](), directory, tokenizer, seed=13)
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def tiny_moe(request, tmp_path_factory, hf_smollm2_tokenizer):
     """(etjax's model, transformers' model) of one tiny family, written once per module."""
     from transformers import AutoModelForCausalLM
 
-    directory = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    save_tiny_model(CONFIGS[request.param](), directory, hf_smollm2_tokenizer, seed=13)
+    directory = save_tiny_moe(request.param, tmp_path_factory, hf_smollm2_tokenizer)
     reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     return etjax.load_model(directory, dtype="float32"), reference
 
