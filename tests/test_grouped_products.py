@@ -1,8 +1,9 @@
-"""The CPU grouped-products kernel of the routed experts (pallas_kernels/cpu/grouped_products.cc,
+"""The routed experts' CPU grouped-products kernel (pallas_kernels/cpu/grouped_products.cc,
 chosen by etjax/model/products.py) against float64 NumPy: empty groups, one row, uneven
-groups, rows in no group, weights of 32 and 16 bits, each row's result independent of the rows
-beside it; a routed-experts layer on the kernel against the float64 top-k' mixture; and the
-choice: on for the engine's CPU step programs, off outside them, off past its shapes."""
+groups, rows in no group, weights of 32 and 16 bits, a bfloat16 model's rows, each row's
+result independent of the rows beside it; a routed-experts layer on the kernel against the
+float64 top-k' mixture; and the choice: on for the engine's CPU step programs, off outside
+them, off past its shapes."""
 
 from __future__ import annotations
 
@@ -65,6 +66,19 @@ def test_grouped_products_match_numpy(dtype):
         np.testing.assert_allclose(got, xla, rtol=0, atol=2e-5, err_msg=name)
 
 
+def test_bfloat16_rows_are_rounded_from_the_float32_sums():
+    # A bfloat16 model's rows: widened for the kernel, the result rounded back (half an ulp of
+    # bfloat16, 2^-9 relative, on top of the float32 sums').
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((ROWS, IN)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((GROUPS, OUT, IN)), jnp.bfloat16)
+    sizes = SIZES["uneven, 4 in no group"]
+    got = _kernel(x, w, sizes)
+    assert got.dtype == jnp.bfloat16
+    want = grouped_reference(x.astype(jnp.float32), w, sizes)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-8, atol=1e-6)
+
+
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it():
     # Bit for bit: row 5 (the third of a group of 7) alone in a group of one, first.
     rng = np.random.default_rng(1)
@@ -111,6 +125,7 @@ def test_the_kernel_runs_only_where_it_is_chosen_and_takes_the_shapes():
     assert _runs_kernel(x, w)
     assert _runs_kernel(jnp.zeros((1024, IN), jnp.float32), w)  # a prompt chunk's rows too
     assert not _runs_kernel(x, w, enabled=False)  # outside the engine's CPU step programs
-    assert not _runs_kernel(x.astype(jnp.bfloat16), w)  # bfloat16 activations
+    assert _runs_kernel(x.astype(jnp.bfloat16), w)  # a bfloat16 model's rows, widened
+    assert not _runs_kernel(x.astype(jnp.int32), w)  # not floats
     assert not _runs_kernel(x[:, :-8], w[:, :, :-8])  # K off the lanes
     assert not _runs_kernel(x, w[:, :-2])  # N not a multiple of 4

@@ -98,28 +98,33 @@ def grouped_product(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> ja
     if _takes_grouped(rows, w, group_sizes):
         from pallas_kernels.cpu.build import call_cpu_kernel
 
-        return call_cpu_kernel(
+        # 16-bit rows (a bfloat16 model) are widened for the kernel and its float32 sums
+        # rounded back, as XLA's product with a 16-bit result rounds its own: [R, K] and
+        # [R, N] are small beside the experts' weights.
+        out = call_cpu_kernel(
             "etjax_grouped_products_cpu",
             jax.ShapeDtypeStruct((rows.shape[0], w.shape[1]), jnp.float32),
-            rows,
+            rows.astype(jnp.float32),
             w,
             group_sizes,
         )
+        return out.astype(rows.dtype)
     return jax.lax.ragged_dot_general(
         rows, w, group_sizes, _GROUPED, preferred_element_type=rows.dtype
     )
 
 
 def _takes_grouped(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> bool:
-    # The kernel's shapes: float32 rows, weights of 16 or 32 bits, K a multiple of 16 and N
-    # of 4 (grouped_products.cc).
+    # The kernel's shapes: rows and weights of 16 or 32 bits, K a multiple of 16 and N of 4
+    # (grouped_products.cc).
+    floats = (jnp.float32, jnp.float16, jnp.bfloat16)
     return (
         _ENABLED.get()
-        and rows.dtype == jnp.float32
         and rows.ndim == 2
         and rows.shape[0] > 0
+        and rows.dtype in floats
         and w.ndim == 3
-        and w.dtype in (jnp.float32, jnp.float16, jnp.bfloat16)
+        and w.dtype in floats
         and group_sizes.shape == (w.shape[0],)
         and rows.shape[1] == w.shape[2]
         and rows.shape[1] % 16 == 0
