@@ -12,10 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from etjax.loaders.hf_config import hf_config_to_model_config
 from etjax.model.experts import routed_experts
 from etjax.model.products import grouped_product, row_products
+from etjax.runtime.options import RuntimeOptions
+from etjax.runtime.steps import mixed_step
 from pallas_kernels.cpu import cpu_kernels_available
+from tests.step_export import ragged_step_inputs
 from tests.test_entropy_experts import steered_reference
+from tests.test_moe import tiny_qwen3_moe_config
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
 
@@ -129,3 +134,14 @@ def test_the_kernel_runs_only_where_it_is_chosen_and_takes_the_shapes():
     assert not _runs_kernel(x.astype(jnp.int32), w)  # not floats
     assert not _runs_kernel(x[:, :-8], w[:, :, :-8])  # K off the lanes
     assert not _runs_kernel(x, w[:, :-2])  # N not a multiple of 4
+
+
+def test_the_engines_step_runs_the_experts_on_the_kernel():
+    # The tiny Qwen3-MoE's ragged step (a decoding row beside a prompt chunk), lowered as its
+    # engine on this CPU would (the "cpu" attention backend): its one routed layer's gate|up
+    # and down products on the kernel.
+    raw = tiny_qwen3_moe_config().to_dict()
+    cfg = hf_config_to_model_config(raw, "float32", source="config.json")
+    args, kwargs = ragged_step_inputs(cfg, RuntimeOptions(attention_backend="cpu"))
+    text = mixed_step.lower(*args, **kwargs).as_text()
+    assert text.count("etjax_grouped_products_cpu") == 2
