@@ -3,26 +3,29 @@ ranks highest, and through no other.
 
 The T tokens' T*k (token, expert) pairs are sorted by expert, so that each expert's rows are
 contiguous, and the experts' SwiGLU runs as two grouped matrix products over those rows
-(`jax.lax.ragged_dot_general`: rows [T*k, D] against the stacked experts [E, 2M, D], with the
+(`products.grouped_product`: rows [T*k, D] against the stacked experts [E, 2M, D], with the
 number of rows of each expert); each row's output is scaled by its routing weight and added
 back to its token. The shapes are static whatever the routing: always T*k rows, so one
 compiled step serves every batch of T tokens.
 
-What the grouped product costs depends on its lowering. On TPU and GPU, JAX lowers it to XLA's
-ragged dot (TPU's grouped-matmul kernels), which multiplies each row by its own expert only:
-T*k rows' worth of products. XLA:CPU has no such instruction in JAX 0.10.2: JAX's default
-lowering (`_ragged_dot_general_impl` in jax/_src/lax/lax.py) expands the rows to every expert,
-masks the rows of other experts to zero and runs a dense product, E/k times the routed FLOPs.
-The results are the same; the cost model (etjax/entropy/cost.py) counts the routed experts,
-what an accelerator runs.
+What the grouped product costs depends on where it runs (etjax/model/products.py). Elsewhere
+it is `jax.lax.ragged_dot_general`: on TPU and GPU JAX lowers it to XLA's ragged dot (TPU's
+grouped-matmul kernels), which multiplies each row by its own expert only, T*k rows' worth of
+products. XLA:CPU has no such instruction in JAX 0.10.2: JAX's default lowering
+(`_ragged_dot_general_impl` in jax/_src/lax/lax.py) expands the rows to every expert, masks
+the rows of other experts to zero and runs a dense product, E/k times the routed FLOPs, which
+a mesh of CPU devices still runs. The engine's step programs on one CPU device run the C++
+grouped-products kernel instead (pallas_kernels/cpu/grouped_products.cc), which reads only the
+experts that have rows and runs each row against its own: the routed FLOPs. The results are
+the same; the cost model (etjax/entropy/cost.py) counts the routed experts.
 
 A token may run fewer experts than k (`active_k`: entropy-steered experts, etjax/experts): it
 keeps its first active_k of the k it ranks highest, their weights rescaled to the mass the k
 carried. Its dropped pairs belong to no expert's group: they sort after every group, the group
 sizes count kept pairs only, so the grouped products are given sum(active_k) rows, not T*k,
 and their outputs are never added back. (The shapes stay T*k rows: the rows past the last
-group are what a lowering that computes by group skips; JAX's dense CPU lowering multiplies
-them by zero like every row outside a group.)
+group are what a lowering that computes by group skips, the CPU kernel included; JAX's dense
+CPU lowering multiplies them by zero like every row outside a group.)
 """
 
 from __future__ import annotations
@@ -31,14 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from etjax.model.layers import linear
-
-# Rows [N, K] against groups [E, O, K] (output-major, as every etjax projection is): the rows
-# are ragged along N, group e taking the next `group_sizes[e]` rows.
-_GROUPED = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])),
-    lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0],
-)
+from etjax.model.products import grouped_product
 
 
 def route(
@@ -98,8 +94,8 @@ def routed_experts(
     weights, experts = route(x, router, top_k, normalize, active_k)
     order, token, sizes = expert_groups(experts, w_gate_up.shape[0], active_k)
     rows = x.at[token].get(mode="fill", fill_value=0)
-    gate, up = jnp.split(_grouped(rows, w_gate_up, sizes), 2, axis=-1)
-    out = _grouped(jax.nn.silu(gate) * up, w_down, sizes)  # [T*k, D]
+    gate, up = jnp.split(grouped_product(rows, w_gate_up, sizes), 2, axis=-1)
+    out = grouped_product(jax.nn.silu(gate) * up, w_down, sizes)  # [T*k, D]
     scaled = (out.astype(jnp.float32) * weights.reshape(t * top_k)[order, None]).astype(x.dtype)
     return jnp.zeros_like(x).at[token].add(scaled, mode="drop")
 
@@ -129,11 +125,3 @@ def expert_groups(
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
     return order, token[order], sizes
-
-
-def _grouped(rows: jax.Array, groups: jax.Array, sizes: jax.Array) -> jax.Array:
-    # rows [N, K] sorted by group, groups [E, O, K], sizes [E] summing to N -> [N, O]: row n
-    # times its own group's matrix.
-    return jax.lax.ragged_dot_general(
-        rows, groups, sizes, _GROUPED, preferred_element_type=rows.dtype
-    )

@@ -5,11 +5,12 @@
 ranks them by) and `select_blocks.cc` (its kept blocks; the last three in
 pallas_kernels/block_sparse/cpu.py) read the KV pages (and bounds) where
 they lie, which XLA:CPU cannot (ragged_pass.cc's header says why that matters);
-`row_products.cc` runs projections of a few rows (etjax/model/products.py); all share
-`kernel_math.h`. They are compiled into one library, once per machine, with the C++ compiler
-at hand (`CXX`, else g++, c++ or clang++) for this CPU (`-march=native`), and cached under
-`$ETJAX_KERNEL_CACHE` (default `~/.cache/etjax/kernels`), keyed by the sources, the flags,
-the compiler, jaxlib and the CPU's flags, so a copy built for another machine is never
+`row_products.cc` runs projections of a few rows and `grouped_products.cc` the routed
+experts' grouped products (etjax/model/products.py), both with `row_blocks.h`'s micro-kernel;
+all share `kernel_math.h`. They are compiled into one library, once per machine, with the C++
+compiler at hand (`CXX`, else g++, c++ or clang++) for this CPU (`-march=native`), and cached
+under `$ETJAX_KERNEL_CACHE` (default `~/.cache/etjax/kernels`), keyed by the sources, the
+flags, the compiler, jaxlib and the CPU's flags, so a copy built for another machine is never
 loaded. Without a compiler (or with `ETJAX_CPU_KERNEL=0`) the engine runs the XLA kernels,
 after one warning.
 """
@@ -35,6 +36,7 @@ TARGETS = {
     "etjax_page_bounds_cpu": "EtjaxPageBoundsCpu",
     "etjax_select_blocks_cpu": "EtjaxSelectBlocksCpu",
     "etjax_row_products_cpu": "EtjaxRowProductsCpu",
+    "etjax_grouped_products_cpu": "EtjaxGroupedProductsCpu",
 }
 HERE = pathlib.Path(__file__).parent
 SOURCES = tuple(
@@ -45,9 +47,12 @@ SOURCES = tuple(
         "page_bounds.cc",
         "select_blocks.cc",
         "row_products.cc",
+        "grouped_products.cc",
     )
 )
-HEADERS = tuple(HERE / name for name in ("kernel_math.h", "ragged_pass.h", "wide_tiles.h"))
+HEADERS = tuple(
+    HERE / name for name in ("kernel_math.h", "ragged_pass.h", "wide_tiles.h", "row_blocks.h")
+)
 # Associative float arithmetic lets the compiler vectorise the dot products' sums (the
 # kernel's accuracy is that of a blocked sum, as XLA's own products have); no -ffast-math,
 # whose finite-only assumption would break the masked scores' -1e30 handling. Multiply-adds

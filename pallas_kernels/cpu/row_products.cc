@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kernel_math.h"
+#include "row_blocks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,10 +31,6 @@ using namespace etjax_cpu;  // NOLINT: this file's own helpers
 
 namespace {
 
-// Weight rows of a group, and input rows multiplied against it at once: 4 x 4 accumulators
-// of 16 lanes (one register sum for all 16 outputs), with 8 loads for 16 multiply-adds.
-constexpr int64_t kOutStep = 4;
-constexpr int64_t kRowBlock = 4;
 // Output groups of a unit: enough per unit that the atomic counter is not the cost, few
 // enough that small projections (N = 192) still give every thread work.
 constexpr int64_t kGroupsPerUnit = 8;
@@ -45,40 +42,6 @@ struct Product {
   int64_t rows, in, outs;
 };
 
-// out[r][o] for R <= 4 input rows (`in` floats apart in x, `outs` apart in out) against the
-// kOutStep weight rows at w (`in` floats apart). The 16 accumulators are summed together
-// (sum_each_of_16), output (r, o) in lane 4r + o whatever R is.
-template <int R>
-void rows_by_group(const float* x, const float* w, int64_t in, float* out, int64_t outs) {
-  Lanes acc[kRowBlock * kOutStep] = {};
-  for (int64_t i = 0; i < in; i += kLanes) {
-    Lanes wl[kOutStep];
-    for (int64_t o = 0; o < kOutStep; ++o) wl[o] = load_lanes(w + o * in + i);
-    for (int r = 0; r < R; ++r) {
-      const Lanes xl = load_lanes(x + r * in + i);
-      for (int64_t o = 0; o < kOutStep; ++o) acc[r * kOutStep + o] += xl * wl[o];
-    }
-  }
-  float sums[kLanes];
-  store_lanes(sums, sum_each_of_16(acc));
-  for (int r = 0; r < R; ++r)
-    std::memcpy(out + r * outs, sums + r * kOutStep, kOutStep * sizeof(float));
-}
-
-void all_rows_by_group(const Product& p, const float* w, float* out) {
-  int64_t r = 0;
-  for (; r + kRowBlock <= p.rows; r += kRowBlock)
-    rows_by_group<kRowBlock>(p.x + r * p.in, w, p.in, out + r * p.outs, p.outs);
-  const float* x = p.x + r * p.in;
-  out += r * p.outs;
-  switch (p.rows - r) {
-    case 3: rows_by_group<3>(x, w, p.in, out, p.outs); break;
-    case 2: rows_by_group<2>(x, w, p.in, out, p.outs); break;
-    case 1: rows_by_group<1>(x, w, p.in, out, p.outs); break;
-    default: break;
-  }
-}
-
 // One unit: output groups [first, last). 16-bit weights are widened a group at a time into
 // a scratch that stays in L1 while every row block reads it.
 template <typename W>
@@ -89,7 +52,7 @@ void run_unit(const Product& p, int64_t unit) {
   for (int64_t g = first; g < last; ++g) {
     const W* w = static_cast<const W*>(p.w) + g * kOutStep * p.in;
     const float* wf = as_float(w, kOutStep * p.in, scratch.data());
-    all_rows_by_group(p, wf, p.out + g * kOutStep);
+    all_rows_by_group(p.x, p.rows, wf, p.in, p.out + g * kOutStep, p.outs);
   }
 }
 
