@@ -142,6 +142,9 @@ def advance(
     row's output), committed: [B] bool. Returns [B, width] uint32: for each constrained row
     the tokens allowed after its committed token, all ones for the others (and, with
     `only_committed`, for rows that committed nothing: the caller keeps their mask)."""
+    # The device passes jax Arrays: indexing one dispatches an op (about 0.15 ms), four per
+    # row made this callback 22 ms for 32 rows; as NumPy views they cost nothing.
+    gids, tokens, index, committed = (np.asarray(a) for a in (gids, tokens, index, committed))
     masks = np.full((gids.shape[0], width), ALL_TOKENS, np.uint32)
     rows = (gids >= 0) & committed if only_committed else gids >= 0
     live = []
