@@ -201,10 +201,10 @@ def collect_advance(ticket: np.ndarray) -> np.ndarray:
 
 
 def _fill_masks(live: list[tuple[int, RowGrammar]], masks: np.ndarray) -> None:
-    # masks[b] = row b's next mask. The device waits for this callback, its threads idle, so
-    # llguidance computes the rows' masks on threads of its own (32 rows of a JSON schema:
-    # 1.1 ms against 3.2 one by one, on this project's 2-core CPU); one at a time where its
-    # mask is narrower than the model's vocabulary needs (`_fit`).
+    # masks[b] = row b's next mask. llguidance computes the rows' masks on threads of its own
+    # (32 rows of a JSON schema: 1.1 ms against 3.2 one by one, alone on this project's
+    # 2-core CPU), which a host with cores to spare gives the model's pass back sooner; one at
+    # a time where its mask is narrower than the model's vocabulary needs (`_fit`).
     if len(live) < 2 or any(
         row.matcher.is_error() or mask_words(row.vocab_size) != masks.shape[1] for _, row in live
     ):
