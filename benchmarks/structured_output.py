@@ -18,7 +18,10 @@ generated tokens per second (median and spread over the repeats; prefill include
 records for all), the paired median throughput ratio to `unconstrained`, model passes per
 generated token (a pass that verifies drafts counts once), and what explains the throughput:
 the engine's batch passes (a burst counts its steps), the tokens each advanced (constrained
-outputs are shorter, so the batch drains sooner) and the wall time each took. The schema
+outputs are shorter, so the batch drains sooner) and the wall time each took (the run's, so
+the prompts' prefill, the same for every variant, weighs more on fewer passes), and the time
+per step of the bursts over 17-32 rows (the step at equal rows, which the mask, the host's
+callback and the sampler over a masked distribution add to). The schema
 variants must give the same tokens (greedy): the run checks it, and replays their outputs
 through the schema's matcher for the floor of passes per token (every forced run drafted).
 
@@ -26,8 +29,9 @@ logprobs: two engines of 32 decoding rows each (48-token prompts, `ignore_eos`),
 `logprobs=5`, stepped in turn (`steps_per_sync` steps a round) after two warm-up rounds; the
 time per decode step, median and spread, and the paired median ratio.
 
-Other processes' CPU time during the run is read from /proc and the section says "under load"
-when they used more than a tenth of a core (the machine is shared).
+Other processes' CPU time during the run (the machine's busy time in /proc/stat less this
+process's) is reported, and the section says "under load" when it was more than a tenth of a
+core (the machine is shared).
 
     .venv/bin/python benchmarks/structured_output.py [--repeats 3] [--steps 12] [--write]
 """
@@ -115,17 +119,30 @@ def _fewest_passes(model, outs, max_draft: int) -> int:
 
 
 def _others_cpu_seconds() -> float:
-    # CPU seconds used so far by every process but this one (utime + stime, /proc/PID/stat).
-    tick, total, me = os.sysconf("SC_CLK_TCK"), 0, os.getpid()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / tick
+    # CPU seconds used so far by everything but this process: the machine's busy time
+    # (/proc/stat: user, nice, system, irq, softirq, steal) less this process's own. Summing
+    # /proc/PID/stat instead missed processes that ended during the run (another session's
+    # tests): it read 0.07 cores under a load average of 4.
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _, _, irq, softirq, steal = fields
+    busy = (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return busy - (own.user + own.system + own.children_user + own.children_system)
+
+
+def _timed_bursts(engine, steps: list[float]) -> None:
+    # Append the time per step of each of the engine's full-batch bursts (row bucket 32: 17
+    # to 32 rows) to `steps`: the cost of a pass at equal rows, whatever the answers' lengths.
+    decode = engine.backend.decode
+
+    def timed(rows, *args, **kwargs):
+        started = time.perf_counter()
+        out = decode(rows, *args, **kwargs)
+        if len(rows) > RECORDS // 2:
+            steps.append((time.perf_counter() - started) / engine.options.steps_per_sync)
+        return out
+
+    engine.backend.decode = timed
 
 
 def extraction(model, repeats: int) -> tuple[list[str], dict]:
@@ -146,7 +163,8 @@ def extraction(model, repeats: int) -> tuple[list[str], dict]:
         ),
     }
     stats: dict[str, dict[str, list[float]]] = {
-        name: {"tps": [], "valid": [], "ppt": [], "rows": [], "ms": []} for name in variants
+        name: {"tps": [], "valid": [], "ppt": [], "rows": [], "ms": [], "burst": []}
+        for name in variants
     }
     tokens_of: dict[str, list[list[int]]] = {}
     outs_of: dict[str, list] = {}
@@ -156,6 +174,8 @@ def extraction(model, repeats: int) -> tuple[list[str], dict]:
             settings = [RequestSettings(max_new_tokens=MAX_NEW_TOKENS, **fields)] * RECORDS
             pages = workload_pages(prompts, settings, options)
             engine = build_engine(model.weights, model.config, model.tokenizer, options, pages)
+            bursts: list[float] = []
+            _timed_bursts(engine, bursts)
             started = time.perf_counter()
             outs = engine.generate(prompts, settings)
             elapsed = time.perf_counter() - started
@@ -170,6 +190,7 @@ def extraction(model, repeats: int) -> tuple[list[str], dict]:
             # Batch passes (bursts count their steps): rows advanced and wall time per pass.
             stats[name]["rows"].append(generated / engine.model_passes)
             stats[name]["ms"].append(1e3 * elapsed / engine.model_passes)
+            stats[name]["burst"].append(1e3 * float(np.median(bursts)))
     schema_runs = [tokens_of[name] for name in variants if name.startswith("schema")]
     same = all(run == schema_runs[0] for run in schema_runs)
     schema_outs = tokens_of["schema, forced as steps"]
@@ -181,8 +202,9 @@ def extraction(model, repeats: int) -> tuple[list[str], dict]:
     lines = [
         f"| variant ({RECORDS} records, greedy, max_new_tokens={MAX_NEW_TOKENS}) | valid "
         "(schema, ended by eos) | tokens/s (median) | spread | vs unconstrained "
-        "(paired median) | passes per token | batch passes: tokens each | ms each |",
-        "|---|---|---|---|---|---|---|---|",
+        "(paired median) | passes per token | batch passes: tokens each | ms each "
+        f"| burst step of {RECORDS // 2 + 1}-{RECORDS} rows, ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, s in stats.items():
         tps = np.asarray(s["tps"])
@@ -190,7 +212,8 @@ def extraction(model, repeats: int) -> tuple[list[str], dict]:
         lines.append(
             f"| {name} | {valid} | {np.median(tps):.1f} | {tps.min():.1f}-{tps.max():.1f} "
             f"| {np.median(tps / base):.3f}x | {np.median(s['ppt']):.3f} "
-            f"| {np.median(s['rows']):.1f} | {np.median(s['ms']):.0f} |"
+            f"| {np.median(s['rows']):.1f} | {np.median(s['ms']):.0f} "
+            f"| {np.median(s['burst']):.0f} |"
         )
     lines.append("")
     lines.append(

@@ -43,7 +43,7 @@ from etjax.runtime.commit import commit_tokens, finishes, sample_rows
 from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.target_logprobs import target_logprobs
-from etjax.runtime.token_mask import mask_logits, next_masks
+from etjax.runtime.token_mask import collect_masks, mask_logits, start_masks
 from etjax.runtime.verify import accept_drafts
 
 DENSE = PruningConfig().shape()  # pruning disabled: every block of the context is read
@@ -349,8 +349,8 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
         # the entropy signal's.
         state = state.replace(logits=mask_logits(raw_logits, state.allowed))
         tokens, info, sampler_state = sample_rows(state, raw_logits)
-        # Issued before the forward pass, which it does not wait for.
-        allowed = next_masks(
+        # The host computes the next masks while the model runs on `tokens` (collected below).
+        tokens, ticket = start_masks(
             state.grammar, tokens, state.num_generated, active, state.allowed.shape[1]
         )
     else:
@@ -389,6 +389,8 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
     next_logits = jax.lax.cond(
         jnp.any(runs), lambda: logits_from_hidden(weights, hidden), lambda: state.logits
     )
+    if statics.constrained:  # after the model's pass, which the host's masks overlapped
+        allowed = collect_masks(ticket, next_logits, *state.allowed.shape)
     flops, nbytes = cost.token_cost(
         (kept * cost.page_size).astype(jnp.float32),
         runs,

@@ -4,12 +4,21 @@ A constrained row's state holds the bitmask of the tokens its grammar allows nex
 (`DecodeState.allowed`, [B, W] uint32, bit i of word i // 32 = token i; all ones for an
 unconstrained row). A step in a program compiled for constrained rows (`StepStatics.constrained`)
 masks the logits with it before anything else reads them (penalties, temperature, truncation,
-the entropic controller, the draw), and after the draw asks the host for each row's next mask
-through `jax.experimental.io_callback`: the row's llguidance matcher consumes the drawn token
-and computes the mask (etjax/constraints/matcher.py). A burst of K steps thus stays one
-`lax.scan`, each step waiting only for the masks of its own draw; the callback is issued right
-after the draw, before the forward pass it does not depend on, so a device may overlap the
-two. Programs compiled without constrained rows contain none of this.
+the entropic controller, the draw). After the draw it hands the drawn tokens to the host
+(`start_masks`, an ordered `jax.experimental.io_callback` that returns at once): the rows'
+llguidance matchers consume them and compute the next masks on a host thread
+(etjax/constraints/matcher.py) while the device runs the model on the tokens, and the step
+collects the masks after the model's pass (`collect_masks`, a second ordered callback, which
+waits only for what is not done yet). A burst of K steps thus stays one `lax.scan`.
+
+Two callbacks rather than one: XLA:CPU runs a callback alone when control flow follows it (the
+step's `lax.cond` around the model, the layer scan), so a single callback issued before the
+pass it does not depend on still ran before it, and the host's time added to the step's
+(measured in docs/ARCHITECTURE.md, token_mask.py); an accelerator's stream waits for a
+callback the same way. Data pins the order (XLA:CPU drops optimization barriers): the pass reads
+its input as the first callback returns it, and the second callback takes an element of the
+pass's result. Programs compiled without constrained rows contain none
+of this.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import io_callback
 
 from etjax.constraints import matcher
@@ -31,17 +41,51 @@ def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     return jnp.where(ok, logits, -jnp.inf)
 
 
-def next_masks(
+def start_masks(
     grammar: jax.Array,
     tokens: jax.Array,
     index: jax.Array,
     committed: jax.Array,
     width: int,
     only_committed: bool = False,
-) -> jax.Array:
-    """[B, W] uint32 each row's mask after its token `tokens[b]` (output token `index[b]`)
-    was committed (`committed` [B] bool); all ones where `grammar` [B] is -1, and with
-    `only_committed` where nothing was committed (the caller keeps those rows' masks)."""
-    shape = jax.ShapeDtypeStruct((grammar.shape[0], width), jnp.uint32)
-    host = functools.partial(matcher.advance, width=width, only_committed=only_committed)
-    return io_callback(host, shape, grammar, tokens, index, committed, ordered=True)
+    overlap=None,
+):
+    """Hand the host each row's token `tokens[b]` (output token `index[b]`), committed where
+    `committed` [B] bool, for the masks after it (`collect_masks`): the host advances the rows'
+    matchers (`grammar` [B], -1 unconstrained) and computes the masks while the device goes
+    on. `overlap`: the inputs of the work to run meanwhile (default `tokens`), which come back
+    through the callback, so that the work reading the returned copies starts after the
+    hand-over; returned with a ticket [] int32 for `collect_masks`. `only_committed`: the
+    masks of rows that committed nothing are not computed (the caller keeps theirs)."""
+    overlap = tokens if overlap is None else overlap
+    leaves, tree = jax.tree.flatten(overlap)
+    host = functools.partial(_start, width=width, only_committed=only_committed)
+    shapes = [jax.ShapeDtypeStruct((), jnp.int32)]
+    shapes += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    ticket, *leaves = io_callback(
+        host, shapes, grammar, tokens, index, committed, *leaves, ordered=True
+    )
+    return jax.tree.unflatten(tree, leaves), ticket
+
+
+def collect_masks(ticket: jax.Array, after: jax.Array, rows: int, width: int) -> jax.Array:
+    """[rows, W] uint32 the masks of `start_masks`'s `ticket`, asked for once `after` (the
+    result of the work they overlap) is computed: each row's mask after its committed token;
+    all ones for unconstrained rows, and, with `only_committed`, for rows that committed
+    nothing."""
+    # An element of `after` rides along so that the callback waits for it (XLA:CPU drops
+    # optimization barriers, and with them any order they were to impose).
+    anchor = after.reshape(-1)[:1]
+    shape = jax.ShapeDtypeStruct((rows, width), jnp.uint32)
+    return io_callback(_collect, shape, ticket, anchor, ordered=True)
+
+
+def _start(grammar, tokens, index, committed, *passed, width, only_committed):
+    # The ticket, and `passed` back unchanged.
+    ticket = matcher.start_advance(grammar, tokens, index, committed, width, only_committed)
+    return (ticket, *(np.array(x) for x in passed))
+
+
+def _collect(ticket, anchor):
+    del anchor
+    return matcher.collect_advance(ticket)

@@ -20,8 +20,8 @@ rejected drafts are charged the compute they cost.
 Constrained rows (a program with `constrained`) draft their grammar's forced tokens
 (etjax/drafting/forced.py), and each position is checked as their plain step draws: under the
 row's mask, then, for an accepted draft, the mask after it from the row's matcher (the same
-ordered callback, etjax/runtime/token_mask.py). A forced draft is thus accepted because the
-masked draw makes it, not because the host said so.
+ordered callbacks, etjax/runtime/token_mask.py; the host's work overlaps the LM head). A
+forced draft is thus accepted because the masked draw makes it, not because the host said so.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from etjax.model.weights import Weights
 from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.commit import commit_tokens, sample_rows
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.runtime.token_mask import mask_logits, next_masks
+from etjax.runtime.token_mask import collect_masks, mask_logits, start_masks
 
 
 def accept_drafts(
@@ -77,15 +77,6 @@ def accept_drafts(
             tokens, info, sampler_state = sample_rows(state)
         draft = jax.lax.dynamic_index_in_dim(drafts, i, axis=1, keepdims=False)
         take = accepting & (i < draft_len) & (tokens == draft)
-        if constrained:  # the masks after the accepted drafts; the other rows keep theirs
-            allowed = next_masks(
-                state.grammar,
-                tokens,
-                state.num_generated,
-                take,
-                state.allowed.shape[1],
-                only_committed=True,
-            )
         num_blocks = (state.lengths + cost.page_size) // cost.page_size
         fraction, kept = (
             (jnp.ones_like(info.model_entropy), num_blocks) if reads is None else reads(num_blocks)
@@ -95,13 +86,27 @@ def accept_drafts(
         flops = jnp.where(take, flops, 0.0)
         nbytes = jnp.where(take, cost.kv_bytes_per_key * keys, 0.0)  # weights: read once
         hidden = jax.lax.dynamic_index_in_dim(draft_hidden, i, axis=1, keepdims=False)
+        if constrained:  # the masks after the accepted drafts (the others keep theirs),
+            # computed on the host while the LM head runs
+            hidden, ticket = start_masks(
+                state.grammar,
+                tokens,
+                state.num_generated,
+                take,
+                state.allowed.shape[1],
+                only_committed=True,
+                overlap=hidden,
+            )
+        next_logits = logits_from_hidden(weights, hidden)
+        if constrained:
+            allowed = collect_masks(ticket, next_logits, *state.allowed.shape)
         state, out = commit_tokens(
             state,
             tokens,
             info,
             sampler_state,
             take,
-            logits_from_hidden(weights, hidden),
+            next_logits,
             fraction,
             kept,
             flops,
