@@ -13,10 +13,11 @@ it is `jax.lax.ragged_dot_general`: on TPU and GPU JAX lowers it to XLA's ragged
 grouped-matmul kernels), which multiplies each row by its own expert only, T*k rows' worth of
 products. XLA:CPU has no such instruction in JAX 0.10.2: JAX's default lowering
 (`_ragged_dot_general_impl` in jax/_src/lax/lax.py) expands the rows to every expert, masks
-the rows of other experts to zero and runs a dense product, E/k times the routed FLOPs, which
-a mesh of CPU devices still runs. The engine's step programs on one CPU device run the C++
-grouped-products kernel instead (pallas_kernels/cpu/grouped_products.cc), which reads only the
-experts that have rows and runs each row against its own: the routed FLOPs. The results are
+the rows of other experts to zero and runs a dense product: each of the T*k rows meets every
+expert, E times the routed FLOPs, which a mesh of CPU devices still runs. The engine's step
+programs on one CPU device run the C++ grouped-products kernel instead
+(pallas_kernels/cpu/grouped_products.cc), which reads only the experts that have rows and
+runs each row against its own: the routed FLOPs. The results are
 the same; the cost model (etjax/entropy/cost.py) counts the routed experts.
 
 A token may run fewer experts than k (`active_k`: entropy-steered experts, etjax/experts): it

@@ -17,7 +17,7 @@ product for shapes and dtypes the kernel does not take.
 
 The routed experts (etjax/model/experts.py) ask `grouped_product` under the same context.
 XLA:CPU in JAX 0.10.2 runs `jax.lax.ragged_dot_general` densely (every row against every
-expert, masked), E/k times the FLOPs of a token's k experts and a read of every expert's
+expert, masked), E times the FLOPs of a token's k experts and a read of every expert's
 weights; the kernel reads only the experts that have rows and runs each row against its own.
 It takes any number of rows: a prompt chunk's rows are still k per token, not E.
 """

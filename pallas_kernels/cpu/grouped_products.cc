@@ -2,7 +2,7 @@
 // CPUs that multiplies each row by its own group's matrix only (etjax/model/experts.py).
 //
 // XLA:CPU has no grouped matrix product in JAX 0.10.2: `jax.lax.ragged_dot_general` expands
-// the rows to every group, masks the rows of other groups and runs a dense product, E/k times
+// the rows to every group, masks the rows of other groups and runs a dense product, E times
 // the FLOPs a token's k experts need, reading every expert's weights. Here a unit is a block
 // of one group's outputs: each 4 weight rows of that group are read from memory once and
 // multiplied against every one of the group's rows while they sit in L1 (row_blocks.h, the
