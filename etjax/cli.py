@@ -235,7 +235,7 @@ def _bench(args: argparse.Namespace) -> int:
     from etjax.bench.ablation import BenchPlan, count_work, run_ablation
     from etjax.bench.output import write_outputs
     from etjax.bench.stages import StageProgress
-    from etjax.bench.workload_file import workload_label
+    from etjax.bench.workload_file import run_label
     from etjax.host_limits import warn_if_map_count_low
 
     plan = BenchPlan(
@@ -260,7 +260,7 @@ def _bench(args: argparse.Namespace) -> int:
     raw = run_ablation(plan, on_progress=progress.stage)
     progress.close()
     command = "etjax " + shlex.join(sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"])
-    label = workload_label(plan.workload) + ("_equal" if plan.equal_length else "")
+    label = run_label(plan.workload, plan.equal_length, plan.load)
     paths = write_outputs(raw, args.output / label, command, args.perf_md)
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)

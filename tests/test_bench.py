@@ -17,7 +17,7 @@ from etjax.bench.measure import _request_record, summarise
 from etjax.bench.reference import _until_stop, run_reference
 from etjax.bench.report import additivity, cost_table, relative_table
 from etjax.bench.text_metrics import corpus_bleu, rouge_l
-from etjax.bench.workload_file import read_workload_file, workload_label
+from etjax.bench.workload_file import read_workload_file, run_label, workload_label
 from etjax.bench.workloads import (
     WorkloadRequest,
     build_workload,
@@ -105,6 +105,15 @@ def test_a_workload_file_is_read_checked_and_tokenized(smollm2, tmp_path):
     (expected,) = etjax.decode([chat], model=smollm2, max_new_tokens=1)
     assert list(b.prompt_ids) == expected.prompt_token_ids and b.priority == 2
     assert b.max_new_tokens == 128 and workload_label(str(path)) == "mine"
+
+
+def test_runs_are_filed_apart_by_load_and_equal_length():
+    # Online runs at two loads, and a plain and an equal-length run, must not overwrite
+    # each other's folder or PERF.md section.
+    assert run_label("online", False, 0.8) == "online_load0.8"
+    assert run_label("online", True, 1.2) == "online_load1.2_equal"
+    assert run_label("long", True, 0.8) == "long_equal"  # the load is online's alone
+    assert run_label("runs/mine.jsonl", False, 0.8) == "mine"
 
 
 @pytest.mark.parametrize(

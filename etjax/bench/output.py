@@ -11,7 +11,7 @@ from pathlib import Path
 from etjax.bench.perf_doc import machine_line, replace_section
 from etjax.bench.plots import sample_requests, write_plots
 from etjax.bench.report import markdown
-from etjax.bench.workload_file import workload_label
+from etjax.bench.workload_file import run_label, workload_label
 
 # Per-request fields too bulky for results.json, except for the requests the plots show.
 _BULKY = ("token_ids", "traces")
@@ -21,9 +21,10 @@ def write_outputs(
     raw: dict, directory: Path, command: str, perf_md: Path | None = None
 ) -> dict[str, Path]:
     """Write the results of `run_ablation` into `directory`; the paths written by kind. An
-    equal-length run is filed apart from the same workload's plain one (`WORKLOAD_equal`)."""
-    workload = workload_label(raw["plan"]["workload"])
-    section = f"ablation_{workload}" + ("_equal" if raw["plan"].get("equal_length") else "")
+    equal-length run and an online run's load are filed apart (`run_label`)."""
+    plan = raw["plan"]
+    workload = workload_label(plan["workload"])
+    section = "ablation_" + run_label(plan["workload"], plan.get("equal_length"), plan.get("load"))
     directory.mkdir(parents=True, exist_ok=True)
     raw = {**raw, "machine": machine_line(), "date": str(datetime.date.today()), "command": command}
     plots = write_plots(raw, directory)
@@ -72,6 +73,7 @@ def _document(raw: dict, workload: str, command: str) -> str:
     return "\n".join(
         [
             f"## Ablation on the `{workload}` workload"
+            + (f" at load {plan['load']:g}" if workload == "online" else "")
             + (", equal length" if plan.get("equal_length") else "")
             + f" ({raw['model']})",
             "",

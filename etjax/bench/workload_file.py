@@ -33,6 +33,16 @@ def workload_label(name: str) -> str:
     return Path(name).stem if is_workload_file(name) else name
 
 
+def run_label(workload: str, equal_length: bool = False, load: float | None = None) -> str:
+    """What one run is filed under (its results folder and PERF.md section `ablation_LABEL`):
+    the workload's label, `_load0.8` for an online run at that load (runs at several loads
+    sit side by side) and `_equal` for an `--equal-length` one."""
+    label = workload_label(workload)
+    if workload == "online" and load is not None:
+        label += f"_load{load:g}"
+    return label + ("_equal" if equal_length else "")
+
+
 def read_workload_file(path: str | Path, model) -> list[WorkloadRequest]:
     """The requests of a workload file, checked and tokenized for `model`."""
     path = Path(path)
