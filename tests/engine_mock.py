@@ -176,7 +176,8 @@ class MockBackend:
         # The engine's bound on the burst's tokens is the mock's own count of what is left.
         left = max(self.rows[r].max_new - self.rows[r].generated for r in rows)
         assert tokens_left == left, f"tokens_left={tokens_left}; the rows have {left} to go"
-        return self._decode(rows, pages, lengths, self.steps_per_sync)
+        out, budgets = self._decode(rows, pages, lengths, self.steps_per_sync)
+        return out, budgets, np.zeros(len(rows), np.float32)  # reads nothing for others
 
     def _decode(self, rows, pages, lengths, k):
         n = len(rows)

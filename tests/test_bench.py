@@ -153,13 +153,21 @@ def test_request_record_counts_kept_blocks_by_hand():
     out.kept_blocks = [2, 1, 0]  # passes after tokens 0 and 1; none after the last
     for field in ("entropy", "sampled_entropy", "temperature", "tau"):
         setattr(out, field, [0.0, 0.0, 0.0])
-    out.metrics = {"end_to_end_latency": 1.0}
+    out.metrics = {"end_to_end_latency": 1.0, "cost_bytes": 500.0}
     record = _request_record(out, prompt_tokens=6, cost=cost)
     # After token 0: 7 positions = 2 pages, both read; after token 1: 8 positions = 2 pages, 1 read.
     assert record["kept_fraction"] == pytest.approx((2 / 2 + 1 / 2) / 2)
     assert record["kv_bytes"] == (2 + 1) * 4 * 10.0
     assert record["decode_steps"] == 2
     assert record["mean_logprob"] == pytest.approx(-2.0)
+    # The pass after token 0 read 1.5 of its blocks once for rows sharing them (less its own
+    # share): 6 keys fewer read, 60 bytes, in the KV and in the cost; attention's FLOPs still
+    # count all 12 keys.
+    out.shared_blocks = [1.5, 0.0, 0.0]
+    record = _request_record(out, prompt_tokens=6, cost=cost)
+    assert record["kv_bytes"] == (12 - 6) * 10.0
+    assert record["cost_bytes"] == 500.0 - 60.0
+    assert record["keys_attended"] == 12
 
 
 def _request(latency, ttft, tokens, tau, cost, kept, steps, kv):

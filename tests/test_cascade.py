@@ -17,7 +17,7 @@ import pytest
 import etjax
 from etjax.attention import PlanSizes, plan_decode, plan_segments
 from etjax.attention import cascade as cascade_module
-from etjax.attention.cascade import shared_prefixes
+from etjax.attention.cascade import blocks_read_for_others, shared_prefixes
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.entropy.estimators import exact_entropy
 from pallas_kernels.ragged_attention import (
@@ -41,6 +41,8 @@ def test_rows_are_grouped_by_their_common_whole_key_tiles():
     own, prefixes = shared_prefixes(segments, page_size=4, kv_tile=2)
     assert [(list(p.tokens), list(p.pages)) for p in prefixes] == [([0, 1, 2], [1, 2])]
     assert [s.skip_pages for s in own] == [2, 2, 2, 0]
+    # What each row's step is spared: 2 pages read once for 3 rows, a third of them its own.
+    np.testing.assert_allclose(blocks_read_for_others(prefixes, 5), [4 / 3] * 3 + [0, 0])
     # Two rows share four pages (two key tiles), when two are enough for a tile (by default
     # they are not); a tile of at most 2 rows splits three.
     assert shared_prefixes(segments[:2], page_size=4, kv_tile=2)[1] == []
@@ -130,6 +132,13 @@ def test_decode_bursts_over_a_shared_prefix_match_full_passes(tiny, monkeypatch)
     settings = [RequestSettings(max_new_tokens=new, ignore_eos=True)] * len(prompts)
     outs = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts, settings, options)
     assert found and max(found) == 4  # the four rows read the beginning together
+    # What a token's step read once for its group: the beginning's 10 full pages cut to
+    # whole key tiles of 4 pages (8), less the row's share (1/4 of 4 rows, 1/3 of 3); a
+    # token of a step that shared nothing (the first, from a ragged step) is spared nothing.
+    for out in outs:
+        assert len(out.shared_blocks) == new
+        assert set(np.round(out.shared_blocks, 4)) <= {0.0, 6.0, round(8 * 2 / 3, 4)}
+        assert 6.0 in out.shared_blocks
     for prompt, out in zip(prompts, outs, strict=True):
         sequence = np.array([prompt + out.token_ids], np.int32)
         logits = full_logits(tiny.weights, tiny.config, sequence, page_size=4)[0]

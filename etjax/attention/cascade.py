@@ -20,6 +20,8 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Sequence
 
+import numpy as np
+
 from pallas_kernels.ragged_attention.work_items import Segment, SharedPrefix
 
 # Rows a shared tile stacks, and the fewest worth one. Timed on one layer's decode pass over
@@ -80,3 +82,16 @@ def shared_prefixes(
             for i in group:
                 own[i] = dataclasses.replace(segments[i], skip_pages=common)
     return own, prefixes
+
+
+def blocks_read_for_others(prefixes: Sequence[SharedPrefix], num_tokens: int) -> np.ndarray:
+    """Per token of a decode step [num_tokens]: the blocks of its context that a plain pass
+    would have read for it alone but the shared pass read once for its whole group, less its
+    own share of that read: pages x (1 - 1 / rows of the group). The bytes a step really
+    reads are the plain count's less these (etjax/bench/measure.py)."""
+    saved = np.zeros(num_tokens, np.float32)
+    for prefix in prefixes:
+        rows = len(prefix.tokens)
+        for token in prefix.tokens:
+            saved[token] = len(prefix.pages) * (1.0 - 1.0 / rows)
+    return saved

@@ -197,20 +197,16 @@ def plan_segments(
     return plan_passes(sizes.route(segments), num_tokens, sizes, backend, window)
 
 
-def plan_decode(
-    segments: Sequence[Segment],
-    num_tokens: int,
-    sizes: PlanSizes,
-    backend: AttentionBackend = XLA,
-    window: int = 0,
-) -> AttentionPlan:
-    """The plan of one-token decode `segments` (sizes from `PlanSizes.decode`): with a shared
-    pass, rows that start with the same pages read them once there (cascade.py) in global
-    layers; local layers read each row's window on its own."""
+def decode_sharing(
+    segments: Sequence[Segment], sizes: PlanSizes
+) -> tuple[list[Segment], list[SharedPrefix]]:
+    """Which one-token decode `segments` read shared prefixes once (cascade.py), within the
+    shared pass of `sizes`: the segments with what each still reads alone, and the groups
+    (none without a shared pass)."""
     shape = sizes.shared
     if shape is None:
-        return plan_segments(segments, num_tokens, sizes, backend, window)
-    own, prefixes = shared_prefixes(
+        return list(segments), []
+    return shared_prefixes(
         segments,
         sizes.page_size,
         shape.kv_tile,
@@ -218,6 +214,21 @@ def plan_decode(
         max_prefixes=shape.max_tiles,
         max_items=shape.max_items,
     )
+
+
+def plan_decode(
+    segments: Sequence[Segment],
+    num_tokens: int,
+    sizes: PlanSizes,
+    backend: AttentionBackend = XLA,
+    window: int = 0,
+    sharing: tuple[list[Segment], list[SharedPrefix]] | None = None,
+) -> AttentionPlan:
+    """The plan of one-token decode `segments` (sizes from `PlanSizes.decode`): with a shared
+    pass, rows that start with the same pages read them once there (cascade.py) in global
+    layers; local layers read each row's window on its own. `sharing`: `decode_sharing`'s
+    result for these arguments, when the caller has it already."""
+    own, prefixes = sharing if sharing is not None else decode_sharing(segments, sizes)
     if not prefixes:  # the plain plan's program: steps without sharing pay nothing for it
         return plan_segments(
             segments, num_tokens, dataclasses.replace(sizes, shared=None), backend, window

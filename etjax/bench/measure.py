@@ -147,9 +147,15 @@ def _request_record(out: SequenceOutput, prompt_tokens: int, cost: CostModel) ->
     ps = cost.page_size
     # Sliding-window layers read at most their window, pruned or not (CostModel.layer_keys).
     keys = cost.layer_keys(np.asarray(kept) * ps, np.asarray(blocks) * ps, xp=np)
-    kv_bytes = float(np.sum(keys)) * cost.kv_bytes_per_key
+    spared = shared_keys(out, cost)
+    kv_bytes = (float(np.sum(keys)) - spared) * cost.kv_bytes_per_key
     return {
         **out.metrics,
+        # What the pass read: a prefix it shared with other rows counts once for them all
+        # (cascade attention), in the bytes and in d tau / d C; every key still costs its
+        # row the FLOPs of attending to it.
+        "cost_bytes": out.metrics.get("cost_bytes", 0.0) - spared * cost.kv_bytes_per_key,
+        "keys_attended": float(np.sum(keys)),
         "token_ids": list(out.token_ids),
         "text": out.text,
         "finish_reason": out.finish_reason,
@@ -163,6 +169,15 @@ def _request_record(out: SequenceOutput, prompt_tokens: int, cost: CostModel) ->
         "traces": {f: [round(float(x), 4) for x in getattr(out, f)] for f in DEFAULT_FIELDS}
         | {"kept_fraction": [round(k / b, 4) for k, b in zip(kept, blocks, strict=True)]},
     }
+
+
+def shared_keys(out: SequenceOutput, cost: CostModel) -> float:
+    """Keys (averaged over the layers, as `CostModel.layer_keys`) that `out`'s decode steps
+    did not read for themselves: the blocks of a shared prefix read once for every row of
+    its group, less this row's share (`SequenceOutput.shared_blocks`). Only global layers
+    read a prefix in a shared pass."""
+    shared_layers = (cost.num_layers - cost.num_local_layers) / cost.num_layers
+    return float(np.sum(out.shared_blocks)) * cost.page_size * shared_layers
 
 
 def summarise(run: dict) -> dict:
@@ -208,8 +223,10 @@ def _cost_per_token(run: dict, tokens: int, drafted: float) -> dict:
     if cost is None:  # a record from before these figures
         return {}
     tokens = max(tokens, 1)
-    kv = sum(r["kv_bytes"] for r in run["requests"])
-    keys = kv / cost["kv_bytes_per_key"]
+    # Attention's FLOPs count every key attended, a shared prefix's for each of its rows.
+    keys = sum(
+        r.get("keys_attended", r["kv_bytes"] / cost["kv_bytes_per_key"]) for r in run["requests"]
+    )
     flops = cost["matmul_flops_per_token"] * (tokens + drafted)
     flops += cost["attention_flops_per_key"] * keys
     return {

@@ -72,10 +72,12 @@ class Backend(Protocol):
         lengths: list[int],
         budgets: list[float],
         tokens_left: int | None = None,
-    ) -> tuple[StepOutputs, np.ndarray]:
-        """A burst of decode steps; the outputs [K, len(rows)] and the next budget fractions.
-        `tokens_left`: the most tokens any of the rows may still produce (None: unknown), which
-        a device may use to choose the burst's padded shape."""
+    ) -> tuple[StepOutputs, np.ndarray, np.ndarray]:
+        """A burst of decode steps; the outputs [K, len(rows)], the next budget fractions and
+        per row the blocks a step read once for its group of rows sharing a prefix, less the
+        row's share of them (etjax/attention/cascade.py `blocks_read_for_others`; zeros
+        where nothing is shared). `tokens_left`: the most tokens any of the rows may still
+        produce (None: unknown), which a device may use to choose the burst's padded shape."""
 
     def insert(self, row: int, init: RowInit) -> None:
         """Make `row` resident once its context is fully prefilled."""

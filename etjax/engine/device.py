@@ -27,6 +27,8 @@ from etjax.attention import (
     plan_passes,
     resolve_backend,
 )
+from etjax.attention.cascade import blocks_read_for_others
+from etjax.attention.plan import decode_sharing
 from etjax.cache.kv_cache import copy_page, forget_row_mass, init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.calibration.ramp import shifted_thresholds
@@ -439,16 +441,17 @@ class DeviceBackend:
         lengths: list[int],
         budgets: list[float],
         tokens_left: int | None = None,
-    ) -> tuple[StepOutputs, np.ndarray]:
-        """Run `steps_per_sync` steps on `rows`; returns the outputs [K, len(rows)] and each
-        row's budget fraction for its next step (host arrays). `tokens_left`: the most tokens
-        a row may still produce, for the choice of the burst's row bucket (`burst_rows`)."""
+    ) -> tuple[StepOutputs, np.ndarray, np.ndarray]:
+        """Run `steps_per_sync` steps on `rows`; returns the outputs [K, len(rows)], each
+        row's budget fraction for its next step and the blocks per step its shared prefix
+        spared it (`blocks_read_for_others`; host arrays). `tokens_left`: the most tokens a
+        row may still produce, for the choice of the burst's row bucket (`burst_rows`)."""
         opts = self.options
         k, ps = opts.steps_per_sync, opts.page_size
         num = self.burst_rows(len(rows), tokens_left)
         index = np.full(num, self.rows, np.int32)  # pad rows: the never-active last row
         index[: len(rows)] = rows
-        max_kept, plan = 0, None
+        max_kept, plan, spared = 0, None, np.zeros(len(rows), np.float32)
         segments = [
             Segment(j, 1, n, n + k - 1, p[: pages_needed(n + k, ps)])
             for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
@@ -479,7 +482,9 @@ class DeviceBackend:
                 + [[]] * (num - len(rows)),
                 width,
             )
-            plan = plan_decode(segments, num, sizes, self.attention_backend, window)
+            sharing = decode_sharing(segments, sizes)
+            plan = plan_decode(segments, num, sizes, self.attention_backend, window, sharing)
+            spared = blocks_read_for_others(sharing[1], num)[: len(rows)]
         self.store, self.cache, out = decode_steps(
             self.weights,
             self.cache,
@@ -494,7 +499,7 @@ class DeviceBackend:
         )
         out, budget = jax.device_get((out, self.store.entropy.budget))
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
-        return out, np.asarray(budget)[index[: len(rows)]]
+        return out, np.asarray(budget)[index[: len(rows)]], spared
 
     def burst_rows(self, num_rows: int, tokens_left: int | None) -> int:
         """The padded rows of a burst over `num_rows` rows: their own bucket, or, when the

@@ -572,7 +572,7 @@ class Engine:
 
     def _decode_burst(self, batch: list[Sequence]) -> float:
         started = time.perf_counter()
-        out, budgets = self.backend.decode(
+        out, budgets, spared = self.backend.decode(
             [s.row for s in batch],
             [s.pages for s in batch],
             [s.length for s in batch],
@@ -582,12 +582,15 @@ class Engine:
         elapsed = time.perf_counter() - started
         self.decode_bursts += 1
         self.model_passes += int(np.any(out.emitted, axis=1).sum())  # steps that ran
-        self._collect(batch, out, budgets)
+        self._collect(batch, out, budgets, spared=spared)
         return elapsed
 
-    def _collect(self, batch: list[Sequence], out, budgets, one_pass: bool = False) -> None:
+    def _collect(
+        self, batch: list[Sequence], out, budgets, one_pass: bool = False, spared=None
+    ) -> None:
         # Stream the rows' new tokens [steps, rows], apply stops, free finished sequences.
         # `one_pass`: the steps are one model pass (a token and its verified drafts), not K.
+        # `spared`: per row, the blocks a step read once for its shared-prefix group.
         now = self.clock()
         trace_columns = [getattr(out, name) for name in TRACE_FIELDS.values()]
         for j, seq in enumerate(batch):
@@ -613,6 +616,7 @@ class Engine:
                     if seq.output.top_logprobs is None:
                         seq.output.top_logprobs = []
                     seq.output.top_logprobs.append(list(pairs))
+                seq.output.shared_blocks.append(0.0 if spared is None else float(spared[j]))
                 if not seq.accept(int(out.tokens[k, j]), trace, finish):
                     break
             self.policy.observe(seq, produced)

@@ -218,6 +218,9 @@ class SequenceOutput:
     cost_flops: list[float] = field(default_factory=list)  # cumulative, prefill included
     cost_bytes: list[float] = field(default_factory=list)  # cumulative, prefill included
     kept_blocks: list[int] = field(default_factory=list)  # blocks read per layer and KV head
+    # Of those, per token, the blocks read once for the rows sharing the prefix, less this
+    # row's share (etjax/attention/cascade.py `blocks_read_for_others`): 0 unless shared.
+    shared_blocks: list[float] = field(default_factory=list)
     # With logprobs=k: per token, its k most likely (token id, log-probability) pairs at
     # T = 1 before penalties, most likely first; None when not asked.
     top_logprobs: list[list[tuple[int, float]]] | None = None
