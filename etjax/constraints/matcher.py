@@ -14,6 +14,11 @@ programs compiled once serve every engine (the callback finds matchers by id).
 skips what its matcher already consumed, so a re-executed callback cannot advance a grammar
 twice.
 
+The masks a step asked for wait in one slot between its two callbacks, never more: the
+callbacks are ordered, so a step collects its masks before the next step asks, and a program
+that fails between them leaves its masks there only until the next step's request replaces
+them. Nothing builds up behind failed steps, and a collect takes only its own step's masks.
+
 `forced_tokens` lists the tokens the grammar forces next (llguidance's fast-forward tokens), which
 the engine drafts so that a run of them costs one pass (etjax/drafting/forced.py). A verifying
 step calls `advance` once per drafted position with `only_committed`: rows whose draft was not
@@ -77,7 +82,8 @@ _executor = None  # llguidance's thread pool for masks of several rows, made on 
 # The thread `start_advance` queues the steps' `advance` on: one, so the matchers take their
 # tokens in the order the device drew them. Made on first use.
 _worker: ThreadPoolExecutor | None = None
-_pending: dict[int, Future] = {}  # ticket -> the masks `collect_advance` returns
+# (ticket, the masks `collect_advance` returns) of the one step between its callbacks.
+_in_flight: tuple[int, Future] | None = None
 _tickets = itertools.count()
 
 
@@ -138,6 +144,12 @@ def live_count() -> int:
     return len(_registry)
 
 
+def pending() -> bool:
+    """Whether a step's masks were asked for and not collected (for tests): only while a
+    step runs, or after a program that failed between its callbacks, until the next step."""
+    return _in_flight is not None
+
+
 def advance(
     gids: np.ndarray,
     tokens: np.ndarray,
@@ -179,15 +191,19 @@ def start_advance(
     """The first of the step's two callbacks: queue `advance` with these arguments on the
     host thread and return its ticket ([] int32) for `collect_advance` at once, so the masks
     are computed while the device runs the model."""
-    global _worker
+    global _worker, _in_flight
     # Copies: the device may reuse its buffers once this returns.
     args = [np.array(a) for a in (gids, tokens, index, committed)]
     with _lock:
         if _worker is None:
             _worker = ThreadPoolExecutor(1, thread_name_prefix="etjax-masks")
         ticket = next(_tickets) % 2**31
-        _pending[ticket] = _worker.submit(
-            advance, *args, width=width, only_committed=only_committed
+        # Whatever is in the slot was asked for by a program that failed before collecting
+        # it: dropped. (The one worker still runs it first, so the matchers see their tokens
+        # in order; a token consumed twice by index is skipped.)
+        _in_flight = (
+            ticket,
+            _worker.submit(advance, *args, width=width, only_committed=only_committed),
         )
     return np.int32(ticket)
 
@@ -195,8 +211,12 @@ def start_advance(
 def collect_advance(ticket: np.ndarray) -> np.ndarray:
     """The second callback: the masks of `start_advance`'s `ticket`, waiting for them if
     the host has not finished ([B, width] uint32, as `advance` returns)."""
+    global _in_flight
+    ticket = int(np.asarray(ticket))
     with _lock:
-        future = _pending.pop(int(np.asarray(ticket)))
+        if _in_flight is None or _in_flight[0] != ticket:  # ordered callbacks rule this out
+            raise RuntimeError(f"no masks pending for ticket {ticket}: callbacks out of order")
+        future, _in_flight = _in_flight[1], None
     return future.result()
 
 
