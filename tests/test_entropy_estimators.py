@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from etjax.entropy.estimators import (
     entropy_and_varentropy,
     exact_entropy,
+    masked_entropy_and_log_normaliser,
     tail_bounds,
     topk_entropy,
 )
@@ -24,6 +25,7 @@ _exact = jax.jit(exact_entropy)
 _bounds = jax.jit(tail_bounds, static_argnums=1)
 _topk = jax.jit(topk_entropy, static_argnums=1)
 _both = jax.jit(entropy_and_varentropy)
+_masked = jax.jit(masked_entropy_and_log_normaliser)
 
 
 def _reference_entropy(logits: np.ndarray) -> np.ndarray:
@@ -127,3 +129,39 @@ def test_all_masked_row_is_finite():
     for value in (_exact(z), *_bounds(z, 3), _topk(z, 3), *_both(z)):
         assert np.all(np.isfinite(np.asarray(value)))
     assert float(_exact(z)[1]) == 0.0
+
+
+def test_masked_and_full_entropy_by_hand():
+    # p = (1/2, 1/4, 1/8, 1/8) allowing tokens 0 and 2: renormalised (0.8, 0.2) over a mass
+    # of 5/8; the full distribution's H = 1/2 ln 2 + 1/4 ln 4 + 2/8 ln 8 = 1.75 ln 2.
+    z = np.log(np.array([[0.5, 0.25, 0.125, 0.125]] * 3, np.float32))
+    allowed = np.array([[1, 0, 1, 0], [0, 0, 0, 1], [1, 1, 1, 1]], bool)
+    masked, log_normaliser, full = (np.asarray(x) for x in _masked(z, allowed))
+    assert masked[0] == pytest.approx(-(0.8 * np.log(0.8) + 0.2 * np.log(0.2)), rel=1e-6)
+    assert log_normaliser[0] == pytest.approx(np.log(0.625), rel=1e-6)
+    np.testing.assert_allclose(full, 1.75 * np.log(2), rtol=1e-6)
+    # One token allowed (a forced step): no entropy, exactly; its log-probability 0.
+    assert masked[1] == 0.0 and log_normaliser[1] == pytest.approx(np.log(0.125), rel=1e-6)
+    # Everything allowed: one distribution, the same value bit for bit, `exact_entropy`'s.
+    assert masked[2] == full[2] and log_normaliser[2] == pytest.approx(0.0, abs=1e-6)
+    assert full[2] == pytest.approx(float(_exact(z)[2]), rel=1e-6)
+
+
+@pytest.mark.parametrize("vocab", [1000, 49152])
+def test_masked_and_full_entropy_match_float64(vocab):
+    # Masks sparse and dense, the allowed tokens far below the overall maximum (80 nats: one
+    # shift for all would underflow them), and a row allowing nothing.
+    rng = np.random.default_rng(vocab)
+    z = rng.normal(0, 5, (5, vocab)).astype(np.float32)
+    allowed = rng.random((5, vocab)) < np.array([[0.001], [0.5], [0.5], [1.0], [0.0]])
+    allowed[0, 0] = True
+    z[2] = np.where(allowed[2], z[2] - 80.0, z[2])
+    masked, log_normaliser, full = (np.asarray(x) for x in _masked(z, allowed))
+    np.testing.assert_allclose(full, _reference_entropy(z), rtol=1e-5, atol=SLACK)
+    z64 = np.where(allowed, z.astype(np.float64), -np.inf)
+    live = allowed.any(axis=1)
+    np.testing.assert_allclose(masked[live], _reference_entropy(z64[live]), rtol=1e-5, atol=SLACK)
+    peak = z64[live].max(axis=1)
+    reference = peak + np.log(np.exp(z64[live] - peak[:, None]).sum(axis=1))
+    np.testing.assert_allclose(log_normaliser[live], reference, rtol=1e-6)
+    assert masked[4] == 0.0 and np.all(np.isfinite(log_normaliser))

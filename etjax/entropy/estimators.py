@@ -74,6 +74,51 @@ def entropy_and_log_normaliser(logits: jax.Array) -> tuple[jax.Array, jax.Array]
     return entropy, finite_peak + jnp.log(total[:, 0])
 
 
+def masked_entropy_and_log_normaliser(
+    logits: jax.Array, allowed: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """For logits [B, V] and the tokens `allowed` [B, V] bool: the entropy [B] and log-sum-exp
+    [B] over the allowed tokens alone (softmax renormalised over them, as a grammar's mask
+    leaves it), and the entropy [B] over all V; a constrained step needs all three.
+
+    One exponential per token serves both distributions: each token is shifted by the maximum
+    of its own set (allowed tokens by the allowed maximum m_a, the others by the overall
+    maximum m), so every shifted value is <= 0 and neither sum under- or overflows. The
+    allowed sums are the masked distribution's (S_a = sum e, A_a = sum e x, H = log S - A / S
+    as in `exact_entropy`); the full distribution's take the allowed ones rescaled to m:
+    S = S_o + c S_a, A = A_o + c (A_a - d S_a), with d = m - m_a >= 0 and c = e^-d. Where
+    every token is allowed, S_o = A_o = 0 and d = 0, so the two entropies are equal bit for
+    bit. A row allowing nothing has masked entropy 0 and log-sum-exp log(1e-30).
+    """
+    z = logits.astype(jnp.float32)
+    z = jnp.where(jnp.isnan(z), -jnp.inf, z)
+    peak = jnp.max(z, axis=-1, keepdims=True)
+    peak_allowed = jnp.max(jnp.where(allowed, z, -jnp.inf), axis=-1, keepdims=True)
+    any_allowed = jnp.isfinite(peak_allowed)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    peak_allowed = jnp.where(any_allowed, peak_allowed, 0.0)
+    x = z - jnp.where(allowed, peak_allowed, peak)
+    w = jnp.exp(x)
+    wx = jnp.where(w > 0, w * x, 0.0)
+
+    def total(values: jax.Array, where: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(where, values, 0.0), axis=-1, keepdims=True)
+
+    s_allowed, a_allowed = total(w, allowed), total(wx, allowed)
+    s_other, a_other = total(w, ~allowed), total(wx, ~allowed)
+    d = peak - peak_allowed
+    c = jnp.where(any_allowed, jnp.exp(-d), 0.0)
+    s_all = s_other + c * s_allowed
+    a_all = a_other + c * (a_allowed - d * s_allowed)
+
+    def entropy(s: jax.Array, a: jax.Array) -> jax.Array:
+        safe = jnp.maximum(s, _TINY)
+        return jnp.where(s[:, 0] > 0, (jnp.log(safe) - a / safe)[:, 0], 0.0)
+
+    log_normaliser = peak_allowed[:, 0] + jnp.log(jnp.maximum(s_allowed[:, 0], _TINY))
+    return entropy(s_allowed, a_allowed), log_normaliser, entropy(s_all, a_all)
+
+
 def entropy_and_varentropy(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Entropy and varentropy Var[-log p] (nats^2) of softmax(logits), each [B].
 

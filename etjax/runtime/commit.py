@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from etjax.calibration.signal import calibrated_entropy
 from etjax.distributed.topk import top_k
-from etjax.entropy.estimators import entropy_and_log_normaliser
+from etjax.entropy.estimators import masked_entropy_and_log_normaliser
 from etjax.entropy.state import advance_tau
 from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.options import FINISH_REASONS
@@ -22,15 +22,21 @@ from etjax.sampling.sampler import SampleInfo, SamplerState, sample_next
 
 
 def sample_rows(
-    state: DecodeState, raw_logits: jax.Array | None = None
+    state: DecodeState, raw_logits: jax.Array | None = None, allowed: jax.Array | None = None
 ) -> tuple[jax.Array, SampleInfo, SamplerState]:
     """Each row's next token drawn from its logits with its sampler, keyed by the token's
     index in the row's output (what makes a draw the same in any step that makes it), and
     the entropy signal of the distribution under the row's calibration (the draw reads the
     raw logits: calibration changes what the engine steers by, not what is sampled).
     `raw_logits` [B, V]: the model's logits when `state.logits` are a grammar's masking of
-    them; the raw entropy and the signal are theirs (pruning and the scheduler read the
-    model, not the constraint)."""
+    them to the tokens `allowed` [B, V] bool; the raw entropy and the signal are theirs
+    (pruning and the scheduler read the model, not the constraint). The masked and the raw
+    entropy then come from one pass over the vocabulary
+    (`masked_entropy_and_log_normaliser`)."""
+    entropy = None
+    if raw_logits is not None:
+        masked, log_normaliser, raw = masked_entropy_and_log_normaliser(raw_logits, allowed)
+        entropy = (masked, log_normaliser)
     tokens, info, sampler_state = sample_next(
         state.logits,
         state.sampler,
@@ -38,11 +44,10 @@ def sample_rows(
         state.token_counts,
         state.in_prompt,
         state.num_generated,
+        entropy,
     )
     if raw_logits is None:
         raw_logits, raw = state.logits, info.model_entropy
-    else:
-        raw, _ = entropy_and_log_normaliser(raw_logits)
     signal = calibrated_entropy(raw_logits, raw, state.calibration)
     return tokens, info.replace(calibrated_entropy=signal, raw_entropy=raw), sampler_state
 

@@ -43,7 +43,7 @@ from etjax.runtime.commit import commit_tokens, finishes, sample_rows
 from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.target_logprobs import target_logprobs
-from etjax.runtime.token_mask import collect_masks, mask_logits, start_masks
+from etjax.runtime.token_mask import allowed_tokens, collect_masks, mask_logits, start_masks
 from etjax.runtime.verify import accept_drafts
 
 DENSE = PruningConfig().shape()  # pruning disabled: every block of the context is read
@@ -347,8 +347,9 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
         # The grammar's mask comes before everything that reads the distribution (penalties,
         # temperature, truncation, the controller, the draw, the top-k); the raw logits stay
         # the entropy signal's.
-        state = state.replace(logits=mask_logits(raw_logits, state.allowed))
-        tokens, info, sampler_state = sample_rows(state, raw_logits)
+        ok = allowed_tokens(state.allowed, raw_logits.shape[1])
+        state = state.replace(logits=mask_logits(raw_logits, ok))
+        tokens, info, sampler_state = sample_rows(state, raw_logits, ok)
         # The host computes the next masks while the model runs on `tokens` (collected below).
         tokens, ticket = start_masks(
             state.grammar, tokens, state.num_generated, active, state.allowed.shape[1]

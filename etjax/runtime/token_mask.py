@@ -33,11 +33,16 @@ from jax.experimental import io_callback
 from etjax.constraints import matcher
 
 
-def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
-    """logits [B, V] with the tokens `allowed` [B, W] uint32 does not hold set to -inf."""
-    b, v = logits.shape
+def allowed_tokens(allowed: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, vocab_size] bool: the tokens the masks `allowed` [B, W] uint32 hold."""
+    b = allowed.shape[0]
     bits = (allowed[:, :, None] >> jnp.arange(32, dtype=jnp.uint32)) & 1
-    ok = bits.reshape(b, -1)[:, :v].astype(bool)
+    return bits.reshape(b, -1)[:, :vocab_size].astype(bool)
+
+
+def mask_logits(logits: jax.Array, ok: jax.Array) -> jax.Array:
+    """logits [B, V] with the tokens `ok` [B, V] bool (`allowed_tokens`) does not hold set
+    to -inf."""
     return jnp.where(ok, logits, -jnp.inf)
 
 

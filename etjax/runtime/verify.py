@@ -37,7 +37,7 @@ from etjax.model.weights import Weights
 from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.commit import commit_tokens, sample_rows
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.runtime.token_mask import collect_masks, mask_logits, start_masks
+from etjax.runtime.token_mask import allowed_tokens, collect_masks, mask_logits, start_masks
 
 
 def accept_drafts(
@@ -71,8 +71,9 @@ def accept_drafts(
         state, accepting, accepted = carry
         raw = state.logits
         if constrained:
-            state = state.replace(logits=mask_logits(raw, state.allowed))
-            tokens, info, sampler_state = sample_rows(state, raw)
+            ok = allowed_tokens(state.allowed, raw.shape[1])
+            state = state.replace(logits=mask_logits(raw, ok))
+            tokens, info, sampler_state = sample_rows(state, raw, ok)
         else:
             tokens, info, sampler_state = sample_rows(state)
         draft = jax.lax.dynamic_index_in_dim(drafts, i, axis=1, keepdims=False)

@@ -63,15 +63,21 @@ def sample_next(
     counts: jax.Array,
     in_prompt: jax.Array,
     token_index: jax.Array,
+    entropy: tuple[jax.Array, jax.Array] | None = None,
 ) -> tuple[jax.Array, SampleInfo, SamplerState]:
     """Draw one token per row.
 
     logits: [B, V]; counts: [B, V] int32 output-token counts; in_prompt: [B, V] bool;
     token_index: [B] int32 index of the token being drawn (keys the row's random stream).
+    entropy: the entropy [B] and log-sum-exp [B] of softmax(logits), where the caller has
+    them already (a constrained step computes them beside the model's own in one pass:
+    etjax/runtime/commit.py); None computes them here.
     Returns tokens [B] int32, what was observed, and the updated sampler state.
     """
     logits = logits.astype(jnp.float32)
-    model_entropy, log_normaliser = entropy_and_log_normaliser(logits)
+    if entropy is None:
+        entropy = entropy_and_log_normaliser(logits)
+    model_entropy, log_normaliser = entropy
     z = apply_penalties(logits, p, counts, in_prompt)
 
     entropic = p.kind == ENTROPIC
