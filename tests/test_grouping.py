@@ -1,13 +1,20 @@
-"""`split_by_width`: the cheapest cut of a batch into bursts, against brute force."""
+"""`split_by_width`: the cheapest cut of a batch into bursts, against brute force; and the
+device's burst cost, which decides where a pruned batch is cut."""
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import etjax
+from etjax.engine.device import DeviceBackend
 from etjax.engine.grouping import split_by_width
+from etjax.pruning.config import PruningConfig
+from etjax.runtime.options import RuntimeOptions
+from pallas_kernels.cpu import cpu_kernels_available
 from tests.hypothesis_profiles import examples
 
 
@@ -52,3 +59,36 @@ def test_split_by_hand():
     assert split_by_width([6, 90, 6, 6], lambda w: w, _cost(1000.0), 4) == [[6, 6, 6, 90]]
     assert split_by_width([6, 90], lambda w: w, _cost(0.0), 1) == [[6, 90]]
     assert split_by_width([], lambda w: w, _cost(0.0), 4) == []
+
+
+def _burst_cost(device, rows):
+    return device.burst_bytes([n for n, _ in rows], [b for _, b in rows])
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return etjax.load_model(tiny_hf_dir("llama"))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "xla"])
+def test_pruned_bursts_split_only_where_the_kernel_pads_rows(tiny, backend):
+    # The C++ kernels read each pruned row's own kept blocks and score its own pages, so a
+    # long row beside short ones costs them nothing and splitting the burst would only read
+    # the weights again; the XLA loop runs every row to the largest kept count.
+    if backend == "cpu" and not cpu_kernels_available():
+        pytest.skip("the C++ kernels do not build here")
+    options = RuntimeOptions(
+        page_size=4, pruning=PruningConfig(enabled=True), attention_backend=backend
+    )
+    device = DeviceBackend(tiny.weights, tiny.config, (0,), options, num_pages=2048)
+    rows = [(n, b) for n in (8, 60, 700, 2000) for b in (0.2, 1.0)]
+    short, long = (8, 1.0), (2000, 1.0)
+    beside_long = _burst_cost(device, [short, long])
+    if backend == "cpu":
+        assert beside_long < _burst_cost(device, [long, long])
+        for a, b in itertools.combinations(rows, 2):
+            assert _burst_cost(device, [a, b]) <= _burst_cost(device, [a]) + _burst_cost(
+                device, [b]
+            )
+    else:  # the short row reads (and scores) as much as the long one
+        assert beside_long == _burst_cost(device, [long, long])

@@ -69,6 +69,20 @@ class AttentionBackend:
         runs a TPU's dense steps); the Triton one adds its passes' outputs."""
         return self.name != "pallas_gpu"
 
+    @property
+    def sparse_reads_own_count(self) -> bool:
+        """Whether its block-sparse kernel reads each row's own kept blocks (the C++ and
+        Triton kernels loop per row up to the row's count) rather than every row of a burst
+        up to the largest count (the XLA loop's one trip count, the TPU kernel's static
+        grid). Only then does a long row in a pruned burst cost the short rows nothing."""
+        return self.name in ("cpu", "pallas_gpu")
+
+    @property
+    def scores_own_pages(self) -> bool:
+        """Whether pruned steps score each row's own pages (the C++ scorer) rather than every
+        padded row up to the longest row's pages (`score_pages_xla`'s loop)."""
+        return self.name == "cpu"
+
     def block_sparse(self):
         """The block-sparse decode kernel of pruned steps (pallas_kernels/block_sparse)."""
         if self.name == "pallas_tpu":

@@ -422,17 +422,21 @@ class DeviceBackend:
     def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
         """Estimated bytes one step of a burst over these rows reads: the weights once, then
         dense, each row's own pages (the ragged attention reads no padding, so splitting a
-        batch never pays); pruned, every padded row up to the largest kept count (the kernels
-        stop there, not at the padded table's width), plus the per-page key bounds the
-        selection scores, for every padded row up to the longest row's pages."""
-        opts, cfg, cost = self.options, self.cfg, self.cost
+        batch never pays); pruned, the kept blocks (each row's own count where the backend's
+        kernel loops per row, else every padded row up to the largest count: the kernels stop
+        there, not at the padded table's width), plus the per-page key bounds the selection
+        scores (each row's own pages on the C++ scorer, else every padded row up to the
+        longest row's pages)."""
+        opts, cfg, cost, backend = self.options, self.cfg, self.cost, self.attention_backend
         pages = [pages_needed(n + opts.steps_per_sync, opts.page_size) for n in lengths]
         if not opts.pruning.enabled:
             return cost.weight_bytes + sum(pages) * opts.page_size * cost.kv_bytes_per_key
         num = batch_bucket(len(lengths))
-        read = max(self.row_width(n, b) for n, b in zip(lengths, budgets, strict=True))
-        scored = num * max(pages) * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-        return cost.weight_bytes + num * read * opts.page_size * cost.kv_bytes_per_key + scored
+        widths = [self.row_width(n, b) for n, b in zip(lengths, budgets, strict=True)]
+        read = sum(widths) if backend.sparse_reads_own_count else num * max(widths)
+        bounds = sum(pages) if backend.scores_own_pages else num * max(pages)
+        scored = bounds * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+        return cost.weight_bytes + read * opts.page_size * cost.kv_bytes_per_key + scored
 
     def decode(
         self,
