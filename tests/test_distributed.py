@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from etjax.distributed.mesh import MeshShape
@@ -97,6 +98,56 @@ def test_tiny_moe_outputs_equal_on_every_mesh(family, tmp_path_factory, hf_smoll
     assert layout["experts_down"] == {"shards": [[8 // 4, 64, 32]], "devices": 8}
     assert layout["router"] == {"shards": [[8, 64]], "devices": 8}
     assert result["experts"]["1x1"]["experts_gate_up"]["shards"] == [[8, 64, 64]]
+
+
+def test_dense_families_on_a_mesh_match_transformers(tmp_path_factory, hf_smollm2_tokenizer):
+    # Qwen3, Phi-3 and Gemma 2, each its tiny model of test_qwen3/_phi3/_gemma2 cut to 2
+    # layers, 8 query heads over 4 KV heads (so the KV pages split by head), on a 2x4 mesh:
+    # both rows' logits through the paged cache (a prefill chunk, then a decode token beside a
+    # second chunk) within the families' tolerance of transformers', greedy tokens the same.
+    # One worker for the three and one program each (tests/family_mesh_worker.py says why
+    # not the engine); the engine's own path on meshes is the tiny Llama's and Qwen3-MoE's.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import relative_error
+    from tests.test_gemma2 import tiny_gemma2_config
+    from tests.test_phi3 import TOLERANCE, tiny_phi3_config
+    from tests.test_qwen3 import save_tiny_model, tiny_qwen3_config
+
+    heads = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+    configs = {
+        # Its second layer windowed (`max_window_layers`), the first global.
+        "qwen3": tiny_qwen3_config(**heads, head_dim=8, max_window_layers=1),
+        "phi3": tiny_phi3_config(**heads),  # windowed every layer
+        "gemma2": tiny_gemma2_config(**heads, head_dim=8),  # windowed, then global
+    }
+    directories = {
+        name: save_tiny_model(
+            config, tmp_path_factory.mktemp(f"mesh-{name}"), hf_smollm2_tokenizer, seed=11
+        )
+        for name, config in configs.items()
+    }
+    result = _run_worker("tests.family_mesh_worker", "2x4", *map(str, directories.values()))
+    assert result["devices"] == 8
+    for name, directory in directories.items():
+        saved = np.load(directory / "mesh-2x4.npz")
+        reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        for ids, logits in zip(saved["ids"], saved["logits"], strict=True):
+            ids = ids[ids >= 0]
+            with torch.no_grad():
+                truth = reference(torch.tensor(ids[None])).logits[0].numpy()
+            ours = logits[: len(ids)]
+            assert relative_error(ours, truth) < TOLERANCE, name
+            assert np.array_equal(ours.argmax(-1), truth.argmax(-1)), name
+        # Split over the model axis of 4: q|k|v [8*8 + 2*4*8 = 128, 64] by output unit, the
+        # embedding by vocabulary, the KV pages [layers, pages, 4, 16, 8] by KV head.
+        layout = result["layouts"][str(directory)]
+        assert layout == {
+            "wqkv": [128 // 4, 64],
+            "embed": [49152 // 4, 64],
+            "k_pages": [2, 7, 1, 16, 8],
+        }
 
 
 @pytest.mark.slow
