@@ -1,9 +1,9 @@
 """The routed experts' CPU grouped-products kernel (pallas_kernels/cpu/grouped_products.cc,
 chosen by etjax/model/products.py) against float64 NumPy: empty groups, one row, uneven
-groups, rows in no group, weights of 32 and 16 bits, a bfloat16 model's rows, each row's
-result independent of the rows beside it; a routed-experts layer on the kernel against the
-float64 top-k' mixture; and the choice: on for the engine's CPU step programs, off outside
-them, off past its shapes."""
+groups, rows in no group, weights of 32 and 16 bits (widened per row block, or once for a
+large group), a bfloat16 model's rows, each row's result independent of the rows beside it;
+a routed-experts layer on the kernel against the float64 top-k' mixture; and the choice: on
+for the engine's CPU step programs, off outside them, off past its shapes."""
 
 from __future__ import annotations
 
@@ -91,6 +91,21 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it():
     w = jnp.asarray(rng.standard_normal((GROUPS, OUT, IN)), jnp.float32)
     together = np.asarray(_kernel(x, w, SIZES["uneven, 4 in no group"]))
     alone = np.asarray(_kernel(x.at[0].set(x[5]), w, [0, 0, 1, 0, 0, 0]))
+    np.testing.assert_array_equal(alone[0], together[5])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_16_bit_weights_widened_once_or_per_row_block_agree(dtype):
+    # A group of more than 32 rows (a prompt chunk's) widens its weights once into a scratch,
+    # smaller ones in registers per 4 rows (grouped_products.cc): both against float64, and
+    # row 5 of the group of 36 bit for bit the same alone in a group of one.
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((40, IN)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((GROUPS, OUT, IN)), dtype)
+    sizes = [0, 36, 0, 3, 0, 0]  # the last row in no group
+    together = np.asarray(_kernel(x, w, sizes))
+    np.testing.assert_allclose(together, grouped_reference(x, w, sizes), rtol=0, atol=2e-5)
+    alone = np.asarray(_kernel(x.at[0].set(x[5]), w, [0, 1, 0, 0, 0, 0]))
     np.testing.assert_array_equal(alone[0], together[5])
 
 

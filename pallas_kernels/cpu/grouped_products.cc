@@ -6,7 +6,8 @@
 // the FLOPs a token's k experts need, reading every expert's weights. Here a unit is a block
 // of one group's outputs: each 4 weight rows of that group are read from memory once and
 // multiplied against every one of the group's rows while they sit in L1 (row_blocks.h, the
-// row products' micro-kernel); groups without rows are never read.
+// row products' micro-kernel; 16-bit weights widened in registers as they are loaded, or once
+// per block for a group of many rows); groups without rows are never read.
 //
 //   x [R, K] f32 sorted by group, w [E, N, K] f32 | f16 | bf16 (output-major, as the model
 //   keeps its experts), group_sizes [E] s32 -> out [R, N] f32; K a multiple of 16, N of 4.
@@ -40,8 +41,15 @@ struct Grouped {
   std::vector<int64_t> group, first, rows;
 };
 
+// A group of more rows than this widens its 16-bit weights once, a block at a time into a
+// float32 scratch that stays in L1, rather than in registers once per 4 rows: at 64 rows a
+// group (a prompt chunk's) ran 4-6% faster so, at 32 rows 4-5% slower, and at the 1-2 rows
+// of a decode step's groups 1.6x slower (single thread, 8 experts of D 1024, M 512, and
+// Qwen3-30B-A3B's layer; 2026-12-05).
+constexpr int64_t kWidenOnceRows = 32;
+
 // One unit: blocks [first, last) of the outputs of the unit / units_per_group'th group with
-// rows. 16-bit weights are widened a block at a time into a scratch that stays in L1.
+// rows.
 template <typename W>
 void run_unit(const Grouped& p, int64_t unit) {
   const int64_t g = unit / p.units_per_group, chunk = unit % p.units_per_group;
@@ -50,10 +58,15 @@ void run_unit(const Grouped& p, int64_t unit) {
   const W* weights = static_cast<const W*>(p.w) + p.group[g] * p.outs * p.in;
   const float* x = p.x + p.first[g] * p.in;
   float* out = p.out + p.first[g] * p.outs;
-  std::vector<float> scratch(std::is_same_v<W, float> ? 0 : kOutStep * p.in);
+  const bool widen_once = !std::is_same_v<W, float> && p.rows[g] > kWidenOnceRows;
+  std::vector<float> scratch(widen_once ? kOutStep * p.in : 0);
   for (int64_t b = first; b < last; ++b) {
-    const float* wf = as_float(weights + b * kOutStep * p.in, kOutStep * p.in, scratch.data());
-    all_rows_by_group(x, p.rows[g], wf, p.in, out + b * kOutStep, p.outs);
+    const W* w = weights + b * kOutStep * p.in;
+    if (widen_once)
+      all_rows_by_group(x, p.rows[g], as_float(w, kOutStep * p.in, scratch.data()), p.in,
+                        out + b * kOutStep, p.outs);
+    else
+      all_rows_by_group(x, p.rows[g], w, p.in, out + b * kOutStep, p.outs);
   }
 }
 

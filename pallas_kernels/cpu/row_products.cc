@@ -20,7 +20,6 @@
 
 #include <functional>
 #include <memory>
-#include <vector>
 
 #include "kernel_math.h"
 #include "row_blocks.h"
@@ -42,17 +41,15 @@ struct Product {
   int64_t rows, in, outs;
 };
 
-// One unit: output groups [first, last). 16-bit weights are widened a group at a time into
-// a scratch that stays in L1 while every row block reads it.
+// One unit: output groups [first, last). 16-bit weights are widened as the micro-kernel
+// loads them (row_blocks.h).
 template <typename W>
 void run_unit(const Product& p, int64_t unit) {
   const int64_t groups = p.outs / kOutStep;
   const int64_t first = unit * kGroupsPerUnit, last = std::min(groups, first + kGroupsPerUnit);
-  std::vector<float> scratch(std::is_same_v<W, float> ? 0 : kOutStep * p.in);
   for (int64_t g = first; g < last; ++g) {
     const W* w = static_cast<const W*>(p.w) + g * kOutStep * p.in;
-    const float* wf = as_float(w, kOutStep * p.in, scratch.data());
-    all_rows_by_group(p.x, p.rows, wf, p.in, p.out + g * kOutStep, p.outs);
+    all_rows_by_group(p.x, p.rows, w, p.in, p.out + g * kOutStep, p.outs);
   }
 }
 
