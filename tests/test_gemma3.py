@@ -326,9 +326,12 @@ def test_gemma3_270m_greedy_continuations_match_transformers(gemma3_270m, hf_gem
         # transformers' greedy `generate` in one pass: each of etjax's tokens must be the
         # argmax of transformers' logits after the tokens before it (so, by induction, the
         # sequence `generate` makes), ending at the first stop token (etjax keeps it) or at 32.
-        ids = prompt + result.token_ids
+        # Only the positions that predict etjax's tokens get the LM head (`logits_to_keep`):
+        # the rest of a 1K-token prompt's [S, 262144] logits would be gigabytes, unread.
+        ids, n = prompt + result.token_ids, len(result.token_ids)
         with torch.no_grad():
-            logits = hf_gemma3_270m(torch.tensor([ids])).logits[0, len(prompt) - 1 : -1]
+            logits = hf_gemma3_270m(torch.tensor([ids]), logits_to_keep=n + 1).logits[0, :-1]
+        assert logits.shape[0] == n
         assert result.token_ids == logits.argmax(-1).tolist(), text[:40]
         ends = [i for i, token in enumerate(result.token_ids) if token in stops]
         assert ends == [len(result.token_ids) - 1] or (not ends and len(result.token_ids) == 32)
