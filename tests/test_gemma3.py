@@ -168,19 +168,30 @@ def _prompts(vocab_size):
     return [rng.integers(3, vocab_size, size=n).tolist() for n in (5, 40, 70)]
 
 
-def test_tiny_gemma3_greedy_decode_matches_transformers(tiny_gemma3_dir):
+@pytest.fixture(scope="module")
+def tiny_gemma3_greedy_reference(tiny_gemma3_dir):
+    """transformers' continuations of `_prompts` on the tiny model, for the tests that share
+    them (computed once: the same model, prompts and search each time)."""
+    return _transformers_greedy(tiny_gemma3_dir, _prompts(TINY_VOCAB))
+
+
+def test_tiny_gemma3_greedy_decode_matches_transformers(
+    tiny_gemma3_dir, tiny_gemma3_greedy_reference
+):
     # Through the engine (ragged prefill in chunks, decode bursts): the windowed plans of both.
     prompts = _prompts(TINY_VOCAB)
     ours = _greedy(tiny_gemma3_dir, prompts, PruningConfig())
-    assert [out.token_ids for out in ours] == _transformers_greedy(tiny_gemma3_dir, prompts)
+    assert [out.token_ids for out in ours] == tiny_gemma3_greedy_reference
 
 
-def test_tiny_gemma3_pruning_that_keeps_everything_matches_transformers(tiny_gemma3_dir):
+def test_tiny_gemma3_pruning_that_keeps_everything_matches_transformers(
+    tiny_gemma3_dir, tiny_gemma3_greedy_reference
+):
     # The global layers take the pruned path (bounds, selection, block-sparse kernel) with
     # every block kept, the local layers their windows through the plan: transformers' tokens.
     prompts = _prompts(TINY_VOCAB)
     keep_all = PruningConfig(enabled=True, min_fraction=1.0)
-    reference = _transformers_greedy(tiny_gemma3_dir, prompts)
+    reference = tiny_gemma3_greedy_reference
     ours = _greedy(tiny_gemma3_dir, prompts, keep_all)
     for prompt, out, expected in zip(prompts, ours, reference, strict=True):
         assert out.token_ids == expected
