@@ -47,6 +47,16 @@ def _plot_links(plots: list[Path], directory: Path, perf_md: Path) -> str:
     return "\n".join(f"![{p.stem}]({r.as_posix()})" for p, r in zip(plots, relative, strict=True))
 
 
+def _quality_line(plan: dict) -> str:
+    if not plan.get("quality", True):
+        return "Quality: not measured in this run (`--no-quality`). "
+    return (
+        "Quality: greedy outputs against the first config's greedy outputs (ROUGE-L, "
+        f"BLEU); perplexity ratio of {plan['ppl_docs']} documents of {plan['ppl_length']} "
+        f"tokens; passkey at {', '.join(map(str, plan['passkey_lengths']))} tokens. "
+    )
+
+
 def _document(raw: dict, workload: str, command: str) -> str:
     plan = raw["plan"]
     kinds: dict[str, int] = {}
@@ -81,10 +91,8 @@ def _document(raw: dict, workload: str, command: str) -> str:
             f"{len(raw['workload'])} requests "
             f"({', '.join(f'{v} {k}' for k, v in sorted(kinds.items()))}), {arrivals}; "
             f"{plan['repetitions']} repetitions interleaved after a warm-up, median (min-max). "
-            "Quality: greedy outputs against the first config's greedy outputs (ROUGE-L, "
-            f"BLEU); perplexity ratio of {plan['ppl_docs']} documents of {plan['ppl_length']} "
-            f"tokens; passkey at {', '.join(map(str, plan['passkey_lengths']))} tokens. "
-            f"Configs that reproduced an earlier config's sampled tokens exactly: {same}."
+            + _quality_line(plan)
+            + f"Configs that reproduced an earlier config's sampled tokens exactly: {same}."
             + (
                 f" Compiled by the cold (warm-up) run of each engine setting: {cold}."
                 if cold
