@@ -95,13 +95,14 @@ def main() -> None:
     rows = []
     for context in (int(c) for c in args.contexts.split(",")):
         for share in shares:
-            prompts = []
-            for b in range(0, BATCH, share):
+            leaders = list(range(0, BATCH, share))  # each group's first row: its document's
+            documents = []
+            for b in leaders:
                 ids, i = [], b * 29
                 while len(ids) < context:
                     ids += model.tokenizer.encode(articles[i % len(articles)] + "\n\n")
                     i += 1
-                prompts += [ids[:context]] * share
+                documents.append(ids[:context])
             # A shared document's rows differ after it, so their queries (and pruned selections)
             # do, as the `long` workload's questions do; a question fills one page.
             questions = [
@@ -115,9 +116,8 @@ def main() -> None:
             table, num_pages = page_tables(BATCH, share, context // PAGE, width)
             cache = init_kv_cache(cfg, num_pages, PAGE, BATCH, width)  # mass: store rows
             logits = jnp.zeros((BATCH, cfg.vocab_size), jnp.float32)
-            leaders = list(range(0, BATCH, share))
             for r in range(0, context, CHUNK):
-                chunks = [prompts[b][r : r + CHUNK] for b in leaders]
+                chunks = [document[r : r + CHUNK] for document in documents]
                 cache, out = prefill_rows(model, cache, table, leaders, chunks, r)
                 logits = logits.at[jnp.asarray(leaders)].set(out)
             if share > 1:

@@ -2,9 +2,10 @@
 
 - `plan.py`: `AttentionPlan` (what a step's tokens attend to, as device arrays) and the host
   builders: `plan_segments` for a ragged batch of sequences, `plan_decode` for decode rows
-  (reading shared prefixes once), `padded_batch_plan` for a padded [rows, tokens] batch.
+  (reading shared prefixes once, as `decode_sharing` groups them), `padded_batch_plan` for
+  a padded [rows, tokens] batch.
 - `cascade.py`: `shared_prefixes`, which decode rows start with the same pages and read them
-  once, stacked (cascade attention).
+  once, stacked (cascade attention); `blocks_read_for_others`, what that spares each row.
 - `backend.py`: `AttentionBackend`, the kernels a step runs, and `resolve_backend`, which
   picks them by platform.
 - `seam.py`: `attend`, which runs a plan.
@@ -20,6 +21,7 @@ from etjax.attention.backend import BACKENDS, XLA, AttentionBackend, resolve_bac
 from etjax.attention.plan import (
     AttentionPlan,
     PlanSizes,
+    decode_sharing,
     padded_batch_plan,
     plan_decode,
     plan_passes,
@@ -35,6 +37,7 @@ __all__ = [
     "AttentionPlan",
     "PlanSizes",
     "attend",
+    "decode_sharing",
     "kept_table_width",
     "padded_batch_plan",
     "plan_decode",

@@ -22,13 +22,13 @@ import numpy as np
 
 from etjax.attention import (
     PlanSizes,
+    decode_sharing,
     kept_table_width,
     plan_decode,
     plan_passes,
     resolve_backend,
 )
 from etjax.attention.cascade import blocks_read_for_others
-from etjax.attention.plan import decode_sharing
 from etjax.cache.kv_cache import copy_page, forget_row_mass, init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.calibration.ramp import shifted_thresholds
