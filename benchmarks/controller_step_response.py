@@ -54,6 +54,8 @@ def main() -> None:
                 gain=jnp.asarray([gain], jnp.float32),
                 max_step=jnp.asarray([MAX_STEP], jnp.float32),
                 entropy_floor=jnp.asarray([0.0], jnp.float32),
+                track_base=jnp.asarray([False]),
+                log_t_base=jnp.asarray([0.0], jnp.float32),
             )
             trace = []
             for _ in range(STEPS):

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from etjax.entropy.controller import ControllerParams, controller_step
+from etjax.entropy.controller import ControllerParams, controller_step, no_base_entropy
 from etjax.entropy.estimators import exact_entropy
 from tests.controller_theory import entropy_and_slope, slope_range, steps_to_converge
 from tests.hypothesis_profiles import examples
 
-_step = jax.jit(controller_step)
+_step = jax.jit(controller_step, static_argnums=4)
 _entropy = jax.jit(exact_entropy)
 
 
@@ -33,6 +33,8 @@ def _params(rows: int, **values: float) -> ControllerParams:
         gain=full(defaults["gain"]),
         max_step=full(defaults["max_step"]),
         entropy_floor=full(defaults["entropy_floor"]),
+        track_base=jnp.full((rows,), bool(defaults.get("track_base", False))),
+        log_t_base=full(math.log(defaults.get("t_base", 1.0))),
     )
 
 
@@ -152,3 +154,55 @@ def test_entropy_floor_samples_greedily_and_freezes_the_state():
     assert float(out.temperature[0]) == 0.0
     assert float(out.sampled_entropy[0]) == 0.0
     assert float(out.log_temperature[0]) == pytest.approx(0.4)
+
+
+def _tracking_run(sequence: list[np.ndarray], params: ControllerParams, u0: float):
+    """Apply the tracking controller to one row's logits, one distribution per step."""
+    u = jnp.full((1,), u0, jnp.float32)
+    base = no_base_entropy(u)
+    temps, targets = [], []
+    for z in sequence:
+        logits = jnp.asarray(z[None])
+        out = _step(logits, _entropy(logits), u, params, 1, base)
+        temps.append(float(out.temperature[0]))
+        targets.append(float(out.base.mean[0]))
+        u, base = out.log_temperature, out.base
+    return np.array(temps), np.array(targets), base
+
+
+def test_tracking_target_is_the_running_mean_of_the_base_temperatures_entropy():
+    # Hand truth: the mean of H(softmax(z_i / T0)) over the steps above the floor, computed
+    # in float64 by numpy; a sure step (below the floor) is greedy and not counted.
+    rng = np.random.default_rng(3)
+    sequence = [rng.normal(0, scale, 500).astype(np.float32) for scale in (0.5, 2.0, 4.0, 1.0)]
+    sure = np.full(500, -30.0, np.float32)
+    sure[7] = 30.0
+    sequence.insert(2, sure)
+    t_base = 0.7
+    params = _params(1, entropy_floor=0.3, track_base=True, t_base=t_base, gain=0.2)
+    _, means, base = _tracking_run(sequence, params, math.log(t_base))
+
+    def entropy(z, t):
+        p = np.exp((z - z.max()) / t, dtype=np.float64)
+        p /= p.sum()
+        return float(-np.sum(p * np.log(np.maximum(p, 1e-300))))
+
+    counted = [entropy(z, t_base) for z in sequence if entropy(z, 1.0) >= 0.3]
+    assert len(counted) == 4 and float(base.steps[0]) == 4.0
+    expected = np.cumsum(counted) / np.arange(1, 5)
+    np.testing.assert_allclose(np.delete(means, 2), expected, rtol=1e-4)
+    assert means[2] == means[1]  # the sure step left the mean alone
+
+
+def test_tracking_controller_on_a_stationary_text_converges_to_the_base_temperature():
+    # The fixed point of holding H(z / T0)'s mean on one distribution is T0 itself, whatever
+    # the fixed target says and wherever the state starts.
+    z = _zipf_logits(1000, 1.1)
+    t_base = 0.7
+    params = _params(1, target_entropy=6.0, track_base=True, t_base=t_base, gain=0.2)
+    temps, _, _ = _tracking_run([z] * 120, params, math.log(2.5))
+    np.testing.assert_allclose(temps[-10:], t_base, rtol=2e-3)
+    # the same row with a fixed target goes where that target is
+    fixed = _params(1, target_entropy=6.0, gain=0.2)
+    temps, entropies = _run(z, fixed, math.log(2.5), 120)
+    assert entropies[-1, 0] == pytest.approx(6.0, abs=0.05) and temps[-1, 0] > 1.2

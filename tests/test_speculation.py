@@ -77,7 +77,12 @@ def test_greedy_with_speculation_equals_greedy_without(smollm2, lee):
     "sampler",
     [
         SamplerSettings(temperature=0.7, top_p=0.9, seed=11),
-        SamplerSettings(sampler="entropic", target_entropy=1.0, seed=12),
+        (  # a fixed target beside one tracking its temperature's entropy
+            SamplerSettings(sampler="entropic", target_entropy=1.0, seed=12),
+            SamplerSettings(
+                sampler="entropic", temperature=0.7, target_from_temperature=True, seed=12
+            ),
+        ),
         SamplerSettings(sampler="mirostat_v2", mirostat_tau=2.0, seed=13),
         SamplerSettings(temperature=0.8, repetition_penalty=1.1, top_k=20, seed=14),
     ],
@@ -87,7 +92,8 @@ def test_sampling_with_speculation_draws_the_same_tokens(smollm2, lee, sampler):
     # Verification draws each position with the row's own key, sampler state and logits, so
     # every seeded draw is the one the plain engine makes: its distribution is the plain one.
     prompts = _repetitive(smollm2.tokenizer, lee)[:2]
-    settings = [RequestSettings(max_new_tokens=32, ignore_eos=True, sampler=sampler)] * 2
+    pair = sampler if isinstance(sampler, tuple) else (sampler, sampler)
+    settings = [RequestSettings(max_new_tokens=32, ignore_eos=True, sampler=s) for s in pair]
     loose = SpeculationConfig(enabled=True, entropy_max=20.0, acceptance_prior=0.9, **EAGER)
     plain = _generate(smollm2, prompts, settings, SpeculationConfig())
     spec = _generate(smollm2, prompts, settings, loose)

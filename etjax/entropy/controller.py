@@ -17,6 +17,15 @@ never accumulates error it cannot act on.
 Bands reconcile "be precise when sure, explore when unsure": below `entropy_floor` (model
 entropy, T = 1) the step is sampled greedily and u is frozen; in the middle band T = exp(u)
 holds H*; at the top T is capped at T_max.
+
+The target is either fixed (`target_entropy`, one number for every text) or, for a row with
+`track_base`, the running mean of the entropy its own base temperature T0 would give its
+tokens so far, H*_n = mean over its middle-band steps i <= n of H(softmax(z_i / T0)). A fixed
+H* calibrated on one kind of text moves every other kind: held at 1.6 nats, instruct answers
+whose T = 0.7 entropy is about 0.5 nats are sampled three times hotter, grow longer and read
+more of their context (docs/PERF.md, "The controller's target"). The tracking target keeps
+the level T0 gives each text and leaves the controller to narrow the spread around it; on a
+stationary distribution H*_n = H(z / T0) and the controller converges to T0 itself.
 """
 
 from __future__ import annotations
@@ -38,6 +47,16 @@ class ControllerParams:
     gain: jax.Array  # [B] nats^-1: change of log T per nat of error
     max_step: jax.Array  # [B] largest change of log T in one step (rate limit)
     entropy_floor: jax.Array  # [B] model entropy below which the step is greedy
+    track_base: jax.Array  # [B] bool: hold the running mean entropy at log_t_base instead
+    log_t_base: jax.Array  # [B] log T0, the request's own temperature
+
+
+@flax.struct.dataclass
+class BaseEntropy:
+    """Per-row running mean of H(z / T0) over middle-band steps: a tracking row's target."""
+
+    mean: jax.Array  # [B] nats
+    steps: jax.Array  # [B] float32, middle-band steps counted so far
 
 
 @flax.struct.dataclass
@@ -47,6 +66,33 @@ class ControllerStep:
     temperature: jax.Array  # [B] temperature sampled with this step (0 = greedy, floor band)
     sampled_entropy: jax.Array  # [B] entropy of the distribution actually sampled from
     log_temperature: jax.Array  # [B] controller state for the next step
+    base: BaseEntropy  # the tracking target's running mean, this step counted
+
+
+def no_base_entropy(rows_like: jax.Array) -> BaseEntropy:
+    """A fresh running mean (no step counted) for rows shaped like `rows_like` [B]."""
+    zeros = jnp.zeros_like(rows_like, dtype=jnp.float32)
+    return BaseEntropy(mean=zeros, steps=zeros)
+
+
+def tracked_target(
+    logits: jax.Array, model_entropy: jax.Array, p: ControllerParams, base: BaseEntropy
+) -> tuple[jax.Array, BaseEntropy]:
+    """Each row's target [B] this step and the running mean with this step counted.
+
+    A tracking row in the middle band adds H(z / T0) to its mean (one O(V) pass) and holds
+    the mean; in the floor band the step is greedy and not counted. Other rows hold
+    `target_entropy`."""
+    counted = p.track_base & (model_entropy >= p.entropy_floor)
+    steps = base.steps + counted.astype(jnp.float32)
+    h_base = jax.lax.cond(  # only batches holding a counted tracking row pay the pass
+        jnp.any(counted),
+        lambda: exact_entropy(logits, jnp.exp(p.log_t_base)),
+        lambda: jnp.zeros_like(model_entropy),
+    )
+    mean = jnp.where(counted, base.mean + (h_base - base.mean) / jnp.maximum(steps, 1.0), base.mean)
+    target = jnp.where(p.track_base & (steps > 0), mean, p.target_entropy)
+    return target, BaseEntropy(mean=mean, steps=steps)
 
 
 def controller_step(
@@ -55,6 +101,7 @@ def controller_step(
     log_temperature: jax.Array,
     p: ControllerParams,
     iterations: int = 1,
+    base: BaseEntropy | None = None,
 ) -> ControllerStep:
     """Apply the controller to one step's logits [B, V] (model_entropy [B] at T = 1).
 
@@ -64,11 +111,16 @@ def controller_step(
     One iteration is pure step-to-step feedback; more track a changing distribution within the
     token, at one O(V) entropy evaluation each. The stability results hold for the sequence of
     iterates whatever `iterations` is. Rows whose model entropy is below `entropy_floor` are
-    greedy and keep their state.
+    greedy and keep their state. `base`: the tracking rows' running mean before this step
+    (None: no row tracks, the H(z / T0) pass is skipped).
     """
+    if base is None:
+        target, base = p.target_entropy, no_base_entropy(model_entropy)
+    else:
+        target, base = tracked_target(logits, model_entropy, p, base)
     u = log_temperature
     for _ in range(iterations):
-        error = p.target_entropy - exact_entropy(logits, jnp.exp(u))
+        error = target - exact_entropy(logits, jnp.exp(u))
         u = jnp.clip(
             u + jnp.clip(p.gain * error, -p.max_step, p.max_step), p.log_t_min, p.log_t_max
         )
@@ -79,6 +131,7 @@ def controller_step(
         temperature=jnp.where(in_floor, 0.0, temperature),
         sampled_entropy=jnp.where(in_floor, 0.0, sampled_entropy),
         log_temperature=jnp.where(in_floor, log_temperature, u),
+        base=base,
     )
 
 

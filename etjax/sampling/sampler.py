@@ -11,7 +11,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from etjax.entropy.controller import ControllerStep, controller_step
+from etjax.entropy.controller import (
+    BaseEntropy,
+    ControllerStep,
+    controller_step,
+    no_base_entropy,
+)
 from etjax.entropy.estimators import entropy_and_log_normaliser, exact_entropy
 from etjax.sampling.filters import apply_penalties, truncate
 from etjax.sampling.settings import EDT, ENTROPIC, MIROSTAT_V2, SamplerParams
@@ -28,6 +33,7 @@ class SamplerState:
 
     log_temperature: jax.Array  # [B] the entropic controller's state, log T
     mirostat_mu: jax.Array  # [B] Mirostat v2's truncation bound, bits
+    base_entropy: BaseEntropy  # [B] the controller's tracking target (`target_from_temperature`)
 
 
 @flax.struct.dataclass
@@ -53,6 +59,7 @@ def initial_sampler_state(p: SamplerParams) -> SamplerState:
     return SamplerState(
         log_temperature=jnp.clip(jnp.log(start), c.log_t_min, c.log_t_max),
         mirostat_mu=2.0 * p.mirostat_tau,
+        base_entropy=no_base_entropy(p.temperature),
     )
 
 
@@ -86,12 +93,18 @@ def sample_next(
     control = jax.lax.cond(
         jnp.any(entropic),
         lambda: controller_step(
-            z, model_entropy, state.log_temperature, p.controller, CONTROLLER_ITERATIONS
+            z,
+            model_entropy,
+            state.log_temperature,
+            p.controller,
+            CONTROLLER_ITERATIONS,
+            state.base_entropy,
         ),
         lambda: ControllerStep(
             temperature=jnp.exp(state.log_temperature),
             sampled_entropy=jnp.zeros_like(model_entropy),
             log_temperature=state.log_temperature,
+            base=state.base_entropy,
         ),
     )
     # EDT: T = T0 * N^(theta / H). As H -> 0 the power vanishes (N < 1): greedy when certain.
@@ -131,6 +144,7 @@ def sample_next(
     new_state = SamplerState(
         log_temperature=jnp.where(entropic, control.log_temperature, state.log_temperature),
         mirostat_mu=mirostat_mu,
+        base_entropy=control.base,
     )
     model_logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - log_normaliser
     info = SampleInfo(

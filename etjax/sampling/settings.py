@@ -27,6 +27,10 @@ class SamplerSettings:
       tokens whose surprise exceeds mu, steer mu to `mirostat_tau` bits), "edt" (Zhang et al.
       2024: T = edt_t0 * edt_base ** (edt_theta / H)), or "entropic" (etjax's controller holding
       the sampling entropy at `target_entropy`, docs/STABILITY.md).
+    target_from_temperature: "entropic" holds, instead of `target_entropy`, the running mean
+      of the entropy its own `temperature` would give this request's tokens (its middle-band
+      steps so far): the level that temperature has on this text, with less spread around it.
+      One fixed target is right for one kind of text only (etjax/entropy/controller.py).
     temperature: 0 = greedy for "standard"; the starting temperature for "entropic"; the
       temperature applied before truncation for "mirostat_v2".
     top_k (0 = off), top_p and typical_p (1 = off), min_p (0 = off): truncation filters,
@@ -58,6 +62,7 @@ class SamplerSettings:
     gain: float = 0.05
     max_step: float = 0.25
     entropy_floor: float = 0.3
+    target_from_temperature: bool = False
 
     def __post_init__(self) -> None:
         _check(self.sampler in SAMPLERS, "sampler", self.sampler, f"one of {SAMPLERS}")
@@ -138,6 +143,9 @@ def pack_sampler_params(settings: Sequence[SamplerSettings], rows: int, xp=jnp) 
         return xp.asarray(np.array([getattr(s, name) for s in padded], dtype=dtype))
 
     f32 = np.float32
+    # The temperature a tracking controller measures its target at (1 where it starts greedy,
+    # as `initial_sampler_state` starts it).
+    base_temperature = np.array([s.temperature or 1.0 for s in padded], f32)
     return SamplerParams(
         kind=xp.asarray(np.array([SAMPLERS.index(s.sampler) for s in padded], np.int32)),
         temperature=column("temperature", f32),
@@ -161,5 +169,7 @@ def pack_sampler_params(settings: Sequence[SamplerSettings], rows: int, xp=jnp) 
             gain=column("gain", f32),
             max_step=column("max_step", f32),
             entropy_floor=column("entropy_floor", f32),
+            track_base=column("target_from_temperature", bool),
+            log_t_base=xp.asarray(np.log(base_temperature)),
         ),
     )
