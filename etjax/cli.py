@@ -210,6 +210,12 @@ def _add_bench(commands) -> None:
     bench.add_argument("--seed", type=int, default=d.seed, help="of the workload")
     bench.add_argument("--load", type=float, default=d.load, help="online: arrival rate / capacity")
     bench.add_argument(
+        "--arrivals",
+        action="store_true",
+        help="Poisson arrivals at --load for a built-in workload other than online "
+        "(online is mixed with them): --workload long --arrivals serves long documents live",
+    )
+    bench.add_argument(
         "--equal-length",
         action="store_true",
         help="every request generates exactly its max_new_tokens (no EOS): equal work per config",
@@ -246,6 +252,7 @@ def _bench(args: argparse.Namespace) -> int:
         repetitions=args.repetitions,
         seed=args.seed,
         load=args.load,
+        arrivals=args.arrivals,
         quality=not args.no_quality,
         ppl_docs=args.ppl_docs,
         ppl_length=args.ppl_length,
@@ -260,7 +267,7 @@ def _bench(args: argparse.Namespace) -> int:
     raw = run_ablation(plan, on_progress=progress.stage)
     progress.close()
     command = "etjax " + shlex.join(sys.argv[1:] if sys.argv[1:2] == ["bench"] else ["bench"])
-    label = run_label(plan.workload, plan.equal_length, plan.load)
+    label = run_label(plan.workload, plan.equal_length, plan.load, plan.arrivals)
     paths = write_outputs(raw, args.output / label, command, args.perf_md)
     for kind, path in paths.items():
         print(f"{kind}: {path}", file=sys.stderr)

@@ -112,7 +112,8 @@ def test_runs_are_filed_apart_by_load_and_equal_length():
     # each other's folder or PERF.md section.
     assert run_label("online", False, 0.8) == "online_load0.8"
     assert run_label("online", True, 1.2) == "online_load1.2_equal"
-    assert run_label("long", True, 0.8) == "long_equal"  # the load is online's alone
+    assert run_label("long", True, 0.8) == "long_equal"  # at once: the load plays no part
+    assert run_label("long", True, 0.8, arrivals=True) == "long_load0.8_equal"
     assert run_label("runs/mine.jsonl", False, 0.8) == "mine"
 
 
@@ -313,6 +314,9 @@ def test_equal_length_reference_runs_past_eos_to_the_limit(smollm2, hf_smollm2):
 def test_bench_plan_refuses_bad_values(field, value, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("]", r"\]")):
         BenchPlan(**{field: value})
+    # a workload file's records carry their own arrival times
+    with pytest.raises(ConfigError, match="mine.jsonl is a workload file"):
+        BenchPlan(workload="runs/mine.jsonl", arrivals=True)
 
 
 def test_bench_cli_names_the_bad_flag(capsys):
@@ -324,7 +328,7 @@ def test_bench_cli_names_the_bad_flag(capsys):
     assert "config 'nope' not found" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("workload", ["mixed", "online", "file"])
+@pytest.mark.parametrize("workload", ["mixed", "online", "long+arrivals", "file"])
 def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
     monkeypatch, smollm2, workload, tmp_path
 ):
@@ -351,8 +355,10 @@ def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
         workload = str(tmp_path / "own.jsonl")
         lines = [{"prompt": "The river", "arrival": a} for a in (0, 2.5, 1)]
         Path(workload).write_text("\n".join(map(json.dumps, lines)) + "\n")
+    arrivals = workload == "long+arrivals"
     plan = BenchPlan(
-        workload=workload,
+        workload=workload.removesuffix("+arrivals"),
+        arrivals=arrivals,
         configs=("baseline", "scheduling_only", "full"),
         requests=8,
         quality=False,

@@ -5,7 +5,8 @@ The order of work, and why:
 1. **Warm-up, not measured.** The workload runs once at once under every distinct engine
    setting (policy, sizes, pruning), so the programs its shapes need are compiled before any
    config is timed. Each timed run still records the seconds it spent compiling.
-2. **Arrivals.** `mixed` submits everything at time 0. `online` draws Poisson arrivals at
+2. **Arrivals.** `mixed` submits everything at time 0. `online` (or any built-in workload
+   with `arrivals`) draws Poisson arrivals at
    `load` (80%) of the capacity a warm at-once baseline run measured in this process, then
    warms every distinct setting again with those arrivals: requests arriving one by one make
    batches of sizes that an at-once run never forms. (The at-once warm-up is then needed for
@@ -58,6 +59,9 @@ class BenchPlan:
     repetitions: int = 2
     seed: int = 0
     load: float = 0.8  # online: arrival rate as a fraction of measured capacity
+    # Poisson arrivals at `load` for a built-in workload other than `online` (which is
+    # `mixed` with them): `long` with arrivals is decode-bound serving.
+    arrivals: bool = False
     quality: bool = True
     ppl_docs: int = 4
     ppl_length: int = 4096
@@ -81,6 +85,16 @@ class BenchPlan:
                 raise ConfigError(f"{name}={getattr(self, name)}; must be positive")
         if not 0.0 < self.load <= 1.0:
             raise ConfigError(f"load={self.load}; must be in (0, 1]")
+        if self.arrivals and is_workload_file(self.workload):
+            raise ConfigError(
+                f"arrivals: {self.workload} is a workload file, whose records give their own "
+                "arrival times; drop --arrivals"
+            )
+
+    @property
+    def online(self) -> bool:
+        """Whether requests arrive as a Poisson process (`online`, or `arrivals`)."""
+        return self.workload == "online" or self.arrivals
 
 
 def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _: None) -> dict:
@@ -114,7 +128,7 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
     }
 
     distinct = _distinct(configs, lambda c: c.options)
-    online = plan.workload == "online"
+    online = plan.online
     # The warm-ups are the workload's cold runs: what they compiled is what a user's first
     # run of this workload compiles (the timed runs below compile nothing).
     warmups = raw["warm_up"] = {}
@@ -168,7 +182,7 @@ def count_work(plan: BenchPlan) -> int:
     warmups = len(_distinct(configs, lambda c: c.options))
     prunings = len(_distinct(configs, lambda c: c.options.pruning))
     quality = 3 * prunings if plan.quality else 0
-    online = plan.workload == "online"
+    online = plan.online
     return (
         (1 + 1 + warmups if online else warmups)  # online: warm-up, capacity, arrival warm-ups
         + plan.repetitions * len(configs)

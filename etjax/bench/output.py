@@ -24,7 +24,9 @@ def write_outputs(
     equal-length run and an online run's load are filed apart (`run_label`)."""
     plan = raw["plan"]
     workload = workload_label(plan["workload"])
-    section = "ablation_" + run_label(plan["workload"], plan.get("equal_length"), plan.get("load"))
+    section = "ablation_" + run_label(
+        plan["workload"], plan.get("equal_length"), plan.get("load"), plan.get("arrivals", False)
+    )
     directory.mkdir(parents=True, exist_ok=True)
     raw = {**raw, "machine": machine_line(), "date": str(datetime.date.today()), "command": command}
     plots = write_plots(raw, directory)
@@ -59,14 +61,15 @@ def _quality_line(plan: dict) -> str:
 
 def _document(raw: dict, workload: str, command: str) -> str:
     plan = raw["plan"]
+    poisson = workload == "online" or plan.get("arrivals", False)
     kinds: dict[str, int] = {}
     for request in raw["workload"]:
         kinds[request["kind"]] = kinds.get(request["kind"], 0) + 1
     arrivals = (
         "all submitted at once"
-        if workload != "online" and not any(raw["arrivals"])
+        if not poisson and not any(raw["arrivals"])
         else "arriving at the times the workload file gives"
-        if workload != "online"
+        if not poisson
         else f"Poisson arrivals at {plan['load']:.0%} of the capacity a warm baseline run "
         f"measured ({raw['capacity_requests_per_s']:.2f} requests/s)"
     )
@@ -83,7 +86,7 @@ def _document(raw: dict, workload: str, command: str) -> str:
     return "\n".join(
         [
             f"## Ablation on the `{workload}` workload"
-            + (f" at load {plan['load']:g}" if workload == "online" else "")
+            + (f" at load {plan['load']:g}" if poisson else "")
             + (", equal length" if plan.get("equal_length") else "")
             + f" ({raw['model']})",
             "",

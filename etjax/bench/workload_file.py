@@ -33,12 +33,14 @@ def workload_label(name: str) -> str:
     return Path(name).stem if is_workload_file(name) else name
 
 
-def run_label(workload: str, equal_length: bool = False, load: float | None = None) -> str:
+def run_label(
+    workload: str, equal_length: bool = False, load: float | None = None, arrivals: bool = False
+) -> str:
     """What one run is filed under (its results folder and PERF.md section `ablation_LABEL`):
-    the workload's label, `_load0.8` for an online run at that load (runs at several loads
-    sit side by side) and `_equal` for an `--equal-length` one."""
+    the workload's label, `_load0.8` for an online run (`online`, or `arrivals`) at that load
+    (runs at several loads sit side by side) and `_equal` for an `--equal-length` one."""
     label = workload_label(workload)
-    if workload == "online" and load is not None:
+    if (workload == "online" or arrivals) and load is not None:
         label += f"_load{load:g}"
     return label + ("_equal" if equal_length else "")
 
