@@ -111,8 +111,7 @@ def _metrics(outs) -> dict:
 
 def _markdown(raw: dict) -> str:
     lines = [
-        "## The controller's target: fixed against tracking the base temperature "
-        f"({MODEL})",
+        f"## The controller's target: fixed against tracking the base temperature ({MODEL})",
         "",
         f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
         f"benchmarks/controller_target.py --requests {raw['requests']} --seeds {raw['seeds']}`. "

@@ -14,7 +14,12 @@ Reports medians and spreads, the paired median ratio of each to the burst step, 
 ratio the gate's cost model predicts with the default constants. Writes the "verify_cost"
 section of docs/PERF.md.
 
+`--workload long --config full`: the rows are the `long` workload's requests instead (4K-16K
+token documents, four requests on each), under the full loop's pruning: the cost the gate
+meets at long context (section "verify_cost_long").
+
     .venv/bin/python benchmarks/verify_cost.py [--rows 1,4,15] [--repeats 5]
+    .venv/bin/python benchmarks/verify_cost.py --workload long --config full --rows 4,8
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
 from etjax.bench.measure import request_settings
-from etjax.bench.workloads import mixed
+from etjax.bench.workloads import long, mixed
 from etjax.drafting import DraftHistory, SpeculationConfig
 from etjax.drafting.rule import burst_step_cost, verify_step_cost
 from etjax.engine.build import build_engine, workload_pages
@@ -46,21 +51,30 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,4,15", help="batch sizes, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workload", choices=("short", "long"), default="short")
+    parser.add_argument("--config", default="speculative_only", help="a config with speculation")
     args = parser.parse_args()
     import etjax
     from etjax.bench.corpus import lee_articles
 
-    model = etjax.load_model()
-    short = [r for r in mixed(model.tokenizer, lee_articles(), 64, seed=0) if r.kind != "long"]
+    rows_asked = list(map(int, args.rows.split(",")))
+    if args.workload == "long":
+        config = load_run_config(args.config)
+        model = etjax.load_model(config.model.name)
+        requests = long(model.tokenizer, lee_articles(), max(rows_asked), seed=0)
+    else:
+        model = etjax.load_model()
+        requests = [r for r in mixed(model.tokenizer, lee_articles(), 64, seed=0)
+                    if r.kind != "long"]  # fmt: skip
     results = {}
-    for rows in map(int, args.rows.split(",")):
-        results[rows] = _time_steps(model, short[:rows], args.repeats)
+    for rows in rows_asked:
+        results[rows] = _time_steps(model, requests[:rows], args.repeats, args.config)
         print(rows, {k: float(np.median(v)) for k, v in results[rows]["seconds"].items()})
     _report(results, args)
 
 
-def _time_steps(model, workload, repeats: int) -> dict:
-    config = load_run_config("speculative_only")
+def _time_steps(model, workload, repeats: int, config_name: str) -> dict:
+    config = load_run_config(config_name)
     options = config.options
     # Long outputs and no eos: the rows stay resident through every timed call.
     workload = [dataclasses.replace(r, max_new_tokens=2000) for r in workload]
@@ -115,12 +129,18 @@ def _predicted(rows: int, drafted: int, cfg: SpeculationConfig) -> float:
 def _report(results: dict, args) -> None:
     cfg = SpeculationConfig(enabled=True)
     drafted = dict(zip(KINDS, (None, 0, 1, cfg.max_draft), strict=True))
+    rows_of = (
+        "the `long` workload's requests (four on each 4K-16K-token document)"
+        if args.workload == "long"
+        else "the mixed workload's short prompts"
+    )
     lines = [
-        "## What a verifying step costs against a burst step (SmolLM2, speculative_only)",
+        f"## What a verifying step costs against a burst step (SmolLM2, {args.config}"
+        + (", long context)" if args.workload == "long" else ")"),
         "",
         f"Measured {datetime.date.today()} on {machine_line()}. Command: `.venv/bin/python "
-        f"benchmarks/verify_cost.py {shlex.join(sys.argv[1:])}`. Rows of the mixed workload's "
-        f"short prompts, prefilled; then {args.repeats} interleaved repetitions of each call "
+        f"benchmarks/verify_cost.py {shlex.join(sys.argv[1:])}`. Rows of {rows_of}, "
+        f"prefilled; then {args.repeats} interleaved repetitions of each call "
         "after two warm-up calls. Ratios are paired medians against the burst step of the "
         'same repetition; "model" is what the drafting gate\'s cost model '
         f"(pass_fixed_tokens {cfg.pass_fixed_tokens}, verify_row_tokens "
@@ -144,7 +164,8 @@ def _report(results: dict, args) -> None:
         "date": str(datetime.date.today()),
         "results": {str(k): v for k, v in results.items()},
     }
-    write_section("verify_cost", "\n".join(lines), raw)
+    name = "verify_cost_long" if args.workload == "long" else "verify_cost"
+    write_section(name, "\n".join(lines), raw)
     print("\n".join(lines))
 
 

@@ -315,7 +315,7 @@ def test_bench_plan_refuses_bad_values(field, value, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("]", r"\]")):
         BenchPlan(**{field: value})
     # a workload file's records carry their own arrival times
-    with pytest.raises(ConfigError, match="mine.jsonl is a workload file"):
+    with pytest.raises(ConfigError, match=r"mine\.jsonl is a workload file"):
         BenchPlan(workload="runs/mine.jsonl", arrivals=True)
 
 
