@@ -58,12 +58,11 @@ def main() -> None:
     from etjax.bench.corpus import lee_articles
 
     rows_asked = list(map(int, args.rows.split(",")))
-    if args.workload == "long":
-        config = load_run_config(args.config)
-        model = etjax.load_model(config.model.name)
-        requests = long(model.tokenizer, lee_articles(), max(rows_asked), seed=0)
+    model = etjax.load_model(load_run_config(args.config).model.name)
+    if args.workload == "long":  # the documents fit the model's context, as in `etjax bench`
+        context = model.config.max_position_embeddings
+        requests = long(model.tokenizer, lee_articles(), max(rows_asked), 0, context)
     else:
-        model = etjax.load_model()
         requests = [r for r in mixed(model.tokenizer, lee_articles(), 64, seed=0)
                     if r.kind != "long"]  # fmt: skip
     results = {}
