@@ -63,6 +63,39 @@ def test_filters_keep_the_same_tokens_as_transformers(setting, warper):
     np.testing.assert_array_equal(ours[_kept(ours)], z[_kept(ours)])
 
 
+def _stable_prefix(order_by: np.ndarray, probs: np.ndarray, limit: float) -> np.ndarray:
+    # Reference: in the stable order of `order_by` ascending (ties by index), keep tokens while
+    # the float64 mass ahead of them is below `limit`, the first always.
+    order = np.argsort(order_by, kind="stable")
+    sorted_p = probs[order]
+    ahead = np.cumsum(sorted_p) - sorted_p
+    kept = np.zeros(len(probs), bool)
+    kept[order] = (ahead < limit) | (np.arange(len(probs)) == 0)
+    return kept, np.abs(ahead[np.argsort(order)] - limit)
+
+
+@pytest.mark.parametrize("setting", [dict(top_p=0.995), dict(top_p=0.6), dict(typical_p=0.7)])
+def test_filters_split_exact_ties_by_index_as_a_stable_sort_would(setting):
+    # Logits on a grid of quarters: many tokens share each value, and the cut-off falls
+    # inside a group of ties, which neither filter permutes (filters.py sorts keys alone).
+    z = np.round(_logits(4, seed=3) * 2) / 4
+    params = pack_sampler_params([SamplerSettings(temperature=1.0, **setting)] * 4, 4)
+    ours = _kept(np.asarray(truncate(jnp.asarray(z), params, jnp.zeros(4))))
+    ties_cut = 0
+    for row in range(4):
+        p64 = np.exp(z[row].astype(np.float64) - z[row].max())
+        p64 /= p64.sum()
+        if "top_p" in setting:
+            want, margin = _stable_prefix(-z[row], p64, setting["top_p"])
+        else:
+            surprise_gap = np.abs(-np.log(p64) - np.sum(-p64 * np.log(p64)))
+            want, margin = _stable_prefix(surprise_gap, p64, setting["typical_p"])
+        assert np.all((ours[row] == want) | (margin < 1e-5))
+        split = [v for v in np.unique(z[row]) if len(set(want[z[row] == v])) == 2]
+        ties_cut += bool(split)
+    assert ties_cut >= 2  # the case the test is for: a group of equal logits split at the cut
+
+
 def test_filters_are_per_row():
     z = _logits(3, seed=1)
     settings = [SamplerSettings(top_k=3), SamplerSettings(), SamplerSettings(top_p=0.5)]

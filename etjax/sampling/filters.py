@@ -107,31 +107,87 @@ def _prefix_keep(
 
 
 def _full_sort_filters(x: jax.Array, p: SamplerParams, mu: jax.Array) -> jax.Array:
-    b, v = x.shape
-    order = jnp.argsort(-x, axis=-1)
-    values = jnp.take_along_axis(x, order, axis=-1)
+    v = x.shape[-1]
+    values = _sorted_descending(x)
     in_top_k = (p.top_k[:, None] == 0) | (jnp.arange(v)[None, :] < p.top_k[:, None])
     log_z = jax.nn.logsumexp(jnp.where(in_top_k, values, -jnp.inf), axis=-1)
     keep, _ = _prefix_keep(values, log_z, p, mu)
-    unsorted = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order].set(keep)
-    return jnp.where(unsorted, x, -jnp.inf)
+    # Every filter keeps a prefix of the order (rank, mass ahead and surprise grow along it).
+    kept = _first_in_order(x, values, jnp.sum(keep, axis=-1))
+    return jnp.where(kept, x, -jnp.inf)
 
 
 def _typical_filter(x: jax.Array, p: SamplerParams) -> jax.Array:
     # Locally typical sampling (Meister et al. 2023): keep the tokens whose surprise is closest
-    # to the entropy until they hold typical_p of the mass.
-    b, v = x.shape
+    # to the entropy until they hold typical_p of the mass; in the order of deviation (ties in
+    # index order, as a stable argsort gives them), a token is kept while the mass ahead of it
+    # is below typical_p.
     log_p = jax.nn.log_softmax(x, axis=-1)
     probs = jnp.exp(log_p)
     entropy = -jnp.sum(jnp.where(probs > 0, probs * log_p, 0.0), axis=-1, keepdims=True)
     deviation = jnp.where(probs > 0, jnp.abs(-log_p - entropy), jnp.inf)
-    order = jnp.argsort(deviation, axis=-1)
-    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-    before = _mass_ahead(sorted_p)
-    keep = (p.typical_p[:, None] >= 1) | (before < p.typical_p[:, None])
-    keep |= jnp.arange(v)[None, :] == 0
-    unsorted = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], order].set(keep)
-    return jnp.where(unsorted, x, -jnp.inf)
+    # No sort: the mass of the tokens with a smaller deviation key grows with the key, so a
+    # bisection over the 2^32 keys (32 passes over the row) finds the last key reached with
+    # less than typical_p ahead of it. The keys are unsigned here so that midpoints cannot
+    # overflow.
+    key = jax.lax.bitcast_convert_type(_order_key(deviation), jnp.uint32) ^ jnp.uint32(1 << 31)
+    typical = p.typical_p[:, None]
+
+    def mass_below(t: jax.Array) -> jax.Array:  # [B, 1] keys -> [B, 1] mass of smaller keys
+        return jnp.sum(jnp.where(key < t, probs, 0.0), axis=-1, keepdims=True)
+
+    def halve(_, bounds):
+        lo, hi = bounds  # mass_below(lo) < typical_p; the answer is in [lo, hi]
+        mid = lo + (hi - lo) // 2 + (hi - lo) % 2
+        reached = mass_below(mid) < typical
+        return jnp.where(reached, mid, lo), jnp.where(reached, hi, mid - 1)
+
+    b = x.shape[0]
+    start = (jnp.zeros((b, 1), jnp.uint32), jnp.full((b, 1), 0xFFFFFFFF, jnp.uint32))
+    last, _ = jax.lax.fori_loop(0, 32, halve, start)
+    # The largest key present at or below it (the smallest key always is: nothing is ahead).
+    cut = jnp.max(jnp.where(key <= last, key, 0), axis=-1, keepdims=True)
+    tied = key == cut
+    ahead = mass_below(cut) + jnp.cumsum(jnp.where(tied, probs, 0.0), axis=-1)
+    ahead -= jnp.where(tied, probs, 0.0)
+    kept = (typical >= 1) | (key < cut) | (tied & (ahead < typical))
+    return jnp.where(kept, x, -jnp.inf)
+
+
+# Sorting on XLA:CPU: an argsort is a two-operand sort that calls a compiled comparator per
+# comparison (82 ms for [8, 49152] float32, 2-core Xeon, 2026-12-05), where one int32 operand
+# in its natural order takes a library sort (16 ms). Floats map to int32 keys in the same
+# order (negative floats have their magnitude bits flipped), so the filters sort keys alone
+# and find the kept tokens by comparing with the cut-off value instead of permuting back.
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """int32 keys ordered as the float32 values `x` are (-inf first; -0.0 just below 0.0)."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _from_order_key(key: jax.Array) -> jax.Array:
+    """The float32 values of `_order_key`'s keys (the map is its own inverse on the bits)."""
+    bits = jnp.where(key < 0, key ^ jnp.int32(0x7FFFFFFF), key)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _sorted_descending(x: jax.Array) -> jax.Array:
+    """x [B, V] float32 sorted along the last axis, largest first: `~key` reverses int32 order
+    without overflow."""
+    return _from_order_key(~jax.lax.sort(~_order_key(x), dimension=1))
+
+
+def _first_in_order(x: jax.Array, descending: jax.Array, n: jax.Array) -> jax.Array:
+    """[B, V] bool: each row's first n[b] tokens in the order of x descending, ties in index
+    order (a stable argsort of -x), given `descending` = x sorted that way. They are the tokens
+    above the n-th value and, of those equal to it, the first by index that complete n."""
+    cut = jnp.take_along_axis(descending, jnp.maximum(n - 1, 0)[:, None], axis=-1)
+    above = x > cut
+    tied = x == cut
+    room = n[:, None] - jnp.sum(above, axis=-1, keepdims=True)
+    return above | (tied & (jnp.cumsum(tied, axis=-1) <= room))
 
 
 def _mass_ahead(sorted_probs: jax.Array) -> jax.Array:
