@@ -4,7 +4,8 @@
 - `ngram.py`: prompt lookup: the continuation that followed the latest earlier occurrence of
   the sequence's last few tokens, in its prompt or its output.
 - `rule.py`: how many tokens a sequence drafts this round, from its entropy and how its
-  recent drafts fared, within a batch-wide budget.
+  recent drafts fared (a new sequence starting from the engine's pooled estimate), within a
+  batch-wide budget.
 - `forced.py`: a constrained row's forced tokens (its grammar allows one token, or a run),
   drafted so that a run costs one pass where that pays; on without speculation.
 
@@ -14,7 +15,7 @@ Verification is on the device (etjax/runtime/verify.py); the engine ties them to
 from etjax.drafting.config import SpeculationConfig
 from etjax.drafting.forced import forced_draft, forced_draft_limit, with_forced_drafts
 from etjax.drafting.ngram import TokenHistory, lookup_draft
-from etjax.drafting.rule import DraftHistory, draft_lengths
+from etjax.drafting.rule import DraftHistory, draft_lengths, record_verification
 
 __all__ = [
     "DraftHistory",
@@ -24,5 +25,6 @@ __all__ = [
     "forced_draft",
     "forced_draft_limit",
     "lookup_draft",
+    "record_verification",
     "with_forced_drafts",
 ]

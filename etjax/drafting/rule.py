@@ -16,6 +16,14 @@ a ** 1 < min_survival; a successful one climbs back to the maximum. While a conf
 sequence drafts nothing for want of acceptance, its estimate relaxes towards the prior each
 round (`rest`), so it tries again after a few rounds rather than never.
 
+Where an estimate starts: a sequence's first estimate is the engine's pooled one (every
+sequence's lookup drafts, summed per step, through the same running mean), not
+`acceptance_prior`. A sequence drafts a few times in its life, too few to learn from its own
+history alone: on the `long` workload rows started at the prior 0.72 and drafts were accepted
+0-33% of the time, so each new row drafted and lost its first rounds (docs/PERF.md,
+"Reading the verifying step at long context"). The pool starts at the prior; `rest` still
+relaxes towards the prior, so an engine whose drafts failed once tries again.
+
 Over the batch, drafting sequences are served lowest entropy first until the step holds
 `draft_budget` tokens, the rows' own included (and within the step's token budget): a batch
 of more rows than that drafts nothing.
@@ -64,6 +72,25 @@ class DraftHistory:
         """A round without drafting although the model was sure: relax towards the prior."""
         memory = cfg.acceptance_memory
         self.acceptance = memory * self.acceptance + (1 - memory) * cfg.acceptance_prior
+
+
+def record_verification(
+    histories: list[DraftHistory],
+    drafted: list[int],
+    accepted: list[int],
+    lookup: list[bool],
+    pool: DraftHistory,
+    cfg: SpeculationConfig,
+) -> None:
+    """Fold one verifying step in: row i drafted `drafted[i]` tokens and `accepted[i]`
+    survived. Each row's own history takes its verdict; `pool`, the engine's, takes the
+    step's lookup drafts (`lookup[i]`) summed, as one verification (a constrained row's
+    forced drafts are always accepted and say nothing of how lookups fare)."""
+    for history, n, took in zip(histories, drafted, accepted, strict=True):
+        history.record(n, took, cfg)
+    rows = zip(drafted, accepted, lookup, strict=True)
+    pooled = [(n, took) for n, took, is_lookup in rows if is_lookup]
+    pool.record(sum(n for n, _ in pooled), sum(took for _, took in pooled), cfg)
 
 
 def wanted_length(entropy: float | None, history: DraftHistory, cfg: SpeculationConfig) -> int:

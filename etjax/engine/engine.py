@@ -42,7 +42,13 @@ from etjax.cache.page_allocator import pages_needed
 from etjax.cache.prefix_cache import CachedPage, PrefixCache
 from etjax.constraints.matcher import register as register_grammar
 from etjax.constraints.matcher import release as release_grammar
-from etjax.drafting import DraftHistory, draft_lengths, lookup_draft, with_forced_drafts
+from etjax.drafting import (
+    DraftHistory,
+    draft_lengths,
+    lookup_draft,
+    record_verification,
+    with_forced_drafts,
+)
 from etjax.engine import scheduler
 from etjax.engine.backend import Backend, PrefillJob, RowInit
 from etjax.engine.feed import run_fed
@@ -138,6 +144,9 @@ class Engine:
         self.model_passes = 0  # model passes that gave decoding rows tokens (weights read)
         self.host_seconds = 0.0  # scheduler and collection time, excluding device calls
         self.device_seconds = 0.0
+        # How the engine's lookup drafts fared so far, all sequences pooled: where a new
+        # sequence's own estimate starts (etjax/drafting/rule.py, "Where an estimate starts").
+        self.draft_pool = DraftHistory(options.speculation.acceptance_prior)
 
     # Submission -------------------------------------------------------------------------
 
@@ -365,7 +374,7 @@ class Engine:
             self._lookup_drafts(batch, budget),
             [s.grammar for s in batch],
             [s.settings.max_new_tokens - len(s.output.token_ids) for s in batch],
-            [s.drafts.acceptance if s.drafts else spec.acceptance_prior for s in batch],
+            [s.drafts.acceptance if s.drafts else self.draft_pool.acceptance for s in batch],
             spec,
             self.options.steps_per_sync,
             budget,
@@ -382,7 +391,7 @@ class Engine:
             return [[] for _ in batch]
         for seq in batch:
             if seq.drafts is None:
-                seq.drafts = DraftHistory(spec.acceptance_prior)
+                seq.drafts = DraftHistory(self.draft_pool.acceptance)
         # The signal: the calibrated entropy (the model's own without a calibration).
         signal = [s.output.calibrated_entropy for s in batch]
         entropies = [h[-1] if h else None for h in signal]
@@ -428,17 +437,27 @@ class Engine:
             self.decode_bursts += 1
             self.model_passes += 1
             if any(drafts):
-                committed = np.asarray(out.emitted).sum(axis=0)
-                for j, seq in enumerate(batch):
-                    if drafts[j]:
-                        accepted = max(int(committed[j]) - 1, 0)
-                        seq.drafts.record(len(drafts[j]), accepted, self.options.speculation)
+                self._record_drafts(batch, drafts, np.asarray(out.emitted).sum(axis=0))
             self._collect(batch, out, budgets, one_pass=True)
         for (seq, job), (flops, nbytes), values in zip(jobs, costs, prompt_logprobs, strict=True):
             if values is not None:
                 _record_prompt_logprobs(seq, job, values)
             self._prefilled(seq, seq.prefilled + len(job.tokens), flops, nbytes)
         return elapsed
+
+    def _record_drafts(
+        self, batch: list[Sequence], drafts: list[list[int]], committed: np.ndarray
+    ) -> None:
+        # The step's verdicts: a row committed its token and the drafts it accepted.
+        rows = [j for j, d in enumerate(drafts) if d]
+        record_verification(
+            [batch[j].drafts for j in rows],
+            [len(drafts[j]) for j in rows],
+            [max(int(committed[j]) - 1, 0) for j in rows],
+            [batch[j].grammar < 0 for j in rows],
+            self.draft_pool,
+            self.options.speculation,
+        )
 
     def _prefilled(self, seq: Sequence, end: int, flops: float, nbytes: float) -> None:
         # A chunk of `seq` is cached up to `end`; a finished context makes it resident.
