@@ -87,6 +87,21 @@ def test_a_process_that_dies_is_reported_within_the_timeout(tiny_hf_dir, tmp_pat
     source = tmp_path / "in.jsonl"
     _write_input(source)
     port = _free_port()
+    # Process 1 joins the job, then dies before doing its shard. It starts first and imports
+    # less, so it is waiting for the coordinator before process 0 opens it, and the job's
+    # short timeout (which bounds joining as well as the barrier) is spent only at the barrier.
+    doomed = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, jax; "
+            f"jax.distributed.initialize('localhost:{port}', 2, 1, heartbeat_timeout_seconds=40); "
+            "os._exit(1)",
+        ],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     survivor = _batch_process(
         tiny_hf_dir("llama"),
         source,
@@ -98,21 +113,9 @@ def test_a_process_that_dies_is_reported_within_the_timeout(tiny_hf_dir, tmp_pat
         "--process-index",
         "0",
         "--timeout",
-        "10",
+        "5",
     )
-    # Process 1 joins the job, then dies before doing its shard.
-    doomed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os, jax; "
-            f"jax.distributed.initialize('localhost:{port}', 2, 1, heartbeat_timeout_seconds=40); "
-            "os._exit(1)",
-        ],
-        env=subprocess_env(),
-        capture_output=True,
-        timeout=120,
-    )
+    doomed.communicate(timeout=120)
     assert doomed.returncode == 1
     started = time.monotonic()
     _, err = survivor.communicate(timeout=300)
