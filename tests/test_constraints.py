@@ -134,6 +134,7 @@ def test_constrained_outputs_parse_and_validate(runs):
     assert matcher.live_count() == 0  # every request's matcher released
 
 
+@pytest.mark.compile_bound  # validity, not tokens: compiles cheaply (tests/compile_level.py)
 @settings(max_examples=examples(2))
 @given(schemas=st.lists(DRAWN_SCHEMAS, min_size=8, max_size=8))
 def test_drawn_schemas_give_valid_json_or_say_they_were_cut(smollm2, runs, schemas):

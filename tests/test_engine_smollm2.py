@@ -3,11 +3,18 @@ mixing with prefill, or preemption and recompute."""
 
 from __future__ import annotations
 
+import pytest
+
 from etjax.cache.page_allocator import pages_needed
 from etjax.engine.build import MIN_POOL_PAGES, build_engine, pool_pages
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 
 NEW = 48
+
+# Both tests compare etjax with itself and compile more than they run (13 and 7 programs of
+# SmolLM2), so they compile cheaply: 24.6 and 25.4 s against 31.5 and 29.2 as users compile
+# (2-core Xeon, 2026-12-05; tests/compile_level.py).
+pytestmark = pytest.mark.compile_bound
 
 
 def _run(model, prompts, options: RuntimeOptions, num_pages: int):

@@ -58,6 +58,7 @@ def _repetitive(tokenizer, lee) -> list[list[int]]:
     return [tokenizer.encode(text) for text in _repetitive_texts(lee)]
 
 
+@pytest.mark.compile_bound  # etjax against etjax: compiles cheaply (tests/compile_level.py)
 def test_greedy_with_speculation_equals_greedy_without(smollm2, lee):
     prompts = _repetitive(smollm2.tokenizer, lee)
     settings = [RequestSettings(max_new_tokens=40, ignore_eos=True)] * len(prompts)
