@@ -83,6 +83,11 @@ def main() -> None:
         "sampling stage: T 0.8 + top-p 0.9 + min-p": SamplerSettings(
             temperature=0.8, top_p=0.9, min_p=0.05
         ),
+        # Past the 256 candidates on these logits (normal, sd 3): the full-sort fallback.
+        "sampling stage: T 0.8 + top-p 0.999 (whole-row sort)": SamplerSettings(
+            temperature=0.8, top_p=0.999
+        ),
+        "sampling stage: T 0.8 + typical-p 0.9": SamplerSettings(temperature=0.8, typical_p=0.9),
         "sampling stage: penalties + T 0.8": SamplerSettings(
             temperature=0.8, repetition_penalty=1.1, frequency_penalty=0.2
         ),
@@ -170,7 +175,7 @@ def _decode_step_ms(model, RequestSettings, RuntimeOptions, bare_stage: bool = F
     return [t * 1e3 for t in times]
 
 
-def _bare_stage(logits, params, state, counts, in_prompt, token_index):
+def _bare_stage(logits, params, state, counts, in_prompt, token_index, entropy=None):
     from etjax.sampling.sampler import SampleInfo, first_argmax
 
     zeros = jnp.zeros(logits.shape[0], jnp.float32)
