@@ -157,8 +157,9 @@ def _typical_filter(x: jax.Array, p: SamplerParams) -> jax.Array:
 # Sorting on XLA:CPU: an argsort is a two-operand sort that calls a compiled comparator per
 # comparison (82 ms for [8, 49152] float32, 2-core Xeon, 2026-12-05), where one int32 operand
 # in its natural order takes a library sort (16 ms). Floats map to int32 keys in the same
-# order (negative floats have their magnitude bits flipped), so the filters sort keys alone
-# and find the kept tokens by comparing with the cut-off value instead of permuting back.
+# order (negative floats have their magnitude bits flipped), so the whole-row fallback sorts
+# keys alone and finds the kept tokens by comparing with the cut-off value instead of
+# permuting back (typical-p, whose order is not the logits', bisects the same keys instead).
 
 
 def _order_key(x: jax.Array) -> jax.Array:
