@@ -3,11 +3,13 @@ engine: every output that ends by itself parses and validates (`jsonschema`, the
 grammar's language; and over hypothesis-drawn schemas), one cut by max_new_tokens says so,
 the trace's entropy is the masked distribution's, an unconstrained row beside the constrained
 ones decodes exactly as transformers' greedy search does, and drafting the grammar's forced
-tokens (etjax/drafting/forced.py) gives the tokens of the same requests with each forced token
-a step of its own (greedy and a seeded row)."""
+tokens (etjax/drafting/forced.py), and a constrained row's lookup drafts cut to its grammar,
+gives the tokens of the same requests with each token a step of its own (greedy and a seeded
+row)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -51,11 +53,17 @@ SCHEMAS = {
         "maxItems": 3,
     },
 }
-REGEX = r"[A-Z][a-z]+, [0-9]{4}"
+# The regex row copies its prompt's text: its tokens are drafted by lookup, cut to the regex.
+REGEX = r"[a-z ]{1,90}"
+COPIED = "the river bank was wide and the water was cold and the boats were slow"
 GRAMMAR = 'start: "The answer is " answer "."\nanswer: "yes" | "no"'  # Lark, as llguidance reads
 CHOICES = ("yes", "no")
 PLAIN_TOKENS = 8
 SEEDED = SamplerSettings(temperature=0.9, top_p=0.95, seed=5)  # the "label" row's sampler
+# Speculation on, forced runs drafted in every round that has one (a pass's fixed cost as an
+# accelerator's: this CPU's gate would draft in fewer rounds), lookups where the next token
+# is free.
+DRAFTING = SpeculationConfig(enabled=True, pass_fixed_tokens=1000.0)
 
 
 def _chat(model, text: str) -> list[int]:
@@ -73,7 +81,7 @@ def _asks(smollm2):
         ("person", "Give a famous scientist as JSON with name and age.", 24),
         ("label", "Label the sentiment of: 'I loved this film.'", 24),
         ("tags", "Three tags for a post about rivers, as a JSON list.", 24),
-        ("regex", "Name a city and a year.", 12),
+        ("regex", f"Repeat exactly: {COPIED}", 24),
         ("choices", "Is water wet? Answer yes or no.", 3),
         ("grammar", "Is the sea salty?", 8),
         ("cut", "Give a famous painter as JSON with name and age.", 4),
@@ -87,6 +95,7 @@ def _asks(smollm2):
             fields = {"json_schema": json.dumps(SCHEMAS["person"])}
         elif kind == "regex":
             fields = {"regex": REGEX}
+
         elif kind == "choices":
             fields = {"choices": CHOICES}
         elif kind == "grammar":
@@ -111,9 +120,7 @@ def _run(smollm2, speculation):
 
 @pytest.fixture(scope="module")
 def runs(smollm2):
-    # Forced runs drafted in every round that has one (a pass's fixed cost as an
-    # accelerator's: this CPU's gate would draft in fewer rounds).
-    return _run(smollm2, SpeculationConfig(pass_fixed_tokens=1000.0))
+    return _run(smollm2, DRAFTING)
 
 
 def test_constrained_outputs_parse_and_validate(runs):
@@ -145,7 +152,7 @@ def test_drawn_schemas_give_valid_json_or_say_they_were_cut(smollm2, runs, schem
         for s in schemas
     ]
     settings_ = [RequestSettings(max_new_tokens=32, json_schema=json.dumps(s)) for s in schemas]
-    options = RuntimeOptions(speculation=SpeculationConfig(pass_fixed_tokens=1000.0))
+    options = RuntimeOptions(speculation=DRAFTING)
     outs = generate_ids(
         smollm2.weights, smollm2.config, smollm2.tokenizer, prompts, settings_, options
     )
@@ -180,11 +187,13 @@ def test_an_unconstrained_row_beside_constrained_ones_decodes_as_transformers(ru
     assert np.all(np.isfinite(out.logprob))
 
 
-def test_drafting_forced_tokens_changes_no_output(smollm2, runs):
-    # The truth: the same requests with each forced token a step of its own (same programs
-    # but the verifying one). Same tokens, greedy and seeded, same traces up to float
-    # rounding; the keys and braces came as accepted drafts, so fewer passes than tokens.
-    stepped = _run(smollm2, SpeculationConfig(forced_tokens=False))
+def test_drafting_changes_no_output(smollm2, runs):
+    # The truth: the same requests with each token a step of its own (speculation on with no
+    # room for a draft, forced runs off: the same burst programs). Same tokens, greedy and
+    # seeded, same traces up to float rounding. The keys and braces came as forced drafts,
+    # all accepted, and the regex row's copied text as lookup drafts cut to its regex, so fewer
+    # passes than tokens.
+    stepped = _run(smollm2, dataclasses.replace(DRAFTING, draft_budget=1, forced_tokens=False))
     for kind, (_, out) in runs.items():
         _, plain = stepped[kind]
         assert out.token_ids == plain.token_ids, (kind, out.text, plain.text)
@@ -196,4 +205,6 @@ def test_drafting_forced_tokens_changes_no_output(smollm2, runs):
         metrics = runs[kind][1].metrics
         assert metrics["drafted_tokens"] >= 2 and metrics["acceptance_rate"] == 1.0
         assert metrics["passes_per_token"] < 0.9
-    assert runs["plain"][1].metrics["drafted_tokens"] == 0  # nothing to force
+    _, copy = runs["regex"]
+    assert copy.text == COPIED[: len(copy.text)] and len(copy.token_ids) >= 16, copy.text
+    assert copy.metrics["drafted_tokens"] >= 4 and copy.metrics["passes_per_token"] < 0.8

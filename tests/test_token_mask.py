@@ -1,8 +1,12 @@
 """The constrained step's device half (etjax/runtime/token_mask.py) and its host callbacks
 (etjax/constraints/matcher.py): a program that fails between the two callbacks leaves nothing
-pending once the next step has run, and that step gets its own masks."""
+pending once the next step has run, and that step gets its own masks; and the rows a step
+masks, gathered or in place, sample and report what NumPy computes for their masks while
+the other rows' are untouched."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +14,11 @@ import numpy as np
 import pytest
 from jax.experimental import io_callback
 
+from etjax.calibration.signal import CalibrationParams
 from etjax.constraints import matcher
-from etjax.runtime.token_mask import collect_masks, start_masks
+from etjax.engine.device import _empty_store
+from etjax.runtime.commit import sample_rows
+from etjax.runtime.token_mask import collect_masks, mask_rows, start_masks
 
 VOCAB = 64
 WIDTH = matcher.mask_words(VOCAB)
@@ -75,3 +82,62 @@ def test_a_step_failing_between_the_callbacks_leaves_nothing_pending(row):
     assert not matcher.pending()
     assert _allowed(_step(row, jnp.full(1, 6), jnp.full(1, 2, jnp.int32), broken=False)) == [7]
     assert not matcher.pending()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Vocab:
+    vocab_size: int
+
+
+@pytest.mark.parametrize("count", [2, 4, 8])  # gathered, gathered with spare slots, in place
+def test_masked_rows_sample_their_allowed_tokens_and_the_others_are_untouched(count):
+    # Greedy rows of random logits, two of eight constrained to random token sets. The truth,
+    # in NumPy: a constrained row draws the best allowed token and reports the entropy of the
+    # softmax renormalised over its allowed tokens, its raw entropy and signal the whole
+    # vocabulary's (row 5's signal at its calibration temperature 2); every other row is
+    # the plain softmax's. However many slots the program masks, the answer is the same.
+    b, v = 8, 200
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0.0, 3.0, (b, v)).astype(np.float32)
+    allowed = np.ones((b, v), bool)
+    constrained = np.zeros(b, bool)
+    for row in (2, 5):
+        allowed[row] = rng.random(v) < 0.1
+        constrained[row] = True
+    words = np.packbits(
+        np.pad(allowed, ((0, 0), (0, 32 * matcher.mask_words(v) - v))), bitorder="little"
+    ).view(np.uint32)
+    store = _empty_store(_Vocab(v), b, (0,))
+    temperature = np.ones(b, np.float32)
+    temperature[5] = 2.0
+    state = store.replace(
+        logits=jnp.asarray(logits),
+        active=jnp.ones(b, bool),
+        max_new_tokens=jnp.full(b, 10, jnp.int32),
+        allowed=jnp.asarray(words.reshape(b, -1)),
+        grammar=jnp.asarray(np.where(constrained, 1, -1), jnp.int32),
+        calibration=CalibrationParams(temperature=jnp.asarray(temperature)),
+    )
+
+    @jax.jit
+    def step(state):
+        masked_logits, masked = mask_rows(
+            state.logits, state.allowed, state.active & (state.grammar >= 0), count
+        )
+        tokens, info, _ = sample_rows(state.replace(logits=masked_logits), masked)
+        return tokens, info.model_entropy, info.raw_entropy, info.calibrated_entropy
+
+    tokens, entropy, raw, signal = (np.asarray(x) for x in step(state))
+
+    def softmax_entropy(z):
+        p = np.exp(z - z.max())
+        p /= p.sum()
+        return float(-(p[p > 0] * np.log(p[p > 0])).sum())
+
+    for row in range(b):
+        z = logits[row].astype(np.float64)
+        ok = allowed[row]
+        assert tokens[row] == np.flatnonzero(ok)[np.argmax(z[ok])]
+        assert entropy[row] == pytest.approx(softmax_entropy(z[ok]), abs=1e-4)
+        assert raw[row] == pytest.approx(softmax_entropy(z), abs=1e-4)
+        assert signal[row] == pytest.approx(softmax_entropy(z / temperature[row]), abs=1e-4)

@@ -20,7 +20,8 @@ that fails between them leaves its masks there only until the next step's reques
 them. Nothing builds up behind failed steps, and a collect takes only its own step's masks.
 
 `forced_tokens` lists the tokens the grammar forces next (llguidance's fast-forward tokens), which
-the engine drafts so that a run of them costs one pass (etjax/drafting/forced.py). A verifying
+the engine drafts so that a run of them costs one pass (etjax/drafting/forced.py);
+`valid_prefix` cuts a constrained row's lookup draft to what the grammar allows. A verifying
 step calls `advance` once per drafted position with `only_committed`: rows whose draft was not
 committed there keep the mask they had, so the host computes masks only where one changed.
 """
@@ -131,6 +132,14 @@ def forced_tokens(gid: int) -> list[int]:
     masks, so one the mask would not force costs its rejection, never a different output."""
     row = _registry.get(gid)
     return [] if row is None else list(row.matcher.compute_ff_tokens())
+
+
+def valid_prefix(gid: int, tokens: list[int]) -> int:
+    """How many of `tokens`, in order, the request's grammar would take next (llguidance's
+    `validate_tokens`: nothing is consumed). What cuts a lookup draft of a constrained row
+    to the part its masks could accept (etjax/drafting/forced.py)."""
+    row = _registry.get(gid)
+    return 0 if row is None or not tokens else int(row.matcher.validate_tokens(list(tokens)))
 
 
 def release(gid: int) -> None:

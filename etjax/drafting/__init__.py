@@ -7,13 +7,19 @@
   recent drafts fared (a new sequence starting from the engine's pooled estimate), within a
   batch-wide budget.
 - `forced.py`: a constrained row's forced tokens (its grammar allows one token, or a run),
-  drafted so that a run costs one pass where that pays; on without speculation.
+  drafted so that a run costs one pass where that pays; on without speculation. With
+  speculation, a constrained row's lookup drafts are cut to what its grammar allows.
 
 Verification is on the device (etjax/runtime/verify.py); the engine ties them together.
 """
 
 from etjax.drafting.config import SpeculationConfig
-from etjax.drafting.forced import forced_draft, forced_draft_limit, with_forced_drafts
+from etjax.drafting.forced import (
+    forced_draft,
+    forced_draft_limit,
+    lookup_within_grammar,
+    with_forced_drafts,
+)
 from etjax.drafting.ngram import TokenHistory, lookup_draft
 from etjax.drafting.rule import DraftHistory, draft_lengths, record_verification
 
@@ -25,6 +31,7 @@ __all__ = [
     "forced_draft",
     "forced_draft_limit",
     "lookup_draft",
+    "lookup_within_grammar",
     "record_verification",
     "with_forced_drafts",
 ]

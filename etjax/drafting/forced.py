@@ -18,11 +18,16 @@ verifies is one ragged step where one without drafts is a burst of `steps_per_sy
 and where a pass costs about its tokens' compute (a CPU at batch 32: docs/PERF.md,
 "Structured output") a few forced drafts in a full batch do not pay for that; where reading
 the weights dominates a pass (an accelerator, a drained batch) they do.
+
+With speculation on, a constrained row whose next token is free drafts by prompt lookup like
+any row (an extraction's values are often copied from its document), cut where its grammar
+would refuse the draft (`lookup_within_grammar`), and verified under the masks the same way;
+where the grammar forces a run, the run replaces the lookup.
 """
 
 from __future__ import annotations
 
-from etjax.constraints.matcher import forced_tokens
+from etjax.constraints.matcher import forced_tokens, valid_prefix
 from etjax.drafting.config import SpeculationConfig
 from etjax.drafting.rule import verification_pays
 from etjax.runtime.buckets import ragged_token_bucket
@@ -49,6 +54,17 @@ def forced_draft(grammar: int, limit: int, tokens_left: int) -> list[int]:
     return run[1 : 1 + min(limit, tokens_left - 1)]
 
 
+def lookup_within_grammar(grammar: int, lookup: list[int]) -> list[int]:
+    """A constrained row's lookup drafts: `lookup` is the prompt-lookup continuation, its
+    first token the prediction of what the device draws this step and the rest the drafts.
+    Returns the drafts cut where the grammar would refuse them (after that prediction): the
+    mask would reject them in verification anyway, at the price of their compute. None when
+    the prediction itself is refused (the device cannot draw it, so what follows it is not
+    what the row will write)."""
+    valid = valid_prefix(grammar, lookup)
+    return lookup[1:valid] if valid > 0 else []
+
+
 def with_forced_drafts(
     drafts: list[list[int]],
     grammars: list[int],
@@ -57,36 +73,43 @@ def with_forced_drafts(
     spec: SpeculationConfig,
     steps_per_sync: int,
     budget: int,
-) -> list[list[int]]:
-    """A batch's drafts with each constrained row's forced run added, if verifying them pays.
+) -> tuple[list[list[int]], list[bool]]:
+    """A batch's drafts with each constrained row's forced run in place of its lookup draft,
+    if verifying them pays.
 
-    drafts: speculation's drafts per row (none for constrained rows); grammars: each row's
-    matcher id (-1 unconstrained); tokens_left: what each row may still generate;
-    acceptance: each row's running acceptance estimate (its lookup drafts'); budget: the
-    drafted tokens the step's token budget leaves. Returns `drafts` itself when no row has
-    a forced run or the cost gate turns them down."""
+    drafts: speculation's drafts per row (a constrained row's cut to its grammar, or none
+    with speculation off); grammars: each row's matcher id (-1 unconstrained); tokens_left:
+    what each row may still generate; acceptance: each row's running acceptance estimate
+    (its lookup drafts'); budget: the drafted tokens the step's token budget leaves. Returns
+    the drafts and which rows' are forced runs (certain to be accepted unless the row ends);
+    `drafts` itself and no forced row when no row has a forced run or the cost gate turns
+    them down."""
+    out, forced = list(drafts), [False] * len(drafts)
+    if not spec.forced_tokens:  # each forced token a step of its own, speculation on or off
+        return drafts, forced
     limit = forced_draft_limit(spec, steps_per_sync)
     budget -= sum(len(d) for d in drafts)
-    out = list(drafts)
     for j, grammar in enumerate(grammars):
-        if grammar >= 0 and budget > 0:
-            out[j] = forced_draft(grammar, min(limit, budget), tokens_left[j])
-            budget -= len(out[j])
-    if not any(len(a) != len(b) for a, b in zip(out, drafts, strict=True)):
-        return drafts
-    certain = [1.0 if g >= 0 else a for g, a in zip(grammars, acceptance, strict=True)]
+        if grammar < 0:
+            continue
+        run = forced_draft(grammar, min(limit, budget + len(out[j])), tokens_left[j])
+        if run:  # the grammar forces what follows: no lookup can do better
+            budget += len(out[j]) - len(run)
+            out[j], forced[j] = run, True
+    if not any(forced):
+        return drafts, forced
+    certain = [1.0 if f else a for f, a in zip(forced, acceptance, strict=True)]
     if verification_pays([len(d) for d in out], certain, spec):
-        return out
+        return out, forced
     # Turned down: the runs cut to the padding the step's token bucket has anyway (a
     # drained batch of 20 rows runs 32 tokens), which may pay where the whole runs did not.
     room = ragged_token_bucket(len(drafts) + sum(len(d) for d in drafts)) - len(drafts)
-    room -= sum(len(d) for d in drafts)
-    for j, grammar in enumerate(grammars):
-        if grammar >= 0:
+    room -= sum(len(d) for j, d in enumerate(drafts) if not forced[j])
+    for j in range(len(out)):
+        if forced[j]:
             out[j] = out[j][: max(room, 0)]
             room -= len(out[j])
-    if any(out[j] for j, g in enumerate(grammars) if g >= 0) and verification_pays(
-        [len(d) for d in out], certain, spec
-    ):
-        return out
-    return drafts
+            forced[j] = bool(out[j])
+    if any(forced) and verification_pays([len(d) for d in out], certain, spec):
+        return out, forced
+    return drafts, [False] * len(drafts)

@@ -58,13 +58,19 @@ class DraftHistory:
     accepted: int = 0
     verify_steps: int = 0  # steps in which it drafted
 
-    def record(self, drafted: int, accepted: int, cfg: SpeculationConfig) -> None:
-        """Fold one verification in: `accepted` of `drafted` tokens survived."""
+    def record(
+        self, drafted: int, accepted: int, cfg: SpeculationConfig, learn: bool = True
+    ) -> None:
+        """Fold one verification in: `accepted` of `drafted` tokens survived. `learn`: it
+        moves the acceptance estimate too (a lookup's verdict; a grammar's forced run is
+        certain and says nothing of how lookups fare, so it only counts in the totals)."""
         if drafted <= 0:
             return
         self.drafted += drafted
         self.accepted += accepted
         self.verify_steps += 1
+        if not learn:
+            return
         memory = cfg.acceptance_memory
         self.acceptance = memory * self.acceptance + (1 - memory) * accepted / drafted
 
@@ -84,10 +90,12 @@ def record_verification(
 ) -> None:
     """Fold one verifying step in: row i drafted `drafted[i]` tokens and `accepted[i]`
     survived. Each row's own history takes its verdict; `pool`, the engine's, takes the
-    step's lookup drafts (`lookup[i]`) summed, as one verification (a constrained row's
-    forced drafts are always accepted and say nothing of how lookups fare)."""
-    for history, n, took in zip(histories, drafted, accepted, strict=True):
-        history.record(n, took, cfg)
+    step's lookup drafts (`lookup[i]`) summed, as one verification. A constrained row's
+    forced drafts are always accepted and say nothing of how lookups fare: they count in the
+    row's totals but move no estimate (the row may draft by lookup where its next token is
+    free)."""
+    for history, n, took, is_lookup in zip(histories, drafted, accepted, lookup, strict=True):
+        history.record(n, took, cfg, learn=is_lookup)
     rows = zip(drafted, accepted, lookup, strict=True)
     pooled = [(n, took) for n, took, is_lookup in rows if is_lookup]
     pool.record(sum(n for n, _ in pooled), sum(took for _, took in pooled), cfg)

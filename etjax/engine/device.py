@@ -399,9 +399,11 @@ class DeviceBackend:
         return initial_mask(grammar)
 
     def _statics(self, rows: list[int], max_kept: int) -> StepStatics:
-        # The call's statics: the engine's, its kept-table width, and whether a row is
-        # constrained (a program of its own, which only such calls pay for).
-        constrained = any(row in self._constrained for row in rows)
+        # The call's statics: the engine's, its kept-table width, and how many rows are
+        # constrained, rounded up to a power of two (0: none; a program of its own, which
+        # only such calls pay for, masking that many rows).
+        count = sum(row in self._constrained for row in rows)
+        constrained = next_power_of_two(count) if count else 0
         return dataclasses.replace(self.statics, max_kept=max_kept, constrained=constrained)
 
     def save(self, row: int) -> DecodeState:

@@ -46,6 +46,7 @@ from etjax.drafting import (
     DraftHistory,
     draft_lengths,
     lookup_draft,
+    lookup_within_grammar,
     record_verification,
     with_forced_drafts,
 )
@@ -276,11 +277,11 @@ class Engine:
         batch = self._pick_batch([s for s in arrived if s.status is Status.RUNNING])
         prefilling = [s for s in arrived if s.status is Status.PREFILLING]
         budget = self.options.token_budget - len(batch)
-        drafts = self._drafts(batch, budget)
+        drafts, forced = self._drafts(batch, budget)
         budget -= sum(len(d) for d in drafts)
         jobs = self._prefill_jobs(prefilling, budget)
         if jobs or any(drafts):
-            device += self._mixed(batch, jobs, drafts)
+            device += self._mixed(batch, jobs, drafts, forced)
         elif batch:
             device += self._decode(batch)
         self.live = [s for s in self.live if not s.finished]
@@ -365,12 +366,13 @@ class Engine:
             budget -= len(chunk)
         return jobs
 
-    def _drafts(self, batch: list[Sequence], budget: int) -> list[list[int]]:
-        # What each row of the batch drafts this round (etjax/drafting): a constrained row
-        # the tokens its grammar forces (forced.py), the others, with speculation on, by
+    def _drafts(self, batch: list[Sequence], budget: int) -> tuple[list[list[int]], list[bool]]:
+        # What each row of the batch drafts this round (etjax/drafting), and whether it is a
+        # forced run: a constrained row the tokens its grammar forces (forced.py); with
+        # speculation on, the other rows, and a constrained row whose next token is free, by
         # prompt lookup (lengths by entropy and acceptance so far).
         spec = self.options.speculation
-        drafts = with_forced_drafts(
+        drafts, forced = with_forced_drafts(
             self._lookup_drafts(batch, budget),
             [s.grammar for s in batch],
             [s.settings.max_new_tokens - len(s.output.token_ids) for s in batch],
@@ -382,7 +384,7 @@ class Engine:
         for seq, draft in zip(batch, drafts, strict=True):
             if draft and seq.drafts is None:  # a forced run, speculation off
                 seq.drafts = DraftHistory(spec.acceptance_prior)
-        return drafts
+        return drafts, forced
 
     def _lookup_drafts(self, batch: list[Sequence], budget: int) -> list[list[int]]:
         # Speculation's drafts; none when it is off.
@@ -396,32 +398,39 @@ class Engine:
         signal = [s.output.calibrated_entropy for s in batch]
         entropies = [h[-1] if h else None for h in signal]
         lengths = draft_lengths(entropies, [s.drafts for s in batch], spec, budget)
-        # A constrained row drafts its forced tokens instead (`_drafts`), never a lookup.
-        lengths = [0 if s.grammar >= 0 else n for s, n in zip(batch, lengths, strict=True)]
         # The lookup continues the committed text, so its first token predicts the one the
-        # device samples this step; the drafts are what follows that prediction.
-        return [
-            lookup_draft(
-                seq.history.view(seq.prompt, seq.output.token_ids),
-                n + 1,
-                spec.ngram_max,
-                spec.ngram_min,
-            )[1:]
-            if n
-            else []
-            for seq, n in zip(batch, lengths, strict=True)
-        ]
+        # device samples this step; the drafts are what follows that prediction. A
+        # constrained row's are cut where its grammar would refuse them.
+        drafts = []
+        for seq, n in zip(batch, lengths, strict=True):
+            lookup = (
+                lookup_draft(
+                    seq.history.view(seq.prompt, seq.output.token_ids),
+                    n + 1,
+                    spec.ngram_max,
+                    spec.ngram_min,
+                )
+                if n
+                else []
+            )
+            if seq.grammar >= 0:
+                drafts.append(lookup_within_grammar(seq.grammar, lookup) if lookup else [])
+            else:
+                drafts.append(lookup[1:])
+        return drafts
 
     def _mixed(
         self,
         batch: list[Sequence],
         jobs: list[tuple[Sequence, PrefillJob]],
         drafts: list[list[int]],
+        forced: list[bool],
     ) -> float:
         # One ragged step: the batch's rows decode a token each (and verify their drafts),
         # the jobs append their chunks.
         order = sorted(range(len(batch)), key=lambda i: batch[i].row)
         batch, drafts = [batch[i] for i in order], [drafts[i] for i in order]
+        forced = [forced[i] for i in order]
         started = time.perf_counter()
         out, budgets, costs, prompt_logprobs = self.backend.mixed(
             [s.row for s in batch],
@@ -437,7 +446,8 @@ class Engine:
             self.decode_bursts += 1
             self.model_passes += 1
             if any(drafts):
-                self._record_drafts(batch, drafts, np.asarray(out.emitted).sum(axis=0))
+                committed = np.asarray(out.emitted).sum(axis=0)
+                self._record_drafts(batch, drafts, forced, committed)
             self._collect(batch, out, budgets, one_pass=True)
         for (seq, job), (flops, nbytes), values in zip(jobs, costs, prompt_logprobs, strict=True):
             if values is not None:
@@ -446,7 +456,11 @@ class Engine:
         return elapsed
 
     def _record_drafts(
-        self, batch: list[Sequence], drafts: list[list[int]], committed: np.ndarray
+        self,
+        batch: list[Sequence],
+        drafts: list[list[int]],
+        forced: list[bool],
+        committed: np.ndarray,
     ) -> None:
         # The step's verdicts: a row committed its token and the drafts it accepted.
         rows = [j for j, d in enumerate(drafts) if d]
@@ -454,7 +468,7 @@ class Engine:
             [batch[j].drafts for j in rows],
             [len(drafts[j]) for j in rows],
             [max(int(committed[j]) - 1, 0) for j in rows],
-            [batch[j].grammar < 0 for j in rows],
+            [not forced[j] for j in rows],
             self.draft_pool,
             self.options.speculation,
         )

@@ -13,30 +13,40 @@ import jax.numpy as jnp
 
 from etjax.calibration.signal import calibrated_entropy
 from etjax.distributed.topk import top_k
-from etjax.entropy.estimators import masked_entropy_and_log_normaliser
+from etjax.entropy.estimators import (
+    entropy_and_log_normaliser,
+    masked_entropy_and_log_normaliser,
+)
 from etjax.entropy.state import advance_tau
 from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.options import FINISH_REASONS
 from etjax.runtime.state import DecodeState, StepOutputs
+from etjax.runtime.token_mask import MaskedRows
 from etjax.sampling.sampler import SampleInfo, SamplerState, sample_next
 
 
 def sample_rows(
-    state: DecodeState, raw_logits: jax.Array | None = None, allowed: jax.Array | None = None
+    state: DecodeState, masked: MaskedRows | None = None
 ) -> tuple[jax.Array, SampleInfo, SamplerState]:
     """Each row's next token drawn from its logits with its sampler, keyed by the token's
     index in the row's output (what makes a draw the same in any step that makes it), and
     the entropy signal of the distribution under the row's calibration (the draw reads the
     raw logits: calibration changes what the engine steers by, not what is sampled).
-    `raw_logits` [B, V]: the model's logits when `state.logits` are a grammar's masking of
-    them to the tokens `allowed` [B, V] bool; the raw entropy and the signal are theirs
-    (pruning and the scheduler read the model, not the constraint). The masked and the raw
-    entropy then come from one pass over the vocabulary
-    (`masked_entropy_and_log_normaliser`)."""
-    entropy = None
-    if raw_logits is not None:
-        masked, log_normaliser, raw = masked_entropy_and_log_normaliser(raw_logits, allowed)
-        entropy = (masked, log_normaliser)
+    `masked`: the rows whose `state.logits` are a grammar's masking of their logits
+    (`mask_rows`); their sampled entropy is the masked distribution's, their raw entropy and
+    signal the model's (pruning and the scheduler read the model, not the constraint), both
+    from one pass over their vocabulary (`masked_entropy_and_log_normaliser`)."""
+    entropy = raw = None
+    if masked is not None and masked.rows is None:  # every row masked
+        h_masked, log_z, raw = masked_entropy_and_log_normaliser(masked.raw, masked.ok)
+        entropy = (h_masked, log_z)
+    elif masked is not None:
+        # Every row's entropy of what it samples from; the masked rows' from the fused pass,
+        # which also gives their raw entropy.
+        h, log_z = entropy_and_log_normaliser(state.logits)
+        h_masked, log_z_masked, h_raw = masked_entropy_and_log_normaliser(masked.raw, masked.ok)
+        entropy = (h.at[masked.rows].set(h_masked), log_z.at[masked.rows].set(log_z_masked))
+        raw = h.at[masked.rows].set(h_raw)
     tokens, info, sampler_state = sample_next(
         state.logits,
         state.sampler,
@@ -46,9 +56,13 @@ def sample_rows(
         state.num_generated,
         entropy,
     )
-    if raw_logits is None:
-        raw_logits, raw = state.logits, info.model_entropy
+    if masked is None:
+        raw = info.model_entropy
+    raw_logits = masked.raw if masked is not None and masked.rows is None else state.logits
     signal = calibrated_entropy(raw_logits, raw, state.calibration)
+    if masked is not None and masked.rows is not None:  # the masked rows' signal: raw logits'
+        calibration = jax.tree.map(lambda x: x[masked.rows], state.calibration)
+        signal = signal.at[masked.rows].set(calibrated_entropy(masked.raw, h_raw, calibration))
     return tokens, info.replace(calibrated_entropy=signal, raw_entropy=raw), sampler_state
 
 

@@ -43,7 +43,7 @@ from etjax.runtime.commit import commit_tokens, finishes, sample_rows
 from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.target_logprobs import target_logprobs
-from etjax.runtime.token_mask import allowed_tokens, collect_masks, mask_logits, start_masks
+from etjax.runtime.token_mask import collect_masks, mask_rows, start_masks
 from etjax.runtime.verify import accept_drafts
 
 DENSE = PruningConfig().shape()  # pruning disabled: every block of the context is read
@@ -61,10 +61,11 @@ class StepStatics:
     max_kept: int = 0  # under pruning, the blocks a row's token may read per layer, at most
     placement: Placement | None = None  # the mesh the arrays keep, or None on one device
     attention_backend: AttentionBackend = XLA  # its kernels (etjax/attention/backend.py)
-    # A row of the call is constrained: each step masks the logits by the rows' allowed
-    # tokens and asks the host for the next masks (etjax/runtime/token_mask.py). Calls
-    # without one compile and run programs with none of it.
-    constrained: bool = False
+    # Rows of the call are constrained: at most this many (a power of two; 0: none). Each
+    # step masks their logits by their allowed tokens and asks the host for the next masks
+    # (etjax/runtime/token_mask.py). Calls without one compile and run programs with none
+    # of it.
+    constrained: int = 0
     # Entropy-steered experts (etjax/experts): the rows' decode tokens run fewer routed
     # experts after a confident step. None: every token runs all k (engines with the setting
     # off share their programs whatever its numbers).
@@ -347,9 +348,11 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
         # The grammar's mask comes before everything that reads the distribution (penalties,
         # temperature, truncation, the controller, the draw, the top-k); the raw logits stay
         # the entropy signal's.
-        ok = allowed_tokens(state.allowed, raw_logits.shape[1])
-        state = state.replace(logits=mask_logits(raw_logits, ok))
-        tokens, info, sampler_state = sample_rows(state, raw_logits, ok)
+        logits, masked = mask_rows(
+            raw_logits, state.allowed, active & (state.grammar >= 0), statics.constrained
+        )
+        state = state.replace(logits=logits)
+        tokens, info, sampler_state = sample_rows(state, masked)
         # The host computes the next masks while the model runs on `tokens` (collected below).
         tokens, ticket = start_masks(
             state.grammar, tokens, state.num_generated, active, state.allowed.shape[1]

@@ -2,11 +2,13 @@
 
 A constrained row's state holds the bitmask of the tokens its grammar allows next
 (`DecodeState.allowed`, [B, W] uint32, bit i of word i // 32 = token i; all ones for an
-unconstrained row). A step in a program compiled for constrained rows (`StepStatics.constrained`)
-masks the logits with it before anything else reads them (penalties, temperature, truncation,
-the entropic controller, the draw). After the draw it hands the drawn tokens to the host
-(`start_masks`, an ordered `jax.experimental.io_callback` that returns at once): the rows'
-llguidance matchers consume them and compute the next masks on a host thread
+unconstrained row). A step in a program compiled for constrained rows
+(`StepStatics.constrained`) masks their logits with it before anything else reads them
+(penalties, temperature, truncation, the entropic controller, the draw): the constrained rows
+only, gathered (`mask_rows`), so the mask and the masked rows' two entropies cost those rows,
+not the batch. After the draw it hands the drawn tokens to the host (`start_masks`, an
+ordered `jax.experimental.io_callback` that returns at once): the rows' llguidance matchers
+consume them and compute the next masks on a host thread
 (etjax/constraints/matcher.py) while the device runs the model on the tokens, and the step
 collects the masks after the model's pass (`collect_masks`, a second ordered callback, which
 waits only for what is not done yet). A burst of K steps thus stays one `lax.scan`.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +47,38 @@ def mask_logits(logits: jax.Array, ok: jax.Array) -> jax.Array:
     """logits [B, V] with the tokens `ok` [B, V] bool (`allowed_tokens`) does not hold set
     to -inf."""
     return jnp.where(ok, logits, -jnp.inf)
+
+
+@flax.struct.dataclass
+class MaskedRows:
+    """The rows a constrained step masks: `rows` [C] int32 their indices in the batch (None:
+    every row), `raw` [C, V] their logits before the mask, `ok` [C, V] bool the tokens their
+    masks allow. C is static (`StepStatics.constrained`, a power of two at least the call's
+    constrained rows): the mask, the masked entropy and the raw one cost C rows of the
+    vocabulary, not the batch's, so unconstrained rows beside one constrained row pay
+    little. Slots beyond the constrained rows repeat the first; a row whose mask allows
+    everything is the same masked or not, so any extra slot is harmless."""
+
+    rows: jax.Array | None
+    raw: jax.Array
+    ok: jax.Array
+
+
+def mask_rows(logits: jax.Array, allowed: jax.Array, masked: jax.Array, count: int):
+    """(logits [B, V] with the rows in `masked` [B] bool (at most `count` of them) masked by
+    their `allowed` [B, W] words, MaskedRows). With `count` >= B every row is masked in place:
+    gathering and scattering back a whole batch cost more than masking the unconstrained
+    rows by their all-ones masks (a 32-row sampling stage on the 2-core CPU: 30.5 ms
+    gathered against 23.1 in place, docs/ARCHITECTURE.md)."""
+    b, v = logits.shape
+    if count >= b:
+        ok = allowed_tokens(allowed, v)
+        return mask_logits(logits, ok), MaskedRows(rows=None, raw=logits, ok=ok)
+    index = jnp.nonzero(masked, size=count, fill_value=-1)[0]
+    index = jnp.where(index >= 0, index, jnp.maximum(index[0], 0)).astype(jnp.int32)
+    raw = logits[index]
+    ok = allowed_tokens(allowed[index], v)
+    return logits.at[index].set(mask_logits(raw, ok)), MaskedRows(rows=index, raw=raw, ok=ok)
 
 
 def start_masks(

@@ -37,7 +37,7 @@ from etjax.model.weights import Weights
 from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.commit import commit_tokens, sample_rows
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.runtime.token_mask import allowed_tokens, collect_masks, mask_logits, start_masks
+from etjax.runtime.token_mask import collect_masks, mask_rows, start_masks
 
 
 def accept_drafts(
@@ -47,7 +47,7 @@ def accept_drafts(
     draft_len: jax.Array,
     draft_hidden: jax.Array,
     cost: CostModel,
-    constrained: bool = False,
+    constrained: int = 0,
     reads: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None,
 ) -> tuple[DecodeState, StepOutputs]:
     """Accept the longest prefix of each row's drafts its sampler reproduces.
@@ -57,7 +57,8 @@ def accept_drafts(
     [B] int32 how many of them are real (the row ran them only if it is still active);
     draft_hidden: [B, k, D] the final hidden state after each draft. Returns the state after
     the accepted drafts and their outputs [k, B] (emitted where accepted). `constrained`
-    (static): the rows' grammars mask each position as in the plain step (`_decode_step`).
+    (static, `StepStatics.constrained`): at most this many rows' grammars mask each position
+    as in the plain step (`_decode_step`).
     `reads(num_blocks [B]) -> (kept fraction, kept blocks)`: what a draft read under pruning,
     for the trace and the cost (None: every block of its context).
 
@@ -71,9 +72,11 @@ def accept_drafts(
         state, accepting, accepted = carry
         raw = state.logits
         if constrained:
-            ok = allowed_tokens(state.allowed, raw.shape[1])
-            state = state.replace(logits=mask_logits(raw, ok))
-            tokens, info, sampler_state = sample_rows(state, raw, ok)
+            logits, masked = mask_rows(
+                raw, state.allowed, state.active & (state.grammar >= 0), constrained
+            )
+            state = state.replace(logits=logits)
+            tokens, info, sampler_state = sample_rows(state, masked)
         else:
             tokens, info, sampler_state = sample_rows(state)
         draft = jax.lax.dynamic_index_in_dim(drafts, i, axis=1, keepdims=False)
