@@ -363,6 +363,35 @@ def test_the_engine_pools_the_steps_lookup_drafts_for_new_sequences():
     assert wanted_length(0.1, DraftHistory(cfg.acceptance_prior), cfg) == 4
 
 
+def test_resting_rows_relax_towards_the_pool_and_the_pool_slowly_towards_the_prior():
+    cfg = SpeculationConfig(
+        enabled=True, acceptance_prior=0.72, acceptance_memory=0.7, min_survival=0.25
+    )
+    pool = DraftHistory(0.1)  # the engine's drafts have failed
+    row = DraftHistory(0.2)  # 0.2 < 0.25: draft nothing, rest
+    assert draft_lengths([0.1], [row], cfg, budget=100, pool=pool) == [0]
+    assert row.acceptance == pytest.approx(0.7 * 0.2 + 0.3 * 0.1)  # towards the pool
+    assert pool.acceptance == pytest.approx(0.95 * 0.1 + 0.05 * 0.72)  # POOL_REST_MEMORY
+    # Unsure rows do not rest anything.
+    before = (row.acceptance, pool.acceptance)
+    assert draft_lengths([3.0], [row], cfg, budget=100, pool=pool) == [0]
+    assert (row.acceptance, pool.acceptance) == before
+    # Rounds of sure rows drafting nothing, from a row at 0.2 and the pool at 0.1 (a pass's
+    # fixed cost as an accelerator's, so the cost gate lets any draft through): by hand,
+    # r' = 0.7 r + 0.3 p then p' = 0.95 p + 0.05 * 0.72 reaches r >= 0.25 in round 10
+    # (r = 0.260, p = 0.329); a row resting towards the prior, in round 2 (0.356).
+    cfg = dataclasses.replace(cfg, **EAGER)
+    row, pool = DraftHistory(0.2), DraftHistory(0.1)
+    rounds = 1
+    while draft_lengths([0.1], [row], cfg, budget=100, pool=pool) == [0]:
+        rounds += 1
+    assert rounds == 10
+    row, rounds = DraftHistory(0.2), 1
+    while draft_lengths([0.1], [row], cfg, budget=100) == [0]:
+        rounds += 1
+    assert rounds == 2
+
+
 def test_verification_is_turned_down_where_a_burst_step_makes_tokens_cheaper():
     # The CPU's costs: a pass of n padded tokens costs 5 + n, verifying 0.5 more per padded
     # row. One row, 4 drafts at a = 0.8: E = 0.8 + 0.64 + 0.512 + 0.4096 = 2.3616 accepted;

@@ -21,8 +21,12 @@ sequence's lookup drafts, summed per step, through the same running mean), not
 `acceptance_prior`. A sequence drafts a few times in its life, too few to learn from its own
 history alone: on the `long` workload rows started at the prior 0.72 and drafts were accepted
 0-33% of the time, so each new row drafted and lost its first rounds (docs/PERF.md,
-"Reading the verifying step at long context"). The pool starts at the prior; `rest` still
-relaxes towards the prior, so an engine whose drafts failed once tries again.
+"Reading the verifying step at long context"). The pool starts at the prior. A row that
+rests relaxes towards the pool, not the prior: there every row took its estimate before
+any step verified, and after their own failures rows relaxing to the prior drafted again
+every other round. The pool itself rests towards the prior, by a smaller step
+(`POOL_REST_MEMORY`) once per round in which sure rows drafted nothing, so an engine whose
+drafts failed still tries again now and then.
 
 Over the batch, drafting sequences are served lowest entropy first until the step holds
 `draft_budget` tokens, the rows' own included (and within the step's token budget): a batch
@@ -46,6 +50,13 @@ from dataclasses import dataclass
 
 from etjax.drafting.config import SpeculationConfig
 from etjax.runtime.buckets import batch_bucket, ragged_token_bucket
+
+# The pooled estimate's step towards the prior per round in which sure rows drafted nothing
+# (a row's own step is `acceptance_memory`, 0.7). From an estimate that stops every row
+# drafting (0.1, with min_survival 0.25 and the prior 0.72) rows try again after about 7
+# rounds at 0.95, after 1 or 2 at 0.7: on the `long` workload they retried every other
+# round and verified drafts accepted 0-33% of the time (docs/PERF.md).
+POOL_REST_MEMORY = 0.95
 
 
 @dataclass
@@ -74,9 +85,18 @@ class DraftHistory:
         memory = cfg.acceptance_memory
         self.acceptance = memory * self.acceptance + (1 - memory) * accepted / drafted
 
-    def rest(self, cfg: SpeculationConfig) -> None:
-        """A round without drafting although the model was sure: relax towards the prior."""
+    def rest(self, cfg: SpeculationConfig, toward: float | None = None) -> None:
+        """A round without drafting although the model was sure: relax towards `toward`
+        (the engine's pooled estimate), or the prior."""
+        target = cfg.acceptance_prior if toward is None else toward
         memory = cfg.acceptance_memory
+        self.acceptance = memory * self.acceptance + (1 - memory) * target
+
+    def rest_pool(self, cfg: SpeculationConfig) -> None:
+        """The pool's rest, once per round in which sure rows drafted nothing: towards the
+        prior by POOL_REST_MEMORY, so an engine whose drafts failed tries again after some
+        rounds, not every other one."""
+        memory = POOL_REST_MEMORY
         self.acceptance = memory * self.acceptance + (1 - memory) * cfg.acceptance_prior
 
 
@@ -101,15 +121,21 @@ def record_verification(
     pool.record(sum(n for n, _ in pooled), sum(took for _, took in pooled), cfg)
 
 
-def wanted_length(entropy: float | None, history: DraftHistory, cfg: SpeculationConfig) -> int:
+def wanted_length(
+    entropy: float | None,
+    history: DraftHistory,
+    cfg: SpeculationConfig,
+    pool: DraftHistory | None = None,
+) -> int:
     """Tokens one sequence would draft: 0 above `entropy_max` (or with no token yet), else the
-    largest k <= max_draft with acceptance ** k >= min_survival (0 also rests the history)."""
+    largest k <= max_draft with acceptance ** k >= min_survival (0 also rests the history,
+    towards `pool`'s estimate if given)."""
     if entropy is None or entropy > cfg.entropy_max:
         return 0
     a = min(max(history.acceptance, 1e-6), 1 - 1e-6)
     k = min(cfg.max_draft, math.floor(math.log(cfg.min_survival) / math.log(a)))
     if k <= 0:
-        history.rest(cfg)
+        history.rest(cfg, None if pool is None else pool.acceptance)
     return max(k, 0)
 
 
@@ -118,23 +144,32 @@ def draft_lengths(
     histories: list[DraftHistory],
     cfg: SpeculationConfig,
     budget: int,
+    pool: DraftHistory | None = None,
 ) -> list[int]:
     """Each sequence's draft length this step: `wanted_length`, granted lowest entropy first
     while the step stays within `draft_budget` tokens (one per row plus drafts) and `budget`
-    drafted tokens."""
-    wanted = [wanted_length(h, d, cfg) for h, d in zip(entropies, histories, strict=True)]
+    drafted tokens. `pool`: the engine's pooled estimate, which resting rows relax towards
+    and which itself rests once in a round where a sure row drafted nothing."""
+    wanted = [wanted_length(h, d, cfg, pool) for h, d in zip(entropies, histories, strict=True)]
+    sure = [h is not None and h <= cfg.entropy_max for h in entropies]
+    # A sure row that wants nothing rested (`wanted_length`): the pool rests once.
+    rested = any(s and not w for s, w in zip(sure, wanted, strict=True))
     left = min(cfg.draft_budget - len(wanted), budget)
     granted = [0] * len(wanted)
     for i in sorted(range(len(wanted)), key=lambda i: entropies[i] or 0.0):
         granted[i] = max(min(wanted[i], left), 0)
         left -= granted[i]
     if verification_pays(granted, [d.acceptance for d in histories], cfg):
+        if pool is not None and rested:
+            pool.rest_pool(cfg)
         return granted
     # Turned down by the cost: confident rows relax towards the prior, as when their own
     # estimate stops them, so a batch that drains to where verifying pays tries again.
     for i, want in enumerate(wanted):
         if want:
-            histories[i].rest(cfg)
+            histories[i].rest(cfg, None if pool is None else pool.acceptance)
+    if pool is not None and (rested or any(wanted)):
+        pool.rest_pool(cfg)
     return [0] * len(granted)
 
 

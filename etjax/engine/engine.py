@@ -397,7 +397,8 @@ class Engine:
         # The signal: the calibrated entropy (the model's own without a calibration).
         signal = [s.output.calibrated_entropy for s in batch]
         entropies = [h[-1] if h else None for h in signal]
-        lengths = draft_lengths(entropies, [s.drafts for s in batch], spec, budget)
+        histories = [s.drafts for s in batch]
+        lengths = draft_lengths(entropies, histories, spec, budget, self.draft_pool)
         # The lookup continues the committed text, so its first token predicts the one the
         # device samples this step; the drafts are what follows that prediction. A
         # constrained row's are cut where its grammar would refuse them.
