@@ -52,10 +52,11 @@ from etjax.drafting.config import SpeculationConfig
 from etjax.runtime.buckets import batch_bucket, ragged_token_bucket
 
 # The pooled estimate's step towards the prior per round in which sure rows drafted nothing
-# (a row's own step is `acceptance_memory`, 0.7). From an estimate that stops every row
-# drafting (0.1, with min_survival 0.25 and the prior 0.72) rows try again after about 7
-# rounds at 0.95, after 1 or 2 at 0.7: on the `long` workload they retried every other
-# round and verified drafts accepted 0-33% of the time (docs/PERF.md).
+# (a row's own step is `acceptance_memory`, 0.7). From a pool at 0.1 and a row at 0.2 (with
+# min_survival 0.25 and the prior 0.72) the row drafts again in round 10; resting towards
+# the prior it did in round 2 (tests/test_speculation.py, by hand), and on the `long`
+# workload rows retried every other round while 0-33% of their drafts were accepted
+# (docs/PERF.md).
 POOL_REST_MEMORY = 0.95
 
 
@@ -85,19 +86,15 @@ class DraftHistory:
         memory = cfg.acceptance_memory
         self.acceptance = memory * self.acceptance + (1 - memory) * accepted / drafted
 
-    def rest(self, cfg: SpeculationConfig, toward: float | None = None) -> None:
+    def rest(
+        self, cfg: SpeculationConfig, toward: float | None = None, memory: float | None = None
+    ) -> None:
         """A round without drafting although the model was sure: relax towards `toward`
-        (the engine's pooled estimate), or the prior."""
+        (a row: the engine's pooled estimate), or the prior, keeping `memory` of the
+        estimate (default `acceptance_memory`; the pool keeps POOL_REST_MEMORY)."""
         target = cfg.acceptance_prior if toward is None else toward
-        memory = cfg.acceptance_memory
+        memory = cfg.acceptance_memory if memory is None else memory
         self.acceptance = memory * self.acceptance + (1 - memory) * target
-
-    def rest_pool(self, cfg: SpeculationConfig) -> None:
-        """The pool's rest, once per round in which sure rows drafted nothing: towards the
-        prior by POOL_REST_MEMORY, so an engine whose drafts failed tries again after some
-        rounds, not every other one."""
-        memory = POOL_REST_MEMORY
-        self.acceptance = memory * self.acceptance + (1 - memory) * cfg.acceptance_prior
 
 
 def record_verification(
@@ -152,25 +149,24 @@ def draft_lengths(
     and which itself rests once in a round where a sure row drafted nothing."""
     wanted = [wanted_length(h, d, cfg, pool) for h, d in zip(entropies, histories, strict=True)]
     sure = [h is not None and h <= cfg.entropy_max for h in entropies]
-    # A sure row that wants nothing rested (`wanted_length`): the pool rests once.
+    # A sure row that wants nothing has rested (`wanted_length`).
     rested = any(s and not w for s, w in zip(sure, wanted, strict=True))
     left = min(cfg.draft_budget - len(wanted), budget)
     granted = [0] * len(wanted)
     for i in sorted(range(len(wanted)), key=lambda i: entropies[i] or 0.0):
         granted[i] = max(min(wanted[i], left), 0)
         left -= granted[i]
-    if verification_pays(granted, [d.acceptance for d in histories], cfg):
-        if pool is not None and rested:
-            pool.rest_pool(cfg)
-        return granted
-    # Turned down by the cost: confident rows relax towards the prior, as when their own
-    # estimate stops them, so a batch that drains to where verifying pays tries again.
-    for i, want in enumerate(wanted):
-        if want:
-            histories[i].rest(cfg, None if pool is None else pool.acceptance)
-    if pool is not None and (rested or any(wanted)):
-        pool.rest_pool(cfg)
-    return [0] * len(granted)
+    pays = verification_pays(granted, [d.acceptance for d in histories], cfg)
+    if not pays:
+        # Turned down by the cost: confident rows rest, as when their own estimate stops
+        # them, so a batch that drains to where verifying pays tries again.
+        for i, want in enumerate(wanted):
+            if want:
+                histories[i].rest(cfg, None if pool is None else pool.acceptance)
+        rested = rested or any(wanted)
+    if pool is not None and rested:  # once a round, however many rows rested
+        pool.rest(cfg, memory=POOL_REST_MEMORY)
+    return granted if pays else [0] * len(granted)
 
 
 def expected_accepted(length: int, acceptance: float) -> float:

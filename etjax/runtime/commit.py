@@ -37,12 +37,12 @@ def sample_rows(
     signal the model's (pruning and the scheduler read the model, not the constraint), both
     from one pass over their vocabulary (`masked_entropy_and_log_normaliser`)."""
     entropy = raw = None
-    if masked is not None and masked.rows is None:  # every row masked
+    if masked is not None and masked.rows is None:  # every row masked: one fused pass
         h_masked, log_z, raw = masked_entropy_and_log_normaliser(masked.raw, masked.ok)
         entropy = (h_masked, log_z)
     elif masked is not None:
-        # Every row's entropy of what it samples from; the masked rows' from the fused pass,
-        # which also gives their raw entropy.
+        # The plain entropy of every row's (masked) logits, the masked rows' replaced by
+        # their fused pass, which also gives their raw entropy.
         h, log_z = entropy_and_log_normaliser(state.logits)
         h_masked, log_z_masked, h_raw = masked_entropy_and_log_normaliser(masked.raw, masked.ok)
         entropy = (h.at[masked.rows].set(h_masked), log_z.at[masked.rows].set(log_z_masked))
@@ -56,11 +56,14 @@ def sample_rows(
         state.num_generated,
         entropy,
     )
+    # The signal is the raw logits' (calibration reads the model, not the constraint).
     if masked is None:
         raw = info.model_entropy
-    raw_logits = masked.raw if masked is not None and masked.rows is None else state.logits
-    signal = calibrated_entropy(raw_logits, raw, state.calibration)
-    if masked is not None and masked.rows is not None:  # the masked rows' signal: raw logits'
+        signal = calibrated_entropy(state.logits, raw, state.calibration)
+    elif masked.rows is None:
+        signal = calibrated_entropy(masked.raw, raw, state.calibration)
+    else:
+        signal = calibrated_entropy(state.logits, raw, state.calibration)
         calibration = jax.tree.map(lambda x: x[masked.rows], state.calibration)
         signal = signal.at[masked.rows].set(calibrated_entropy(masked.raw, h_raw, calibration))
     return tokens, info.replace(calibrated_entropy=signal, raw_entropy=raw), sampler_state
