@@ -223,3 +223,57 @@ def test_xla_loop_over_a_wide_padded_table_matches_the_reference(shared):
     tol = TOLERANCE["float32"]
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=tol["out"], rtol=0)
     np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=tol["mass"], rtol=0)
+
+
+@pytest.mark.skipif("cpu" not in BACKENDS, reason="the C++ kernel runs on a CPU host")
+@pytest.mark.parametrize("selections,dtype", [(1, "float32"), (2, "bfloat16")])
+def test_grouped_rows_read_their_shared_pages_once_and_equal_the_reference(selections, dtype):
+    # Rows 0, 2, 3 share their first 5 pages (the same pool pages, as the prefix cache gives
+    # them), rows 1 and 4 their first 3; row 5 names a leader that leads another row, so it
+    # runs alone. Each row of a group keeps the same shared columns first, then its own.
+    rng = np.random.default_rng(7)
+    b, kvh, group, hd, ps, width = 6, 2, 3, 16, 8, 9
+    leaders = np.array([0, 1, 0, 0, 1, 2], np.int32)
+    shared_pages = {0: 5, 1: 3}
+    table = (1 + rng.permutation(b * width)).reshape(b, width).astype(np.int32)
+    for row, leader in enumerate(leaders[:5]):
+        table[row, : shared_pages[leader]] = table[leader, : shared_pages[leader]]
+    lengths = np.array([70, 40, 55, 72, 33, 20], np.int32)
+    kept = np.zeros((b, selections, width), np.int32)
+    counts = np.zeros((b, selections), np.int32)
+    shared_counts = np.zeros(b, np.int32)
+    for leader, pages in shared_pages.items():
+        shared_counts[leader] = pages - 1
+    common = {
+        (leader, s): rng.permutation(pages)[: pages - 1]
+        for leader, pages in shared_pages.items()
+        for s in range(selections)
+    }
+    for row in range(b):
+        for s in range(selections):
+            leader = int(leaders[row]) if row < 5 else row
+            start = shared_pages[leader] if row < 5 else 0
+            first = list(common[leader, s]) if row < 5 else []
+            own = list(rng.permutation(np.arange(start, -(-lengths[row] // ps))))[:3]
+            chosen = first + own
+            kept[row, s, : len(chosen)] = chosen
+            counts[row, s] = len(chosen)
+    cast = lambda x: jnp.asarray(x, jnp.dtype(dtype))  # noqa: E731
+    args = dict(
+        q=cast(rng.normal(size=(b, kvh * group, hd))),
+        k_pages=cast(rng.normal(size=(1 + b * width, kvh, ps, hd))),
+        v_pages=cast(rng.normal(size=(1 + b * width, kvh, ps, hd))),
+        page_table=jnp.asarray(table),
+        kept_blocks=jnp.asarray(kept),
+        kept_counts=jnp.asarray(counts),
+        lengths=jnp.asarray(lengths),
+    )
+    out, mass = BACKENDS["cpu"](
+        **args, leaders=jnp.asarray(leaders), shared_counts=jnp.asarray(shared_counts)
+    )
+    ref_out, ref_mass = block_sparse_attention_reference(**args)
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(
+        np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=tol["out"], rtol=0
+    )
+    np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=tol["mass"], rtol=0)

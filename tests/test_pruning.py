@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from etjax.pruning.block_scores import (
 )
 from etjax.pruning.budget import kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
+from etjax.pruning.groups import PrunedGroups, grouped_blocks, select_grouped
 from etjax.pruning.selection import select_blocks
 from tests.hypothesis_profiles import examples
 
@@ -190,3 +192,63 @@ def test_page_scores_loop_only_to_the_longest_row_and_match_the_plain_bound(shar
     reached = -(-num_blocks.max() // SCORE_PAGES) * SCORE_PAGES
     np.testing.assert_allclose(np.asarray(scores)[..., :reached], plain[..., :reached], rtol=1e-6)
     assert np.all(np.asarray(scores)[..., reached:] == -np.inf)  # never read
+
+
+def _selections():
+    chosen = {"xla": select_blocks}
+    if jax.default_backend() == "cpu":
+        from pallas_kernels.block_sparse.cpu import select_blocks_cpu
+        from pallas_kernels.cpu import cpu_kernels_available
+
+        if cpu_kernels_available():
+            chosen["cpu"] = select_blocks_cpu
+    return chosen
+
+
+@pytest.mark.parametrize("backend", sorted(_selections()))
+def test_grouped_rows_select_their_shared_prefix_together_and_their_own_pages_apart(backend):
+    # Rows 0-2 share their first 6 pages (leader 0); row 3 is alone. Sink 1, recent 1,
+    # floors of 2 blocks. Worked by hand:
+    # - the group keeps ceil(max fraction 0.5 x 6) = 3 of the prefix: sink 0, its last page 5
+    #   and the best of 1-4 by the largest bound over the three rows (column 3: 8, row 2's;
+    #   row 0 alone would have taken column 2);
+    # - each row keeps its fraction of its own pages after the prefix: row 0 ceil(0.3 x 4)
+    #   -> 2 (their first, 6, and last, 9); row 1 ceil(0.5 x 6) = 3 (6, 11 and 8, its best);
+    #   row 2 ceil(0.2 x 3) -> 2 (6, 8);
+    # - row 3 alone: ceil(0.4 x 8) = 4 (0, 7, and its best two, 3 and 1).
+    select = _selections()[backend]
+    cfg = PruningConfig(enabled=True, sink_blocks=1, recent_blocks=1, min_blocks=2)
+    scores = np.zeros((4, 1, 12), np.float32)
+    scores[0, 0, :6] = [0, 1, 7, 2, 0, 0]
+    scores[1, 0, :6] = [0, 3, 1, 2, 0, 0]
+    scores[2, 0, :6] = [0, 0, 0, 8, 0, 0]
+    scores[1, 0, 7:11] = [1, 9, 2, 3]
+    scores[3, 0, :8] = [0, 5, 1, 6, 0, 2, 0, 0]
+    groups = PrunedGroups(jnp.asarray([0, 0, 0, 3]), jnp.asarray([6, 6, 6, 0]))
+    num_blocks = jnp.asarray([10, 12, 9, 8])
+    fraction = jnp.asarray([0.3, 0.5, 0.2, 0.4], jnp.float32)
+    kept, counts, shared = select_grouped(
+        select, jnp.asarray(scores), num_blocks, fraction, groups, cfg, 12
+    )
+    kept, counts = np.asarray(kept), np.asarray(counts)
+    np.testing.assert_array_equal(counts[:, 0], [5, 6, 5, 4])
+    assert np.asarray(shared)[0] == 3 and np.asarray(shared)[3] == 0
+    for row, own in enumerate([{6, 9}, {6, 8, 11}, {6, 8}]):
+        assert set(kept[row, 0, :3]) == {0, 3, 5}
+        np.testing.assert_array_equal(kept[row, 0, :3], kept[0, 0, :3])  # the same order
+        assert set(kept[row, 0, 3 : counts[row, 0]]) == own
+    assert set(kept[3, 0, :4]) == {0, 1, 3, 7}
+    assert np.all(kept < 12)
+    attended, spared = grouped_blocks(fraction, num_blocks, groups, cfg)
+    np.testing.assert_array_equal(np.asarray(attended), [5, 6, 5, 4])
+    np.testing.assert_allclose(np.asarray(spared), [2.0, 2.0, 2.0, 0.0])  # 3 x (1 - 1/3)
+
+    # A block hot for one member (mass >= 0.1 when last read) is hot for the group: row 2's
+    # column 4 ranks before column 3's better bound.
+    hot = dataclasses.replace(cfg, mass_threshold=0.1)
+    mass = np.zeros_like(scores)
+    mass[2, 0, 4] = 0.5
+    kept, _, _ = select_grouped(
+        select, jnp.asarray(scores), num_blocks, fraction, groups, hot, 12, jnp.asarray(mass)
+    )
+    assert set(np.asarray(kept)[1, 0, :3]) == {0, 4, 5}

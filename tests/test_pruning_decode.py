@@ -8,8 +8,10 @@ import pytest
 import etjax
 from etjax.attention import AttentionBackend, resolve_backend
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.entropy.estimators import exact_entropy
 from etjax.errors import RequestError
 from etjax.pruning.config import PruningConfig
+from tests.model_runner import full_logits
 
 # A budget band far above any entropy this random model reaches (about 9.5 nats): every
 # step keeps its minimum, 30% of the blocks and at least 3.
@@ -163,3 +165,44 @@ def test_pruned_rows_in_a_ragged_step_decode_as_they_do_alone(tiny, monkeypatch)
     assert together.kept_blocks == alone.kept_blocks
     assert together.token_ids == alone.token_ids
     np.testing.assert_allclose(together.entropy, alone.entropy, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_pruning_one_document_select_it_together_and_read_it_once(tiny):
+    # Four prompts after one 48-token beginning (12 pages of 4): with the prefix cache their
+    # decode bursts hold its pages in common, and on the C++ kernel they select its blocks
+    # as a group (etjax/pruning/groups.py).
+    rng = np.random.default_rng(12)
+    beginning = rng.integers(3, tiny.config.vocab_size, 48).tolist()
+    prompts = [
+        beginning + rng.integers(3, tiny.config.vocab_size, k).tolist() for k in (1, 3, 6, 9)
+    ]
+    keep_all = PruningConfig(enabled=True, min_fraction=1.0)
+    grouped = _run(tiny, prompts, keep_all, attention_backend="cpu")
+    # Every block kept: the group's and each row's own are the whole context, so the grouped
+    # steps must reproduce one full pass over prompt and output (padded at the end).
+    sequences = [prompt + out.token_ids for prompt, out in zip(prompts, grouped, strict=True)]
+    ids = np.zeros((4, max(map(len, sequences))), np.int32)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = sequence
+    logits = full_logits(tiny.weights, tiny.config, ids, page_size=4)
+    for row, (prompt, out) in enumerate(zip(prompts, grouped, strict=True)):
+        predicting = logits[row, len(prompt) - 1 : len(prompt) - 1 + len(out.token_ids)]
+        np.testing.assert_array_equal(predicting.argmax(-1), out.token_ids)
+        np.testing.assert_allclose(out.entropy, exact_entropy(predicting), rtol=1e-4, atol=1e-5)
+        blocks = [-(-(len(prompt) + i + 1) // 4) for i in range(len(out.token_ids) - 1)]
+        assert out.kept_blocks[:-1] == blocks  # all of them, the group's counted for each
+        assert max(out.shared_blocks) == 12 * (1 - 1 / 4)  # read once for the four rows
+
+    # 30% of every part: the group keeps ceil(0.3 x 12) = 4 of the beginning (read once for
+    # four rows: each is spared 3), each row max(ceil(0.3 x t), 3) of its t pages after it.
+    pruned = _run(tiny, prompts, LOW_BUDGET, attention_backend="cpu")
+    for prompt, out in zip(prompts, pruned, strict=True):
+        grouped_steps = 0
+        for i, (kept, spared) in enumerate(zip(out.kept_blocks, out.shared_blocks, strict=True)):
+            if spared == 0:  # a step outside a grouped burst (a ragged step, the last token)
+                continue
+            tail = -(-(len(prompt) + i + 1) // 4) - 12
+            assert kept == 4 + min(max(int(np.ceil(0.3 * tail)), 3), tail)
+            assert spared == 3.0
+            grouped_steps += 1
+        assert grouped_steps >= 8

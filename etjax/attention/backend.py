@@ -78,6 +78,13 @@ class AttentionBackend:
         return self.name in ("cpu", "pallas_gpu")
 
     @property
+    def reads_grouped_pruned_rows(self) -> bool:
+        """Whether its block-sparse kernel reads the pages a group of pruned rows shares once
+        for the group (etjax/pruning/groups.py): the C++ kernel does; the others read each
+        row's kept pages apart, where one selection for the group would only cost."""
+        return self.name == "cpu"
+
+    @property
     def scores_own_pages(self) -> bool:
         """Whether pruned steps score each row's own pages (the C++ scorer) rather than every
         padded row up to the longest row's pages (`score_pages_xla`'s loop)."""

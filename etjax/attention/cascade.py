@@ -95,3 +95,27 @@ def blocks_read_for_others(prefixes: Sequence[SharedPrefix], num_tokens: int) ->
         for token in prefix.tokens:
             saved[token] = len(prefix.pages) * (1.0 - 1.0 / rows)
     return saved
+
+
+# Rows a group of pruned rows holds at most: the C++ kernel runs a group's rows in one unit
+# per KV head, so larger groups would leave a core idle (SmolLM2: 3 KV heads, 2 cores).
+PRUNED_GROUP_ROWS = 8
+
+
+def pruned_groups(
+    segments: Sequence[Segment], page_size: int, num_rows: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The groups of a pruned decode burst's one-token `segments` (row j is token j) that
+    share their first pages (etjax/pruning/groups.py): leaders [num_rows] (the first row of
+    each row's group, itself for a row in none) and shared_pages [num_rows] (0 for a row in
+    none), as `shared_prefixes` finds them page by page, two rows or more to a group. None
+    when no rows share."""
+    _, prefixes = shared_prefixes(segments, page_size, 1, PRUNED_GROUP_ROWS, min_rows=2)
+    if not prefixes:
+        return None
+    leaders = np.arange(num_rows, dtype=np.int32)
+    shared = np.zeros(num_rows, np.int32)
+    for prefix in prefixes:
+        leaders[prefix.tokens] = prefix.tokens[0]
+        shared[prefix.tokens] = len(prefix.pages)
+    return leaders, shared

@@ -17,6 +17,7 @@ from etjax.attention.backend import XLA, AttentionBackend
 from etjax.cache.kv_cache import PagePool
 from etjax.pruning.block_scores import block_upper_bounds, remember_mass
 from etjax.pruning.config import PruningShape, PruningThresholds
+from etjax.pruning.groups import PrunedGroups, select_grouped
 
 # Pages scored per loop trip (see score_pages_xla).
 SCORE_PAGES = 32
@@ -34,6 +35,8 @@ def pruned_decode_attention(
     max_kept: int,
     backend: AttentionBackend = XLA,
     mass_rows: jax.Array | None = None,
+    groups: PrunedGroups | None = None,
+    fraction: jax.Array | None = None,
 ) -> tuple[jax.Array, PagePool]:
     """q: [B, H, hd], one decode token per row at `position` [B] (its key already written);
     real: [B] bool rows whose token is real; page_table: [B, P] the rows' pages as pool pages
@@ -41,7 +44,10 @@ def pruned_decode_attention(
     layer's; needed when `pruning.ranks_by_mass`); budget_blocks: [B] int32
     blocks each row may read; pruning, thresholds: the static settings and the traced numbers
     of the selection (etjax/pruning/config.py); max_kept: static width of the kept table;
-    backend: whose block-sparse kernel reads the kept blocks (etjax/attention/backend.py).
+    backend: whose block-sparse kernel reads the kept blocks (etjax/attention/backend.py);
+    groups: rows sharing a prefix, which select its blocks together and read them once
+    (etjax/pruning/groups.py; only where `backend.reads_grouped_pruned_rows`), with
+    `fraction` [B] the rows' kept fractions their budgets come from.
     Returns [B, H, hd] and the pool with the remembered block mass updated."""
     page_size = pool.k.shape[2]
     lengths = position + 1
@@ -54,11 +60,28 @@ def pruned_decode_attention(
         ranking_mass = _last_mass(pool.block_mass, mass_rows, page_table.shape[1])
         if pruning.share_heads:
             ranking_mass = ranking_mass.max(axis=1, keepdims=True)
-    kept, counts = backend.block_selection()(
-        scores, num_blocks, budget_blocks, thresholds, max_kept, ranking_mass
-    )
     kernel = backend.block_sparse()
-    out, mass = kernel(q, pool.k, pool.v, page_table, kept, counts, lengths)
+    if groups is None:
+        kept, counts = backend.block_selection()(
+            scores, num_blocks, budget_blocks, thresholds, max_kept, ranking_mass
+        )
+        out, mass = kernel(q, pool.k, pool.v, page_table, kept, counts, lengths)
+    else:
+        if not backend.reads_grouped_pruned_rows:
+            raise ValueError(f"the {backend.name} block-sparse kernel cannot read groups")
+        kept, counts, shared_counts = select_grouped(
+            backend.block_selection(),
+            scores,
+            num_blocks,
+            fraction,
+            groups,
+            thresholds,
+            max_kept,
+            ranking_mass,
+        )
+        out, mass = kernel(
+            q, pool.k, pool.v, page_table, kept, counts, lengths, groups.leaders, shared_counts
+        )
     if pruning.ranks_by_mass:
         remembered = remember_mass(pool.block_mass, mass_rows, kept, mass, counts, real)
         pool = pool.replace(block_mass=remembered)

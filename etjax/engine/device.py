@@ -28,7 +28,7 @@ from etjax.attention import (
     plan_passes,
     resolve_backend,
 )
-from etjax.attention.cascade import blocks_read_for_others
+from etjax.attention.cascade import blocks_read_for_others, pruned_groups
 from etjax.cache.kv_cache import copy_page, forget_row_mass, init_kv_cache
 from etjax.cache.page_allocator import page_table_rows, pages_needed
 from etjax.calibration.ramp import shifted_thresholds
@@ -43,6 +43,7 @@ from etjax.entropy.state import initial_entropy_state
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
+from etjax.pruning.groups import PrunedGroups
 from etjax.runtime.buckets import (
     batch_bucket,
     next_power_of_two,
@@ -458,6 +459,7 @@ class DeviceBackend:
         index = np.full(num, self.rows, np.int32)  # pad rows: the never-active last row
         index[: len(rows)] = rows
         max_kept, plan, spared = 0, None, np.zeros(len(rows), np.float32)
+        groups = None
         segments = [
             Segment(j, 1, n, n + k - 1, p[: pages_needed(n + k, ps)])
             for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
@@ -477,6 +479,11 @@ class DeviceBackend:
                 plan = plan_passes(
                     [[]], num, sizes, self.attention_backend, window, local_groups=[segments]
                 )
+            # Rows sharing a prefix select its blocks together and read them once.
+            if opts.prefix_cache and self.attention_backend.reads_grouped_pruned_rows:
+                found = pruned_groups(segments, ps, num)
+                if found is not None:
+                    groups = PrunedGroups(*(jnp.asarray(x) for x in found))
         else:
             # Dense: writes need only the pages the burst's positions fall in, and attention
             # reads each row's own pages up to its length after the burst.
@@ -502,9 +509,12 @@ class DeviceBackend:
             self.thresholds,
             self._statics(rows, max_kept),
             k,
+            groups,
         )
         out, budget = jax.device_get((out, self.store.entropy.budget))
         out = jax.tree.map(lambda x: x[:, : len(rows)], out)
+        if out.spared_blocks is not None:  # per step: the groups' counts follow the budgets
+            spared = out.spared_blocks
         return out, np.asarray(budget)[index[: len(rows)]], spared
 
     def burst_rows(self, num_rows: int, tokens_left: int | None) -> int:

@@ -624,7 +624,8 @@ class Engine:
     ) -> None:
         # Stream the rows' new tokens [steps, rows], apply stops, free finished sequences.
         # `one_pass`: the steps are one model pass (a token and its verified drafts), not K.
-        # `spared`: per row, the blocks a step read once for its shared-prefix group.
+        # `spared`: the blocks a step read once for its shared-prefix group, per row [rows] or
+        # per step and row [K, rows].
         now = self.clock()
         trace_columns = [getattr(out, name) for name in TRACE_FIELDS.values()]
         for j, seq in enumerate(batch):
@@ -650,7 +651,8 @@ class Engine:
                     if seq.output.top_logprobs is None:
                         seq.output.top_logprobs = []
                     seq.output.top_logprobs.append(list(pairs))
-                seq.output.shared_blocks.append(0.0 if spared is None else float(spared[j]))
+                saved = 0.0 if spared is None else spared[j] if spared.ndim == 1 else spared[k, j]
+                seq.output.shared_blocks.append(float(saved))
                 if not seq.accept(int(out.tokens[k, j]), trace, finish):
                     break
             self.policy.observe(seq, produced)

@@ -32,6 +32,7 @@ from etjax.model.products import project
 from etjax.model.rope import apply_rope, rope_attention_factor, rope_inverse_frequencies
 from etjax.model.weights import Weights
 from etjax.pruning.config import PruningShape, PruningThresholds
+from etjax.pruning.groups import PrunedGroups
 
 
 def forward(
@@ -174,6 +175,9 @@ class SparsePlan:
     # [B] float32 the kept fraction the budgets come from, for a row whose tokens reach past
     # its first token's page (a verifying row's drafts: runtime/steps.py `_per_token`).
     fraction: jax.Array | None = None
+    # Rows sharing a prefix that select and read it together (etjax/pruning/groups.py);
+    # None: each row alone. Only for a step whose tokens are exactly the rows'.
+    groups: PrunedGroups | None = None
 
 
 def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
@@ -255,6 +259,8 @@ def _pruned_attention(
         sparse.max_kept,
         sparse.backend,
         mass_rows=rows + layer * pool.mass_rows_per_layer,
+        groups=sparse.groups,
+        fraction=sparse.fraction,
     )
     if slots is None:
         return heads, pool

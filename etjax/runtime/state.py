@@ -71,3 +71,6 @@ class StepOutputs:
     # only from test doubles whose requests never ask.
     top_ids: jax.Array | None = None  # int32
     top_logprobs: jax.Array | None = None  # float32
+    # float32 blocks of kept_blocks read once for the token's group of pruned rows sharing a
+    # prefix, less its share (etjax/pruning/groups.py); None: no step of the call grouped.
+    spared_blocks: jax.Array | None = None

@@ -39,6 +39,7 @@ from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
 from etjax.model.weights import Weights
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig, PruningShape, PruningThresholds
+from etjax.pruning.groups import PrunedGroups, grouped_blocks
 from etjax.runtime.commit import commit_tokens, finishes, sample_rows
 from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
@@ -267,6 +268,7 @@ def decode_steps(
     thresholds: PruningThresholds | None,
     statics: StepStatics,
     num_steps: int,
+    groups: PrunedGroups | None = None,
 ) -> tuple[DecodeState, KVCache, StepOutputs]:
     """Run `num_steps` steps of: sample from each row's logits, then run the model on it.
 
@@ -281,7 +283,8 @@ def decode_steps(
     of the burst, one decode token per row with items up to each row's length after the
     burst (etjax/attention); required unless pruning, and under pruning on a model with
     sliding-window layers, whose local layers read each row's window through its local
-    passes (None otherwise).
+    passes (None otherwise). `groups`: under pruning, rows sharing a prefix that select its
+    blocks together and read them once (etjax/pruning/groups.py); None: each row alone.
     With a `statics.placement`, the store, cache and outputs keep its shardings (rows over
     `data`, logits over `model` too). Returns the store, the cache, and outputs [K, B].
     """
@@ -321,7 +324,7 @@ def decode_steps(
                 return hidden, cache_after, None
 
             state, cache, outputs, _ = _decode_step(
-                weights, state, statics, thresholds, run_model, rows
+                weights, state, statics, thresholds, run_model, rows, groups=groups
             )
             return (state, cache), outputs
 
@@ -334,13 +337,14 @@ def decode_steps(
         return store, cache, outputs
 
 
-def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying=None):
+def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying=None, groups=None):
     # One step of every row of `state`: sample from its logits, run the model on the token
     # (`run_model(tokens [B], runs [B], sparse, row_k) -> (hidden [B, D], cache, after)`,
     # row_k [B] the experts each token runs or None for all), account.
     # Returns the state, the cache, the outputs and `after`, what run_model passed on.
     # `rows` [B]: the store rows of `state` (whose block mass pruning reads). `verifying` [B]
-    # bool: rows whose drafts run after their token (which then runs all k experts).
+    # bool: rows whose drafts run after their token (which then runs all k experts). `groups`:
+    # pruned rows sharing a prefix (etjax/pruning/groups.py), or None.
     cost, pruning, max_kept = statics.cost, statics.pruning, statics.max_kept
     active = state.active
     raw_logits = state.logits
@@ -378,7 +382,11 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
             max_kept=max_kept,
             backend=statics.attention_backend,
             fraction=fraction,
+            groups=groups,
         )
+        if groups is not None:  # the group's blocks and its own; the group's read once
+            kept, spared = grouped_blocks(fraction, num_blocks, groups, thresholds)
+            kept = jnp.minimum(kept, max_kept)
     else:
         fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
     row_k = None
@@ -415,6 +423,8 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
     )
     if statics.constrained:
         state = state.replace(allowed=allowed)
+    if groups is not None:
+        outputs = outputs.replace(spared_blocks=jnp.where(runs, spared, 0.0))
     return state, cache, outputs, after
 
 

@@ -24,10 +24,20 @@ def block_sparse_attention_cpu(
     kept_blocks: jax.Array,
     kept_counts: jax.Array,
     lengths: jax.Array,
+    leaders: jax.Array | None = None,
+    shared_counts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """See the package docstring."""
+    """See the package docstring. leaders, shared_counts [B] int32 (optional): rows sharing a
+    prefix, computed together: row b with the row leaders[b] (a row leading itself), whose
+    first shared_counts[leader] kept entries are the same pages for every row of its group
+    and are read once for all of them (pallas_kernels/cpu/block_sparse.cc). The results are
+    those of the rows computed apart; None: every row alone."""
     check_inputs(q, k_pages, v_pages, page_table, kept_blocks, kept_counts, lengths)
     b, h, hd = q.shape
+    if leaders is None:
+        leaders = jnp.arange(b, dtype=jnp.int32)
+    if shared_counts is None:
+        shared_counts = jnp.zeros((b,), jnp.int32)
     kvh = k_pages.shape[1]
     out, mass = call_cpu_kernel(
         "etjax_block_sparse_cpu",
@@ -42,6 +52,8 @@ def block_sparse_attention_cpu(
         kept_blocks,
         kept_counts,
         lengths,
+        leaders.astype(jnp.int32),
+        shared_counts.astype(jnp.int32),
         scale=np.float32(hd**-0.5),
     )
     return out.astype(q.dtype), mass
