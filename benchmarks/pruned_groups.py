@@ -7,8 +7,8 @@ blocks together and the C++ kernel reads them once. This prefills the `long` wor
 under the config's pruning and times, interleaved and repeated after two warm-up calls of
 each (so nothing compiled is timed), one decode burst of every row:
 
-- grouped (the engine's choice on this backend);
-- one by one (the same engine with grouping turned off);
+- grouped (`group_shared_prefixes` on);
+- one by one (the same engine with grouping turned off, the default);
 - dense (pruning off, the same rows in a second engine: cascade attention reads the shared
   document once).
 
@@ -62,13 +62,17 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8, help="rows (four on each document)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--config", default="pruning_only", help="a config with pruning")
+    parser.add_argument(
+        "--context", type=int, default=None, help="context the documents fit (default: model's)"
+    )
     args = parser.parse_args()
     import etjax
     from etjax.bench.corpus import lee_articles
 
     config = load_run_config(args.config)
     model = etjax.load_model(config.model.name)
-    context = model.config.max_position_embeddings  # the documents fit, as in `etjax bench`
+    # The documents fit the context, as in `etjax bench`.
+    context = args.context or model.config.max_position_embeddings
     workload = long(model.tokenizer, lee_articles(), args.rows, 0, context)
     # No eos: the rows stay resident through every timed call (their 256-1,024 new tokens
     # outlast the bursts timed).
@@ -76,9 +80,13 @@ def main() -> None:
         dataclasses.replace(s, ignore_eos=True) for s in request_settings(config, workload, False)
     ]
     prompts = [model.tokenizer.encode(r.prompt) for r in workload]
-    pruned = _prefilled(model, config.options, prompts, settings)
-    dense_options = dataclasses.replace(config.options, pruning=PruningConfig())
+    options = config.options
+    grouping_on = dataclasses.replace(options.pruning, group_shared_prefixes=True)
+    pruned = _prefilled(model, dataclasses.replace(options, pruning=grouping_on), prompts, settings)
+    print("prefilled (pruned):", [len(p) for p in prompts], flush=True)
+    dense_options = dataclasses.replace(options, pruning=PruningConfig())
     dense = _prefilled(model, dense_options, prompts, settings)
+    print("prefilled (dense)", flush=True)
 
     calls = {
         "grouped": lambda: _burst(*pruned, grouped=True),
@@ -94,7 +102,7 @@ def main() -> None:
             elapsed, attended, read = call()
             seconds[kind].append(elapsed)
             blocks[kind].append((attended, read))
-        print({k: round(1000 * v[-1], 1) for k, v in seconds.items()})
+        print({k: round(1000 * v[-1], 1) for k, v in seconds.items()}, flush=True)
     lengths = [s.length for s in sorted(pruned[0].live, key=lambda s: s.row)]
     _report(seconds, blocks, lengths, args)
 

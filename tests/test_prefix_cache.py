@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import etjax
-from etjax.attention import AttentionBackend
 from etjax.cache.page_allocator import OutOfPagesError
 from etjax.cache.prefix_cache import PrefixCache
 from etjax.engine.build import workload_pages
@@ -313,13 +312,10 @@ def test_questions_and_samples_on_one_document_match_full_passes_on_smollm2(smol
     assert len(sampled[0].prompt_token_ids) % 16  # the copy was needed
 
 
-def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_dir, monkeypatch):
+def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_dir):
     # Pruning reads shared pages' key bounds (the page's own) and remembers the mass each
     # block drew per row, so the default settings, mass ranking included, keep the outputs;
-    # speculation writes and rolls back only unshared pages. Rows selecting one by one: on
-    # the C++ kernel, rows sharing a prefix select its blocks together by design, which
-    # changes what they read (test_pruning_decode.py tests that).
-    monkeypatch.setattr(AttentionBackend, "reads_grouped_pruned_rows", property(lambda _: False))
+    # speculation writes and rolls back only unshared pages.
     tiny = etjax.load_model(tiny_hf_dir("llama"))
     doc = list(range(300, 400))
     prompts = [tiny.tokenizer.decode([*doc, 500 + i]) for i in range(3)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -169,14 +171,14 @@ def test_pruned_rows_in_a_ragged_step_decode_as_they_do_alone(tiny, monkeypatch)
 
 def test_rows_pruning_one_document_select_it_together_and_read_it_once(tiny):
     # Four prompts after one 48-token beginning (12 pages of 4): with the prefix cache their
-    # decode bursts hold its pages in common, and on the C++ kernel they select its blocks
-    # as a group (etjax/pruning/groups.py).
+    # decode bursts hold its pages in common, and on the C++ kernel, asked to, they select
+    # its blocks as a group (etjax/pruning/groups.py).
     rng = np.random.default_rng(12)
     beginning = rng.integers(3, tiny.config.vocab_size, 48).tolist()
     prompts = [
         beginning + rng.integers(3, tiny.config.vocab_size, k).tolist() for k in (1, 3, 6, 9)
     ]
-    keep_all = PruningConfig(enabled=True, min_fraction=1.0)
+    keep_all = PruningConfig(enabled=True, min_fraction=1.0, group_shared_prefixes=True)
     grouped = _run(tiny, prompts, keep_all, attention_backend="cpu")
     # Every block kept: the group's and each row's own are the whole context, so the grouped
     # steps must reproduce one full pass over prompt and output (padded at the end).
@@ -195,7 +197,8 @@ def test_rows_pruning_one_document_select_it_together_and_read_it_once(tiny):
 
     # 30% of every part: the group keeps ceil(0.3 x 12) = 4 of the beginning (read once for
     # four rows: each is spared 3), each row max(ceil(0.3 x t), 3) of its t pages after it.
-    pruned = _run(tiny, prompts, LOW_BUDGET, attention_backend="cpu")
+    low = dataclasses.replace(LOW_BUDGET, group_shared_prefixes=True)
+    pruned = _run(tiny, prompts, low, attention_backend="cpu")
     for prompt, out in zip(prompts, pruned, strict=True):
         grouped_steps = 0
         for i, (kept, spared) in enumerate(zip(out.kept_blocks, out.shared_blocks, strict=True)):

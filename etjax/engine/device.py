@@ -480,7 +480,11 @@ class DeviceBackend:
                     [[]], num, sizes, self.attention_backend, window, local_groups=[segments]
                 )
             # Rows sharing a prefix select its blocks together and read them once.
-            if opts.prefix_cache and self.attention_backend.reads_grouped_pruned_rows:
+            if (
+                opts.pruning.group_shared_prefixes
+                and opts.prefix_cache
+                and self.attention_backend.reads_grouped_pruned_rows
+            ):
                 found = pruned_groups(segments, ps, num)
                 if found is not None:
                     groups = PrunedGroups(*(jnp.asarray(x) for x in found))

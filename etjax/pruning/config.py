@@ -47,6 +47,13 @@ class PruningConfig:
     `mass_threshold`: blocks whose attention mass, last time they were read, was at least this
     are ranked before all others (after sinks and the recent window); 0 ranks by the key
     bound alone.
+
+    `group_shared_prefixes`: rows that share a prefix through the prefix cache (questions on
+    one document) select its blocks together, at their most uncertain row's fraction, and
+    the C++ kernel reads them once for the group (etjax/pruning/groups.py); only on the
+    `cpu` attention backend, the others select row by row. Off by default: it reads fewer
+    bytes (0.43x on `long`) but each row attends more blocks, and on a CPU, where the
+    document stays in cache, that made the step slower (docs/PERF.md "pruned_groups").
     """
 
     # Defaults chosen from the measured quality/fraction curve (docs/PERF.md, pruning quality):
@@ -64,6 +71,7 @@ class PruningConfig:
     estimator_k: int = 64  # top-k of the tail-corrected entropy bound (signal="upper_bound")
     share_heads: bool = True
     mass_threshold: float = 0.02
+    group_shared_prefixes: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.min_fraction <= 1:
