@@ -11,9 +11,13 @@ of the shared pages. Each row then selects its own pages after the prefix with i
 fraction, and its kept table lists the group's pages first: the CPU kernel reads those once
 for the whole group (pallas_kernels/cpu/block_sparse.cc).
 
-Every member reads at least the blocks of the shared prefix its own fraction asks for, chosen
-by a bound that holds for its queries too, so no member reads less than it would alone; the
-group reads fewer bytes whenever its members' selections overlap less than completely.
+Every member attends at least the blocks of the shared prefix its own fraction asks for,
+chosen by a bound that holds for its queries too, so no member attends less than it would
+alone; the group reads fewer bytes whenever its members' selections overlap less than
+completely. The price is attention work: each member attends the group's count. On a CPU,
+where a document's KV stays in cache and the step is bound by that work, this measured
+slower than selecting row by row (docs/PERF.md "pruned_groups"), so it runs only when
+`PruningConfig.group_shared_prefixes` asks for it.
 """
 
 from __future__ import annotations
