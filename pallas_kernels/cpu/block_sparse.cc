@@ -90,11 +90,7 @@ void absorb(const Problem& p, RowState& state, int64_t j, const float* keys, con
   const int64_t hd = p.head_dim, group = p.num_heads / p.kv_heads;
   for (int64_t g = 0; g < group; ++g) {
     const float* query = state.queries.data() + g * hd;
-    if (visible == kLanes && hd % kLanes == 0) {
-      store_lanes(weights, dots_of_16_keys(query, keys, hd));
-    } else {
-      for (int64_t key = 0; key < visible; ++key) weights[key] = dot(query, keys + key * hd, hd);
-    }
+    dots(query, keys, visible, hd, weights);
     float block_best = kMasked;
     for (int64_t key = 0; key < visible; ++key) block_best = std::max(block_best, weights[key]);
     const float new_best = std::max(state.best[g], block_best);

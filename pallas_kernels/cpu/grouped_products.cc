@@ -80,7 +80,7 @@ ffi::Error GroupedProductsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
     return ffi::Error::InvalidArgument(
         "grouped products: expected x [R, K], w [E, N, K] and group_sizes [E]");
   const int64_t total = x_dims[0], in = x_dims[1], outs = w_dims[1];
-  if (in % kLanes || outs % kOutStep)
+  if (in % 16 || outs % kOutStep)
     return ffi::Error::InvalidArgument("grouped products: K must be a multiple of 16, N of 4");
   auto p = std::make_shared<Grouped>();
   p->x = x.typed_data();

@@ -1,5 +1,5 @@
 // What the CPU attention kernels share: float conversion of page tiles, the dot products and
-// weighted sums in 16-float lanes, an exponential the compiler vectorises, and the loop that
+// weighted sums in lanes of a vector register, an exponential the compiler vectorises, and the loop that
 // spreads work units over XLA's intra-op threads.
 
 #ifndef ETJAX_PALLAS_KERNELS_CPU_KERNEL_MATH_H_
@@ -81,9 +81,20 @@ inline const float* as_float<BFloat16>(const BFloat16* src, int64_t count, float
   return scratch;
 }
 
-// 16 floats: one AVX-512 register, two AVX ones (GCC's vector extension picks).
-typedef float Lanes __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
+// One vector register of floats: 16 with AVX-512, 8 with AVX2 (4 elsewhere). The width must
+// be the register's: GCC keeps a wider vector (a 64-byte one on an AVX2 machine) on the stack
+// and moves it through memory around every operation, which made these kernels run at 2
+// GFLOP/s on a Zen 3 EPYC, several times slower than XLA's own loops (docs/PERF.md, "CPU
+// kernels on AVX2 machines").
+#if defined(__AVX512F__)
+#define ETJAX_LANES 16
+#elif defined(__AVX__)
+#define ETJAX_LANES 8
+#else
+#define ETJAX_LANES 4
+#endif
+constexpr int64_t kLanes = ETJAX_LANES;
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline Lanes load_lanes(const float* p) {
   Lanes x;
@@ -108,11 +119,12 @@ inline float dot(const float* query, const float* key, int64_t hd) {
   return sum;
 }
 
-// Lane j of the result is the sum of v[j]'s 16 lanes. Summing each register on its own costs
-// a reduction per register, which bound the kernels; here the 16 are reduced together,
-// halving them pairwise in four rounds of shuffles (15 additions for 16 sums instead of
-// 16 x 15). Every v[j] is summed in the same order, whatever the others hold.
-inline Lanes sum_each_of_16(const Lanes v[16]) {
+// Lane j of the result is the sum of v[j]'s kLanes lanes. Summing each register on its own
+// costs a reduction per register, which bound the kernels; here they are reduced together,
+// halving them pairwise in rounds of shuffles (15 additions for 16 sums instead of 16 x 15).
+// Every v[j] is summed in the same order, whatever the others hold.
+inline Lanes sum_each(const Lanes v[kLanes]) {
+#if ETJAX_LANES == 16
   // Round 1: w[j] lanes 0-7 hold v[j]'s partial sums, lanes 8-15 v[j + 8]'s.
   Lanes w[8];
   for (int j = 0; j < 8; ++j)
@@ -139,23 +151,57 @@ inline Lanes sum_each_of_16(const Lanes v[16]) {
                                  14, 30) +
          __builtin_shufflevector(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
                                  15, 31);
+#elif ETJAX_LANES == 8
+  // The same three rounds lower: w[j] holds v[j]'s and v[j + 4]'s partial sums in fours,
+  // x[j] v[j], v[j + 2], v[j + 4], v[j + 6] in pairs, and lane j of the result v[j]'s sum.
+  Lanes w[4];
+  for (int j = 0; j < 4; ++j)
+    w[j] = __builtin_shufflevector(v[j], v[j + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[j], v[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  Lanes x[2];
+  for (int j = 0; j < 2; ++j)
+    x[j] = __builtin_shufflevector(w[j], w[j + 2], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(w[j], w[j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(x[0], x[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(x[0], x[1], 1, 9, 3, 11, 5, 13, 7, 15);
+#else
+  Lanes sums;
+  for (int j = 0; j < kLanes; ++j) {
+    float sum = 0.0f;
+    for (int l = 0; l < kLanes; ++l) sum += v[j][l];
+    sums[j] = sum;
+  }
+  return sums;
+#endif
 }
 
 // query . key for kLanes consecutive keys (rows `hd` floats apart), lane j holding key j's
 // score, for hd a multiple of kLanes.
-inline Lanes dots_of_16_keys(const float* query, const float* keys, int64_t hd) {
-  Lanes v[16];
-  for (int j = 0; j < 16; ++j) {
+inline Lanes dots_of_keys(const float* query, const float* keys, int64_t hd) {
+  Lanes v[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
     const float* key = keys + j * hd;
     Lanes acc = load_lanes(query) * load_lanes(key);
     for (int64_t d = kLanes; d < hd; d += kLanes) acc += load_lanes(query + d) * load_lanes(key + d);
     v[j] = acc;
   }
-  return sum_each_of_16(v);
+  return sum_each(v);
+}
+
+// scores[j] = query . keys[j] for the `count` keys at `keys`: kLanes at a time where count and
+// hd are multiples of kLanes (a page's 16 keys), else one by one.
+inline void dots(const float* query, const float* keys, int64_t count, int64_t hd,
+                 float* scores) {
+  if (count % kLanes == 0 && hd % kLanes == 0) {
+    for (int64_t j = 0; j < count; j += kLanes)
+      store_lanes(scores + j, dots_of_keys(query, keys + j * hd, hd));
+  } else {
+    for (int64_t j = 0; j < count; ++j) scores[j] = dot(query, keys + j * hd, hd);
+  }
 }
 
 // out = out * rescale + sum over keys j in [from, to) of weights[j] * values[j], each block of
-// 16 output floats held in a register across the keys.
+// kLanes output floats held in a register across the keys.
 inline void add_weighted(float* out, float rescale, const float* weights, const float* values,
                          int64_t from, int64_t to, int64_t hd) {
   int64_t d = 0;

@@ -98,11 +98,7 @@ void run_unit(Pass& pass, int64_t unit_index) {
         for (int64_t g = 0; g < group; ++g) {
           const int64_t row = r * group + g;
           const float* query = queries.data() + row * hd;
-          if (to - from == kLanes && hd % kLanes == 0) {
-            store_lanes(scores.data() + from, dots_of_16_keys(query, keys + from * hd, hd));
-          } else {
-            for (int64_t j = from; j < to; ++j) scores[j] = dot(query, keys + j * hd, hd);
-          }
+          dots(query, keys + from * hd, to - from, hd, scores.data() + from);
           float page_best = kMasked;
           for (int64_t j = from; j < to; ++j) {
             if (pass.softcap > 0.0f) scores[j] = pass.softcap * std::tanh(scores[j] / pass.softcap);

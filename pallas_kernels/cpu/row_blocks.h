@@ -1,7 +1,7 @@
 // The micro-kernel of the row products (row_products.cc) and the routed experts' grouped
 // products (grouped_products.cc): a few input rows against a group of 4 weight rows that sits
-// in L1, 16 lanes at a time into 16 accumulators. 16-bit weights are widened to float32 in
-// registers as they are loaded.
+// in L1, a register's lanes at a time into as many accumulators as it has lanes. 16-bit
+// weights are widened to float32 in registers as they are loaded.
 
 #ifndef ETJAX_PALLAS_KERNELS_CPU_ROW_BLOCKS_H_
 #define ETJAX_PALLAS_KERNELS_CPU_ROW_BLOCKS_H_
@@ -13,12 +13,13 @@
 
 namespace etjax_cpu {
 
-// Weight rows of a group, and input rows multiplied against it at once: 4 x 4 accumulators
-// of 16 lanes (one register sum for all 16 outputs), with 8 loads for 16 multiply-adds.
+// Weight rows of a group, and input rows multiplied against it at once: kRowBlock x 4
+// accumulators, one per lane (one register sum for all their outputs). With AVX-512, 4 x 4
+// of 16 lanes and 8 loads for 16 multiply-adds; with AVX2, 2 x 4 of 8 lanes and 6 for 8.
 constexpr int64_t kOutStep = 4;
-constexpr int64_t kRowBlock = 4;
+constexpr int64_t kRowBlock = kLanes / kOutStep;
 
-// 16 weights as float32 lanes. Widening 16-bit weights here, in registers, rather than a
+// kLanes weights as float32 lanes. Widening 16-bit weights here, in registers, rather than a
 // group at a time into a float32 scratch (as the kernels did): the scratch's stores and
 // reloads cost as much as the halved read saved, and bfloat16 experts ran no faster than
 // float32 ones (docs/PERF.md, "Routed experts on a CPU"). Both widenings are exact.
@@ -30,7 +31,10 @@ inline Lanes load_weight_lanes(const _Float16* p) {
 #if defined(__AVX512F__)
   const __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   std::memcpy(&lanes, &wide, sizeof lanes);
-#elif defined(__F16C__)
+#elif defined(__F16C__) && ETJAX_LANES == 8
+  const __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  std::memcpy(&lanes, &wide, sizeof lanes);
+#elif defined(__F16C__) && ETJAX_LANES == 16
   const __m256 low = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   const __m256 high = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
   std::memcpy(&lanes, &low, sizeof low);
@@ -53,9 +57,9 @@ inline Lanes load_weight_lanes(const BFloat16* p) {
   return lanes;
 }
 
-// out[r][o] for R <= 4 input rows (`in` floats apart in x, `outs` apart in out) against the
-// kOutStep weight rows at w (`in` weights apart; float32, float16 or BFloat16). The 16
-// accumulators are summed together (sum_each_of_16), output (r, o) in lane 4r + o whatever R
+// out[r][o] for R <= kRowBlock input rows (`in` floats apart in x, `outs` apart in out) against the
+// kOutStep weight rows at w (`in` weights apart; float32, float16 or BFloat16). The kLanes
+// accumulators are summed together (sum_each), output (r, o) in lane 4r + o whatever R
 // is, so each output is one float32 sum over `in` in a fixed order, the same for a row
 // whatever rows are beside it.
 template <int R, typename W>
@@ -77,7 +81,7 @@ inline void rows_by_group(const float* x, const W* w, int64_t in, float* out, in
     }
   }
   float sums[kLanes];
-  store_lanes(sums, sum_each_of_16(acc));
+  store_lanes(sums, sum_each(acc));
   for (int r = 0; r < R; ++r)
     std::memcpy(out + r * outs, sums + r * kOutStep, kOutStep * sizeof(float));
 }
@@ -91,12 +95,13 @@ inline void all_rows_by_group(const float* x, int64_t rows, const W* w, int64_t 
     rows_by_group<kRowBlock>(x + r * in, w, in, out + r * outs, outs);
   x += r * in;
   out += r * outs;
-  switch (rows - r) {
-    case 3: rows_by_group<3>(x, w, in, out, outs); break;
-    case 2: rows_by_group<2>(x, w, in, out, outs); break;
-    case 1: rows_by_group<1>(x, w, in, out, outs); break;
-    default: break;
-  }
+  const int64_t left = rows - r;  // fewer than kRowBlock
+  if constexpr (kRowBlock > 3)
+    if (left == 3) rows_by_group<3>(x, w, in, out, outs);
+  if constexpr (kRowBlock > 2)
+    if (left == 2) rows_by_group<2>(x, w, in, out, outs);
+  if constexpr (kRowBlock > 1)
+    if (left == 1) rows_by_group<1>(x, w, in, out, outs);
 }
 
 }  // namespace etjax_cpu

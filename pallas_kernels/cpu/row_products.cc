@@ -7,15 +7,15 @@
 // half the speed (docs/PERF.md, "step_floor": a batch-8 step's products cost twice a
 // batch-1 step's; SmolLM2's LM head, [49152, 576], 5 ms for one row and 14 for eight).
 // Here a unit is a block of outputs: each group of 4 weight rows is read from memory once,
-// and every block of up to 4 input rows is multiplied against it while it sits in L1, 16
-// lanes at a time into 16 accumulators. So the cost is the weights' read up to a few dozen
-// rows; wider products (prompt chunks) stay with XLA, whose blocked products are compute-
+// and every block of up to kRowBlock input rows (4 with AVX-512, 2 with AVX2) is multiplied
+// against it while it sits in L1, a register's lanes at a time (row_blocks.h). So the cost is
+// the weights' read up to a few dozen rows; wider products (prompt chunks) stay with XLA, whose blocked products are compute-
 // bound there.
 //
 //   x [M, K] f32, w [N, K] f32 | f16 | bf16 -> out [M, N] f32; K a multiple of 16.
 //
-// Each output is one float32 sum over K in a fixed order (16 lanes, then the lanes added
-// pairwise), the same for a row whatever M is, so a row's product does not depend on the
+// Each output is one float32 sum over K in a fixed order (kLanes lanes, then the lanes
+// added pairwise), the same for a row whatever M is, so a row's product does not depend on the
 // rows beside it or on how many there are.
 
 #include <functional>
@@ -61,7 +61,7 @@ ffi::Error RowProductsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   auto product = std::make_shared<Product>(
       Product{x.typed_data(), w.untyped_data(), out->typed_data(), x_dims[0], x_dims[1],
               w_dims[0]});
-  if (product->in % kLanes || product->outs % kOutStep)
+  if (product->in % 16 || product->outs % kOutStep)
     return ffi::Error::InvalidArgument("row products: K must be a multiple of 16, N of 4");
   const int64_t groups = product->outs / kOutStep;
   const int64_t units = (groups + kGroupsPerUnit - 1) / kGroupsPerUnit;
