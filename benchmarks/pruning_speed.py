@@ -303,7 +303,7 @@ def greedy_state(cfg, table, logits, context) -> DecodeState:
     without end from `logits` [B, V] (step_floor.py times its steps the same way)."""
     rows, vocab = table.shape[0], cfg.vocab_size
     params = pack_sampler_params([SamplerSettings()] * rows, rows)
-    return DecodeState(
+    state = DecodeState(
         logits=logits,
         lengths=jnp.full((rows,), context, jnp.int32),
         page_table=jnp.asarray(table),
@@ -322,6 +322,9 @@ def greedy_state(cfg, table, logits, context) -> DecodeState:
         entropy=initial_entropy_state(jnp.zeros((rows,)), jnp.zeros((rows,))),
         calibration=identity_params(rows),
     )
+    # decode_steps donates the store, and XLA refuses one buffer donated twice: equal small
+    # constants (JAX shares them between leaves) each get a buffer of their own.
+    return jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), state)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ excluded; each figure is the median per step, with its spread. Writes the "step_
 section of docs/PERF.md (`step_floor_gemma3` with `--model gemma3-270m`).
 
     .venv/bin/python benchmarks/step_floor.py [--batches 1,8,32] [--contexts 128,2048,8192]
-        [--prefill-contexts 0,4096] [--rounds 5] [--model gemma3-270m]
+        [--prefill-contexts 0,4096] [--rounds 5] [--model gemma3-270m] [--section NAME]
 """
 
 from __future__ import annotations
@@ -77,6 +77,11 @@ def main() -> None:
         "the ratios are of; 'auto' is the engine's choice here)",
     )
     parser.add_argument("--no-write", action="store_true", help="print only; leave PERF.md")
+    parser.add_argument(
+        "--section",
+        help="the PERF.md section to write (default: step_floor, step_floor_gemma3 for Gemma 3), "
+        "so a machine of another kind keeps its own table beside the main one",
+    )
     args = parser.parse_args()
     import etjax
 
@@ -101,7 +106,9 @@ def main() -> None:
         "backends": [b.name for b in backends],
         "rows": rows,
     }
-    name = "step_floor" if args.model.startswith("smollm2") else "step_floor_gemma3"
+    name = args.section or (
+        "step_floor" if args.model.startswith("smollm2") else "step_floor_gemma3"
+    )
     markdown = _markdown(raw)
     if not args.no_write:
         write_section(name, markdown, raw)

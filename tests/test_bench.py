@@ -376,17 +376,20 @@ def test_ablation_warms_every_setting_before_timing_and_counts_its_work(
         assert calls[:3] == [(n, 0.0) for n in ("baseline", "scheduling_only", "full")]
         assert all(last == 0.0 for _, last in timed)
     elif workload.endswith(".jsonl"):
-        assert raw["arrivals"] == [0.0, 2.5, 1.0] and len(raw["workload"]) == 3
+        assert raw["arrivals"] == [[0.0, 2.5, 1.0]] * 2 and len(raw["workload"]) == 3
         assert all(last == 2.5 for _, last in calls)
     else:
         # At once: the first config warms and measures capacity (8 requests / 8 s); then
-        # every setting warms with the very arrivals the timed runs get.
+        # every setting warms with the first repetition's arrivals. Each repetition draws its
+        # own (seeds 1 and 2, at 80% of 1 request/s), which every config of it gets.
         assert calls[:2] == [("baseline", 0.0), ("baseline", 0.0)]
         assert raw["capacity_requests_per_s"] == pytest.approx(1.0)
-        last_arrival = max(raw["arrivals"])
-        assert last_arrival > 0
-        assert calls[2:5] == [(n, last_arrival) for n in ("baseline", "scheduling_only", "full")]
-        assert all(last == last_arrival for _, last in timed)
+        draws = [poisson_arrivals(8, 0.8, seed=s) for s in (1, 2)]
+        np.testing.assert_allclose(raw["arrivals"], draws)
+        first, second = (float(max(d)) for d in draws)
+        assert 0 < first != second
+        assert calls[2:5] == [(n, first) for n in ("baseline", "scheduling_only", "full")]
+        assert [last for _, last in timed] == [first] * 3 + [second] * 3
 
 
 def test_the_perf_section_links_only_plots_under_its_own_folder(tmp_path):

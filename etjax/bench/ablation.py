@@ -7,12 +7,16 @@ The order of work, and why:
    config is timed. Each timed run still records the seconds it spent compiling.
 2. **Arrivals.** `mixed` submits everything at time 0. `online` (or any built-in workload
    with `arrivals`) draws Poisson arrivals at
-   `load` (80%) of the capacity a warm at-once baseline run measured in this process, then
-   warms every distinct setting again with those arrivals: requests arriving one by one make
-   batches of sizes that an at-once run never forms. (The at-once warm-up is then needed for
-   the first config only, to measure its capacity warm.)
+   `load` (80%) of the capacity a warm at-once baseline run measured in this process, one
+   draw per repetition (seeds `seed + 1`, `seed + 2`, ...: a figure's spread then includes
+   the draw's, and one lucky draw cannot make a config's median), then warms every distinct
+   setting again with the first draw: requests arriving one by one make batches of sizes
+   that an at-once run never forms. (The at-once warm-up is then needed for the first config
+   only, to measure its capacity warm.) A later draw may form a batch the first did not; its
+   run then compiles, which its `compile_s` records.
 3. **Timed runs, repetitions interleaved** (config A, B, ..., then A, B, ... again), so drift
-   of a shared machine spreads over every config instead of biasing one.
+   of a shared machine spreads over every config instead of biasing one. Every config of a
+   repetition gets that repetition's arrivals.
 4. **Quality.** Greedy outputs under each config's scheduling and pruning, against the
    baseline's greedy outputs (ROUGE-L, BLEU); teacher-forced long-context perplexity ratio and
    passkey accuracy under each config's pruning. Sampling does not enter these: a greedy
@@ -136,21 +140,25 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
         on_progress(f"warm-up ({config.name})")
         cold = measure(model, config, workload, at_once, equal_length=plan.equal_length)
         warmups[config.name] = {k: cold[k] for k in ("compile_s", "programs_compiled")}
-    arrivals = at_once
+    draws = [at_once] * plan.repetitions  # each repetition's arrivals
     if online:
         on_progress("capacity")
         probe = measure(model, configs[0], workload, at_once, equal_length=plan.equal_length)
         capacity = len(workload) / probe["makespan_s"]
-        arrivals = poisson_arrivals(len(workload), plan.load * capacity, seed=plan.seed + 1)
+        rate = plan.load * capacity
+        draws = [
+            poisson_arrivals(len(workload), rate, seed=plan.seed + 1 + rep)
+            for rep in range(plan.repetitions)
+        ]
         raw["capacity_requests_per_s"] = capacity
         # Arrivals make batches of other sizes than everything at once: warm those too.
         for config in distinct:
             on_progress(f"warm-up with arrivals ({config.name})")
-            measure(model, config, workload, arrivals, equal_length=plan.equal_length)
-    raw["arrivals"] = list(map(float, arrivals))
+            measure(model, config, workload, draws[0], equal_length=plan.equal_length)
+    raw["arrivals"] = [list(map(float, arrivals)) for arrivals in draws]
 
     runs: dict[str, list[dict]] = {c.name: [] for c in configs}
-    for rep in range(plan.repetitions):
+    for rep, arrivals in enumerate(draws):
         for config in configs:
             on_progress(f"{config.name} (repetition {rep + 1})")
             run = measure(model, config, workload, arrivals, equal_length=plan.equal_length)

@@ -67,11 +67,12 @@ def _document(raw: dict, workload: str, command: str) -> str:
         kinds[request["kind"]] = kinds.get(request["kind"], 0) + 1
     arrivals = (
         "all submitted at once"
-        if not poisson and not any(raw["arrivals"])
+        if not poisson and not any(map(any, raw["arrivals"]))
         else "arriving at the times the workload file gives"
         if not poisson
         else f"Poisson arrivals at {plan['load']:.0%} of the capacity a warm baseline run "
-        f"measured ({raw['capacity_requests_per_s']:.2f} requests/s)"
+        f"measured ({raw['capacity_requests_per_s']:.2f} requests/s), drawn anew for each "
+        "repetition"
     )
     if plan.get("equal_length"):
         arrivals += (
