@@ -1,6 +1,6 @@
 // What the CPU attention kernels share: float conversion of page tiles, the dot products and
-// weighted sums in lanes of a vector register, an exponential the compiler vectorises, and the loop that
-// spreads work units over XLA's intra-op threads.
+// weighted sums in lanes of a vector register, an exponential the compiler vectorises, and
+// the loop that spreads work units over XLA's intra-op threads.
 
 #ifndef ETJAX_PALLAS_KERNELS_CPU_KERNEL_MATH_H_
 #define ETJAX_PALLAS_KERNELS_CPU_KERNEL_MATH_H_

@@ -9,8 +9,8 @@
 // Here a unit is a block of outputs: each group of 4 weight rows is read from memory once,
 // and every block of up to kRowBlock input rows (4 with AVX-512, 2 with AVX2) is multiplied
 // against it while it sits in L1, a register's lanes at a time (row_blocks.h). So the cost is
-// the weights' read up to a few dozen rows; wider products (prompt chunks) stay with XLA, whose blocked products are compute-
-// bound there.
+// the weights' read up to a few dozen rows; wider products (prompt chunks) stay with XLA,
+// whose blocked products are compute-bound there.
 //
 //   x [M, K] f32, w [N, K] f32 | f16 | bf16 -> out [M, N] f32; K a multiple of 16.
 //

@@ -12,8 +12,9 @@
 //
 // Layout: rows (token, query head of the group) are the vector lanes. Queries are transposed
 // once per unit into [hd][rows]; keys and values are read as the pool stores them, each of
-// their floats broadcast against two registers' rows (32 with AVX-512, 16 with AVX2). So no page is ever transposed, and the
-// softmax over a page's keys is element-wise across lanes, without horizontal reductions.
+// their floats broadcast against two registers' rows (32 with AVX-512, 16 with AVX2). So no
+// page is ever transposed, and the softmax over a page's keys is element-wise across lanes,
+// without horizontal reductions.
 
 #ifndef ETJAX_PALLAS_KERNELS_CPU_WIDE_TILES_H_
 #define ETJAX_PALLAS_KERNELS_CPU_WIDE_TILES_H_
