@@ -57,11 +57,11 @@ inline Lanes load_weight_lanes(const BFloat16* p) {
   return lanes;
 }
 
-// out[r][o] for R <= kRowBlock input rows (`in` floats apart in x, `outs` apart in out) against the
-// kOutStep weight rows at w (`in` weights apart; float32, float16 or BFloat16). The kLanes
-// accumulators are summed together (sum_each), output (r, o) in lane 4r + o whatever R
-// is, so each output is one float32 sum over `in` in a fixed order, the same for a row
-// whatever rows are beside it.
+// out[r][o] for R <= kRowBlock input rows (`in` floats apart in x, `outs` apart in out)
+// against the kOutStep weight rows at w (`in` weights apart; float32, float16 or BFloat16).
+// The kLanes accumulators are summed together (sum_each), output (r, o) in lane 4r + o
+// whatever R is, so each output is one float32 sum over `in` in a fixed order, the same for
+// a row whatever rows are beside it.
 template <int R, typename W>
 inline void rows_by_group(const float* x, const W* w, int64_t in, float* out, int64_t outs) {
   Lanes acc[kRowBlock * kOutStep] = {};

@@ -40,8 +40,9 @@ constexpr int64_t kBlockTokens = 32;
 constexpr int64_t kRowStep = 2 * kLanes;
 // Keys of the score micro-kernel and head dims of the values one, so each holds step x 2
 // accumulators beside its two registers of queries (or weights): with AVX-512's 32
-// registers, 8 (10 registers loaded for 16 multiply-adds); with AVX2's 16, 4 (6 for 8),
-// which ran 1.1x faster than 8 and its spills on a Zen 3 EPYC.
+// registers, 8 (10 registers loaded for 16 multiply-adds); with AVX2's 16, 4 (6 for 8):
+// a standalone copy of the score kernel ran 1.13x faster with 4 than with 8, whose
+// accumulators spill there (Zen 3 EPYC).
 constexpr int64_t kKeyStep = kLanes >= 16 ? 8 : 4;
 constexpr int64_t kDimStep = kKeyStep;
 
@@ -53,7 +54,7 @@ inline bool runs_wide(const Pass& pass) {
 // scores_t[j][r] = keys[j] . queries[r] for kKeyStep keys (rows `hd` apart) and kRowStep rows,
 // the queries transposed (queries_t[d][r], rows `stride` apart).
 inline void score_keys(const float* keys, int64_t hd, const float* queries_t, int64_t stride,
-                         float* scores_t) {
+                       float* scores_t) {
   Lanes acc[kKeyStep][2] = {};
   for (int64_t d = 0; d < hd; ++d) {
     const Lanes q0 = load_lanes(queries_t + d * stride);
@@ -74,7 +75,7 @@ inline void score_keys(const float* keys, int64_t hd, const float* queries_t, in
 // for kDimStep dims (`values` and `acc_t` start at the first) and kRowStep rows (`stride`
 // apart).
 inline void add_values(float* acc_t, const float* rescale, const float* weights_t,
-                              int64_t stride, const float* values, int64_t hd, int64_t keys) {
+                       int64_t stride, const float* values, int64_t hd, int64_t keys) {
   const Lanes scale0 = load_lanes(rescale), scale1 = load_lanes(rescale + kLanes);
   Lanes acc[kDimStep][2];
   for (int64_t e = 0; e < kDimStep; ++e) {
@@ -152,7 +153,7 @@ void run_row_block(const Pass& pass, int64_t index, float* out, float* lse) {
       for (int64_t j = 0; j < ps; j += kKeyStep)
         for (int64_t r = 0; r < stride; r += kRowStep)
           score_keys(keys + j * hd, hd, queries_t.data() + r, stride,
-                       scores_t.data() + j * stride + r);
+                     scores_t.data() + j * stride + r);
       const bool whole = latest_low <= key0 && key0 + ps - 1 <= earliest_high;
       if (!whole || pass.softcap > 0.0f) {
         for (int64_t j = 0; j < ps; ++j) {
@@ -191,7 +192,7 @@ void run_row_block(const Pass& pass, int64_t index, float* out, float* lse) {
       for (int64_t d = 0; d < hd; d += kDimStep)
         for (int64_t r = 0; r < stride; r += kRowStep)
           add_values(acc_t.data() + d * stride + r, rescale.data() + r,
-                            scores_t.data() + r, stride, values + d, hd, ps);
+                     scores_t.data() + r, stride, values + d, hd, ps);
     }
   }
 
