@@ -162,7 +162,7 @@ def decode(
       kv_dtype: of the KV cache: "auto" (the weights' dtype, but float16 for a bfloat16
         model on a CPU), "model" (the weights' dtype), "float32", "float16" or "bfloat16"
         (half the memory per token of context; keys and values rounded, attention in
-        float32). On a CPU float16 is also faster and bfloat16 slower (see README).
+        float32). On a CPU float16 is also faster and bfloat16 slower (docs/USAGE.md).
       mesh: "DATAxMODEL" devices of this process to shard over ("1x8": weights, KV heads and
         vocabulary split 8 ways); see docs/SCALING.md. "1x1" runs on the default device.
       on_text: called as `on_text(result_index, text_piece)` while text is produced (the
