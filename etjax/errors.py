@@ -6,6 +6,22 @@ catch one type, and its message names the file, field or value at fault and what
 
 from __future__ import annotations
 
+# How much of a refused value a message shows: enough to recognise it, never the whole of a
+# 10,000-value schema (a message is read in a terminal or a log line).
+SHOWN_CHARS = 200
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """`repr(value)` cut to `limit` characters, with how long it was: what an error message
+    echoes of a value. A value nested too deeply to repr says so instead."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        return f"<{type(value).__name__} nested too deeply to show>"
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} chars)"
+
 
 class EtjaxError(ValueError):
     """Base class of every user-facing etjax error."""
@@ -26,11 +42,12 @@ class RequestError(EtjaxError):
 class FieldError(RequestError):
     """A setting holds a value it cannot take, whichever way it came in (a `decode()` keyword,
     a batch record, an OpenAI line, a config key, a flag). `field`, `value` and `allowed` say
-    which, what it was and what it may be; the message reads `field=value; must be allowed`.
-    A config file reports it as a `ConfigError` that adds the file and the table."""
+    which, what it was and what it may be; the message reads `field=value; must be allowed`,
+    the value cut to `SHOWN_CHARS` (`shown`; `.value` keeps it whole). A config file reports
+    it as a `ConfigError` that adds the file and the table."""
 
     def __init__(self, field: str, value: object, allowed: str) -> None:
-        super().__init__(f"{field}={value!r}; must be {allowed}")
+        super().__init__(f"{field}={shown(value)}; must be {allowed}")
         self.field, self.value, self.allowed = field, value, allowed
 
 

@@ -43,6 +43,9 @@ DOOR_NAMES = {
 }
 
 
+_TOO_DEEP = "nested less deeply (this one runs past Python's recursion limit)"
+
+
 class Refused(Exception):
     """Raised by a check: what is allowed, as Python (`python`) and as JSON or TOML spell it."""
 
@@ -74,6 +77,8 @@ class RequestField:
         except Refused as refused:
             allowed = refused.python if door in (DECODE, CLI) else refused.json
             raise FieldError(self.name, value, allowed) from None
+        except RecursionError:  # JSON text or an object nested past Python's recursion limit
+            raise FieldError(self.name, value, _TOO_DEEP) from None
 
 
 def request_field(

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from etjax.drafting.config import SpeculationConfig
-from etjax.errors import ConfigError, EtjaxError, FieldError
+from etjax.errors import ConfigError, EtjaxError, FieldError, shown
 from etjax.experts.config import ExpertConfig
 from etjax.model.config import DTYPE_CHOICES
 from etjax.pruning.config import PruningConfig
@@ -147,6 +147,13 @@ def _read(path: Path, tables) -> dict:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text, as TOML must be ({e})") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise ConfigError(
+            f"{path}: arrays or inline tables nested too deeply to read (past Python's "
+            "recursion limit); a run config holds flat tables of key = value"
+        ) from None
     unknown = sorted(set(data) - set(tables))
     if unknown:
         raise ConfigError(f"{path}: unknown table [{unknown[0]}]; allowed: {sorted(tables)}")
@@ -173,7 +180,7 @@ def _check_type(path: Path, table: str, key: str, value: object, annotation: str
         return  # a type the dataclass checks itself
     allowed, ok = _TYPES[name]
     if not ok(value):
-        raise ConfigError(f"{path}: [{table}] {key} = {value!r}; must be {allowed}")
+        raise ConfigError(f"{path}: [{table}] {key} = {shown(value)}; must be {allowed}")
 
 
 def _build(path: Path, table: str, cls, values: object):

@@ -166,3 +166,32 @@ def test_the_engine_footprint_is_the_pool_and_the_row_state(tiny):
     check_fits(tiny.config, 10, 4, 3, free=sum(need.values()))  # exactly fits
     with pytest.raises(ConfigError, match="num_pages=10 x page_size=4"):
         check_fits(tiny.config, 10, 4, 3, free=sum(need.values()) - 1)
+
+
+def test_a_huge_refused_value_is_echoed_cut_short_naming_the_field():
+    from etjax.errors import FieldError
+    from etjax.request_fields import FIELDS
+
+    stop = [""] * 50_000  # refused: stop strings are non-empty; repr is 200,000 characters
+    with pytest.raises(FieldError) as refused:
+        FIELDS["stop"].read(stop)
+    message = str(refused.value)
+    assert message.startswith("stop=['', '', ")
+    assert "... (200000 chars); must be a non-empty string or a list" in message
+    assert len(message) < 300 and refused.value.value is stop  # the value itself stays whole
+
+
+def test_json_nested_too_deeply_is_a_field_error():
+    from etjax.errors import FieldError
+    from etjax.request_fields import FIELDS
+
+    deep: dict = {}
+    inner = deep
+    for _ in range(100_000):
+        inner["a"] = inner = {}
+    for schema in ("[" * 100_000 + "]" * 100_000, deep):  # as JSON text, and as an object
+        with pytest.raises(FieldError, match=r"^json_schema=") as refused:
+            FIELDS["json_schema"].read(schema)
+        assert "deep" in refused.value.allowed and len(str(refused.value)) < 400
+    with pytest.raises(FieldError, match=r"^json_schema=<dict nested too deeply to show>"):
+        FIELDS["json_schema"].read(deep)

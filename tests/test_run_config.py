@@ -54,6 +54,33 @@ def test_every_key_is_checked_against_its_type(tmp_path, table, line, message):
     assert str(refused.value) == f"{bad}: {message}"
 
 
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("a = " + "[" * 100_000 + "]" * 100_000, "nested too deeply to read"),
+        ("a = " + "{b = " * 5_000 + "1" + "}" * 5_000, "nested too deeply to read"),
+        (b"[engine]\npolicy = '\xff'\n", "not UTF-8 text"),
+    ],
+)
+def test_a_file_too_deep_or_not_utf8_is_a_config_error(tmp_path, text, message):
+    bad = tmp_path / "deep.toml"
+    bad.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=f"deep.toml: .*{message}"):
+        load_run_config(bad)
+
+
+def test_a_huge_refused_value_is_echoed_cut_short(tmp_path):
+    bad = tmp_path / "huge.toml"
+    bad.write_text("[request]\nstop = [" + "1, " * 50_000 + "]\n")
+    with pytest.raises(ConfigError) as refused:
+        load_run_config(bad)
+    message = str(refused.value)
+    # repr of the list: "[" + "1, " * 49,999 + "1]" = 150,000 characters.
+    assert message.startswith(f"{bad}: [request] stop = [1, 1, 1,")
+    assert message.endswith("... (150000 chars); must be a list of strings")
+    assert len(message) < len(str(bad)) + 300
+
+
 def test_shipped_configs_load_and_differ_in_one_level_each():
     assert set(ABLATION) | {"default"} <= set(available_configs())
     configs = {name: load_run_config(name) for name in ("default", *ABLATION)}
