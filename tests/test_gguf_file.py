@@ -3,6 +3,8 @@ plain and quantized types, the real SmolLM2 file, and the errors of broken files
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -106,3 +108,50 @@ def test_a_file_without_the_magic_or_of_another_version_is_refused(tmp_path):
     path.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(60))
     with pytest.raises(ValueError, match="version 1"):
         read_gguf(path)
+
+
+def _with_dims(source, path, tensor: str, dims: tuple[int, ...]) -> None:
+    # A copy of `source` whose header lists `dims` for `tensor` (same count of dimensions):
+    # its table entry is the name, then n_dims (uint32), then each dimension (uint64).
+    data = bytearray(source.read_bytes())
+    name = tensor.encode()
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)
+    assert int.from_bytes(data[at : at + 4], "little") == len(dims)
+    for i, d in enumerate(dims):
+        data[at + 4 + 8 * i : at + 12 + 8 * i] = d.to_bytes(8, "little")
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [
+        (2**32, 2**32),  # 2**64 items: the product wraps to 0 in int64
+        (2**62, 3),  # 3 * 2**62 * 4 bytes wraps to a small positive number
+        (2**64 - 1, 0),  # no items, but a dimension no array can have
+        (10**6, 10**3),  # 4 GB: simply past the end of the file
+    ],
+)
+def test_a_tensor_whose_size_overflows_is_refused_naming_file_and_tensor(tmp_path, dims):
+    from etjax.errors import ModelLoadError
+    from etjax.loaders.gguf_weights import open_gguf
+
+    whole = tmp_path / "whole.gguf"
+    _write_every_kind(whole)
+    bad = tmp_path / "overflow.gguf"
+    _with_dims(whole, bad, "plain.f32", dims)  # the first tensor, float32, 3 x 5
+    with pytest.raises(ModelLoadError, match=r"overflow\.gguf: .*tensor 'plain\.f32'"):
+        open_gguf(bad)
+
+
+def test_metadata_arrays_nested_past_a_bound_are_refused_naming_the_field(tmp_path):
+    from etjax.errors import ModelLoadError
+    from etjax.loaders.gguf_weights import open_gguf
+
+    # Version 3, no tensors, one field "deep": an array (type 9) of one array of one array ...
+    # 5,000 deep (12 bytes a level), which would exhaust Python's stack read recursively.
+    header = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 4) + b"deep"
+    levels = struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5_000 + struct.pack("<IQ", 4, 0)
+    path = tmp_path / "nested.gguf"
+    path.write_bytes(header + levels + bytes(32))
+    with pytest.raises(ModelLoadError, match=r"nested\.gguf: .*field 'deep': arrays nested"):
+        open_gguf(path)

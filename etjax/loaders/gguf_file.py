@@ -10,6 +10,7 @@ by the offsets listed here. Little-endian files (what llama.cpp writes) of versi
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
+_MAX_DIM = 2**63 - 1  # numpy's largest dimension (an int64); GGUF stores uint64
+_MAX_NESTING = 32  # arrays of arrays in metadata (llama.cpp writes none deeper than 1)
 # GGUF value types with a fixed size, as numpy dtypes (little-endian).
 _FIXED = {
     0: np.dtype("u1"),
@@ -65,7 +68,9 @@ class GGUFTensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.data_shape)) * self.data_dtype.itemsize
+        # Python integers: np.prod would wrap around past 2**63 and let a huge tensor pass
+        # for a small one.
+        return math.prod(self.data_shape) * self.data_dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,8 @@ def _parse(path: Path, data: mmap.mmap, size: int) -> GGUFFile:
             raise ValueError(
                 f"metadata field {key!r} holds text that is not UTF-8: {exc}"
             ) from None
+        except ValueError as exc:
+            raise ValueError(f"metadata field {key!r}: {exc}") from None
     infos = [_tensor_info(cursor) for _ in range(tensor_count)]
     alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
@@ -148,22 +155,27 @@ def _parse(path: Path, data: mmap.mmap, size: int) -> GGUFFile:
         names.add(name)
         tensor = _tensor(name, dims, tensor_type, start + offset)
         if tensor.data_offset + tensor.nbytes > size:
-            raise ValueError(f"tensor {name!r} runs past the end of the file")
+            raise ValueError(
+                f"tensor {name!r} runs past the end of the file: dimensions {dims} hold "
+                f"{tensor.nbytes} bytes from offset {tensor.data_offset}, and the file has {size}"
+            )
         tensors.append(tensor)
     return GGUFFile(path, fields, tensors)
 
 
-def _value(cursor: _Cursor, value_type: int) -> Any:
+def _value(cursor: _Cursor, value_type: int, depth: int = 0) -> Any:
     if value_type == _STRING:
         return cursor.string()
     if value_type in _FIXED:
         return cursor.array(_FIXED[value_type], 1)[0].item()
     if value_type != _ARRAY:
         raise ValueError(f"unknown metadata value type {value_type}")
+    if depth >= _MAX_NESTING:  # 12 bytes a level would otherwise exhaust Python's stack
+        raise ValueError(f"arrays nested more than {_MAX_NESTING} deep")
     item_type, count = cursor.unpack("<I"), cursor.unpack("<Q")
     if item_type in _FIXED:
         return cursor.array(_FIXED[item_type], count).tolist()
-    return [_value(cursor, item_type) for _ in range(count)]
+    return [_value(cursor, item_type, depth + 1) for _ in range(count)]
 
 
 def _tensor_info(cursor: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
@@ -178,6 +190,8 @@ def _tensor(name: str, dims: tuple[int, ...], raw_type: int, offset: int) -> GGU
         tensor_type = GGMLQuantizationType(raw_type)
     except ValueError:
         raise ValueError(f"tensor {name!r} has unknown type {raw_type}") from None
+    if any(d > _MAX_DIM for d in dims):  # no array has it, even with no items (a 0 beside)
+        raise ValueError(f"tensor {name!r}: dimensions {dims}; each must be below 2**63")
     shape = tuple(reversed(dims))  # slowest axis first, as numpy holds it
     if tensor_type in _PLAIN:
         return GGUFTensorInfo(name, tensor_type, dims, offset, _PLAIN[tensor_type], shape)
