@@ -1,5 +1,5 @@
 """The `etjax` command line: `generate` streams a completion, `batch` runs a resumable JSONL job,
-`bench` runs the ablation, `convert` saves a fast checkpoint."""
+`bench` runs the ablation, `convert` saves a fast checkpoint, `serve` answers HTTP requests."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from etjax.calibration.command import add_calibrate
 from etjax.compilation_cache import use_persistent_cache
 from etjax.errors import EtjaxError, JobInterrupted
 from etjax.generate_command import add_generate
+from etjax.serve.command import add_serve
 
 log = logging.getLogger("etjax")
 
@@ -177,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
 
     _add_bench(commands)
     add_calibrate(commands)
+    add_serve(commands)
 
     conv = commands.add_parser("convert", help="convert a model to an etjax (orbax) checkpoint")
     conv.add_argument("source", help="a .gguf file, a Hugging Face directory or a model name")
