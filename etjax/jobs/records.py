@@ -9,8 +9,11 @@ field ("sampler", "temperature", "seed", "top_p", ...). Missing fields take the 
 defaults ([request] and [sampler]), but for
 "seed": a record without one samples from a stream of its own, derived from the config's seed
 and its id, and its result says which seed that was. A record
-that fails validation becomes an error result; it never stops the job. Each record carries a
-fingerprint of what its result depends on, so a rerun can tell a changed record from a done one.
+that fails validation becomes an error result; it never stops the job. So does a record holding
+a string that is no Unicode text anywhere (JSON's "\\ud800", a lone surrogate, which no UTF-8
+file holds): the error names where, and such an id gives way to the line number. Each record
+carries a fingerprint of what its result depends on, so a rerun can tell a changed record from a
+done one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 
 from etjax.errors import EtjaxError, RequestError
@@ -67,20 +71,80 @@ class ParsedRecord:
 def record_id(raw: object, line: int) -> tuple[RecordId, str | None]:
     """The id a line's result carries, and an error if its "id" field is unusable: a given
     non-empty string or integer (as a string), an OpenAI line's "custom_id" (a non-empty
-    string), else the line number (as an int)."""
+    string), else the line number (as an int). A string that is no Unicode text (it holds a
+    lone surrogate) is unusable: no results file could hold it."""
     if isinstance(raw, dict) and "custom_id" in raw:
         value = raw["custom_id"]
-        if isinstance(value, str) and value != "":
+        if isinstance(value, str) and value != "" and _surrogate(value) is None:
             return value, None
-        return line, f"line {line}: custom_id={value!r}; must be a non-empty string"
+        return line, _id_error(line, "custom_id", value, "a non-empty string")
     if not isinstance(raw, dict) or "id" not in raw:
         return line, None
     value = raw["id"]
-    if isinstance(value, str) and value != "":
+    if isinstance(value, str) and value != "" and _surrogate(value) is None:
         return value, None
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value), None
-    return line, f"line {line}: id={value!r}; must be a non-empty string or an integer"
+    return line, _id_error(line, "id", value, "a non-empty string or an integer")
+
+
+def _id_error(line: int, name: str, value: object, allowed: str) -> str:
+    at = _surrogate(value) if isinstance(value, str) else None
+    if at is None:
+        return f"line {line}: {name}={shown(value)}; must be {allowed}"
+    return (
+        f"line {line}: {name} holds a lone surrogate {value[at]!r} at character {at}; "
+        "an id must be Unicode text"
+    )
+
+
+def shown(value: object, limit: int = 120) -> str:
+    """`repr(value)`, cut to about `limit` characters: an error quoting a 1 MB value stays a
+    line a person can read."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _surrogate(text: str) -> int | None:
+    # Where `text` holds a lone surrogate (JSON's "\ud800" decodes to one): no UTF-8 file
+    # can hold it, so it is no text.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+# A JSON escape of a surrogate code point: a line without one decodes to no lone surrogate
+# (UTF-8 bytes cannot hold one), so only lines with one are walked (`surrogate_error`).
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def surrogate_error(raw: object) -> str | None:
+    """Where a decoded record holds a string that is no Unicode text (a value or a field
+    name with a lone surrogate), or None. Iterative: a record may nest as deeply as JSON
+    decoding allows."""
+    stack: list[tuple[object, str]] = [(raw, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            at = _surrogate(value)
+            if at is not None:
+                return f"{path} holds a lone surrogate {value[at]!r} at character {at}"
+        elif isinstance(value, list):
+            stack.extend((value[i], f"{path}[{i}]") for i in reversed(range(len(value))))
+        elif isinstance(value, dict):
+            for name in value:
+                at = _surrogate(name)
+                if at is not None:
+                    where = f" in {path}" if path else ""
+                    return (
+                        f"a field name{where} holds a lone surrogate {name[at]!r} at character {at}"
+                    )
+            stack.extend(
+                (item, f"{path}.{name}" if path else name) for name, item in reversed(value.items())
+            )
+    return None
 
 
 # The settings fields of the first fingerprinted release: always hashed, so that results
@@ -151,15 +215,20 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
         )
     key, id_error = record_id(raw, line)
     rec = ParsedRecord(key, line, fingerprint=broken)
+    if openai_format.is_openai(raw):  # answered in that format, its errors too
+        rec.openai_url = raw["url"] if isinstance(raw.get("url"), str) else ""
     if id_error is not None:
         rec.error = id_error
         return rec
     if not isinstance(raw, dict):
         rec.error = f"line {line}: a record must be a JSON object, got {type(raw).__name__}"
         return rec
+    if SURROGATE_ESCAPE.search(text) and (where := surrogate_error(raw)) is not None:
+        rec.error = _cut(f"line {line}: {where}; a record's strings must be Unicode text")
+        return rec
     try:
-        if openai_format.is_openai(raw):
-            rec.openai_url, body = str(raw.get("url", "")), raw.get("body")
+        if rec.openai_url is not None:
+            body = raw.get("body")
             raw = openai_format.to_record(raw)
             rec.openai_model = body.get("model") if isinstance(body, dict) else None
             rec.openai_logprobs = openai_format.wants_logprobs(body)
@@ -192,8 +261,18 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
             form = f"{form}+logprobs"
         rec.fingerprint = request_fingerprint(ids, rec.settings, rec.n, form)
     except EtjaxError as e:
-        rec.error = f"line {line}: {e}"
+        rec.error = _cut(f"line {line}: {e}")
     return rec
+
+
+MAX_ERROR = 4000  # characters of a record's error message
+
+
+def _cut(error: str) -> str:
+    # An error quoting a 1 MB value (a field name, a setting): the result line stays readable.
+    if len(error) <= MAX_ERROR:
+        return error
+    return f"{error[:MAX_ERROR]}... ({len(error) - MAX_ERROR} more characters)"
 
 
 def _request(raw: dict, config: RunConfig, key: RecordId) -> tuple[RequestSettings, PromptSettings]:

@@ -113,8 +113,12 @@ class ResultsFile:
             self.fingerprints.pop(key, None)
 
     def append(self, record: dict) -> None:
-        """Write one result (durable at the next `sync`)."""
-        line = json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n"
+        """Write one result (durable at the next `sync`). A string that is no Unicode text (a
+        lone surrogate, which records refuse) is written as JSON's escape of it, `\\ud800`:
+        the line stays UTF-8 and reads back as the same string, so a rerun knows its id."""
+        text = json.dumps(record, ensure_ascii=False)
+        # Surrogates occur only inside JSON strings, where "\ud800" is the escape of one.
+        line = text.encode("utf-8", "backslashreplace") + b"\n"
         try:
             view = memoryview(line)
             while view:
