@@ -37,25 +37,25 @@ from tokenizers import AddedToken, decoders, normalizers
 from tokenizers.models import BPE
 
 from etjax.errors import TokenizerError
-from etjax.tokenizer.tokenizer import (
-    _TOKEN_TYPE_CONTROL,
-    _TOKEN_TYPE_USER_DEFINED,
-    Tokenizer,
-    _gguf_token_id,
-    _mark_special,
-    _string_list,
-    _template_processor,
+from etjax.tokenizer.gguf_vocab import (
+    TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_USER_DEFINED,
+    gguf_token_id,
+    string_list,
 )
 
 GEMMA_ARCHITECTURES: frozenset[str] = frozenset({"gemma", "gemma2", "gemma3"})
 _SPACE = "\u2581"  # SentencePiece's spelling of " "
 
 
-def sentencepiece_tokenizer(metadata: Mapping[str, Any], source: str) -> Tokenizer:
-    """The Tokenizer of a GGUF SentencePiece vocabulary (rules in the module docstring).
+def sentencepiece_backend(
+    metadata: Mapping[str, Any], source: str
+) -> tuple[list[str], tokenizers.Tokenizer]:
+    """The tokens and `tokenizers` backend of a GGUF SentencePiece vocabulary (rules in the
+    module docstring), before its special tokens are marked (gguf_vocab.py `gguf_specials`).
 
     ``metadata`` holds the file's ``tokenizer.*`` fields and its ``general.architecture``;
-    ``source`` names the file in error messages. Returns a Tokenizer whose ids equal
+    ``source`` names the file in error messages. The finished Tokenizer's ids equal
     transformers' ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``; raises
     TokenizerError naming the field at fault.
     """
@@ -66,7 +66,7 @@ def sentencepiece_tokenizer(metadata: Mapping[str, Any], source: str) -> Tokeniz
             f"general.architecture is {architecture!r}; etjax builds SentencePiece vocabularies "
             f"of {sorted(GEMMA_ARCHITECTURES)} only (byte-level 'gpt2' ones of any model)"
         )
-    tokens = _string_list(metadata, "tokenizer.ggml.tokens", source)
+    tokens = string_list(metadata, "tokenizer.ggml.tokens", source)
     types = metadata.get("tokenizer.ggml.token_type")
     if (
         not isinstance(types, Sequence)
@@ -79,45 +79,9 @@ def sentencepiece_tokenizer(metadata: Mapping[str, Any], source: str) -> Tokeniz
             "control and user-defined pieces from text)"
         )
 
-    ids = {
-        name: _gguf_token_id(metadata, f"tokenizer.ggml.{key}", len(tokens), source)
-        for name, key in (
-            ("bos_token", "bos_token_id"),
-            ("eos_token", "eos_token_id"),
-            ("unk_token", "unknown_token_id"),
-            ("pad_token", "padding_token_id"),
-        )
-    }
-    special_tokens = {name: tokens[i] for name, i in ids.items() if i is not None}
-    backend = gemma_backend(tokens, types, unk_token=special_tokens.get("unk_token", "<unk>"))
-    _mark_special(backend, special_tokens.values())
-
-    bos_id, eos_id = ids["bos_token"], ids["eos_token"]
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True)) and bos_id is not None
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
-    backend.post_processor = _template_processor(
-        (tokens[bos_id], bos_id) if add_bos else None,
-        (tokens[eos_id], eos_id) if add_eos else None,
-    )
-
-    extra_eos = [
-        i
-        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-        if (i := _gguf_token_id(metadata, key, len(tokens), source)) is not None
-    ]
-    template = metadata.get("tokenizer.chat_template")
-    if template is not None and not isinstance(template, str):
-        raise TokenizerError(f"{source}: tokenizer.chat_template must be a string")
-    return Tokenizer(
-        backend,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        extra_eos_token_ids=extra_eos,
-        chat_template=template,
-        chat_template_origin=f"{source}: tokenizer.chat_template",
-        special_tokens=special_tokens,
-        source=source,
-    )
+    unk = gguf_token_id(metadata, "tokenizer.ggml.unknown_token_id", len(tokens), source)
+    backend = gemma_backend(tokens, types, unk_token="<unk>" if unk is None else tokens[unk])
+    return tokens, backend
 
 
 def gemma_backend(
@@ -153,14 +117,14 @@ def gemma_backend(
         [
             AddedToken(token, special=True, normalized=False)
             for token, kind in zip(tokens, types, strict=True)
-            if kind == _TOKEN_TYPE_CONTROL
+            if kind == TOKEN_TYPE_CONTROL
         ]
     )
     backend.add_tokens(
         [
             AddedToken(token, special=False, normalized=False)
             for token, kind in zip(tokens, types, strict=True)
-            if kind == _TOKEN_TYPE_USER_DEFINED and token in vocab
+            if kind == TOKEN_TYPE_USER_DEFINED and token in vocab
         ]
     )
     return backend

@@ -43,13 +43,21 @@ from typing import Any
 
 import tokenizers
 from gguf import GGUFReader
-from tokenizers import AddedToken, decoders, processors
+from tokenizers import AddedToken, decoders
 from tokenizers.models import BPE
 
 from etjax.errors import TokenizerError
 from etjax.loaders.gguf_file import GGUFFile, read_gguf
 from etjax.tokenizer.chat_template import ChatTemplate
 from etjax.tokenizer.gguf_bpe import gguf_bpe_family
+from etjax.tokenizer.gguf_vocab import (
+    TOKEN_TYPE_CONTROL,
+    TOKEN_TYPE_USER_DEFINED,
+    gguf_specials,
+    mark_special,
+    string_list,
+)
+from etjax.tokenizer.sentencepiece_gguf import sentencepiece_backend
 
 # Tokens that end a turn or a document in common chat/base models; see the module docstring.
 END_OF_TURN_TOKENS: tuple[str, ...] = (
@@ -73,8 +81,6 @@ _SPECIAL_TOKEN_NAMES = (
 )
 
 # llama.cpp's token types (enum llama_token_type) that matter for matching text.
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -121,7 +127,7 @@ def _added_token_texts(
     the byte-level spelling is a merge result and no other token has it (a raw-text added token
     always has an id of its own, apart from the entry of the same bytes).
     """
-    kinds = (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+    kinds = (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
     merged = {left + right for left, right in merges}
     ordinary = {
         _byte_level_spelling(token)
@@ -135,39 +141,6 @@ def _added_token_texts(
         spelled = _byte_level_spelling(token)
         texts[index] = spelled if spelled in merged and spelled not in ordinary else token
     return texts
-
-
-def _template_processor(
-    bos: tuple[str, int] | None, eos: tuple[str, int] | None
-) -> processors.TemplateProcessing:
-    """Post-processor that wraps each sequence in the given BOS/EOS (either may be None)."""
-    head = f"{bos[0]}:0 " if bos else ""
-    tail = f" {eos[0]}:0" if eos else ""
-    single = f"{head}$A:0{tail}"
-    pair = (
-        f"{single}{(' ' + bos[0] + ':1') if bos else ''} $B:1{(' ' + eos[0] + ':1') if eos else ''}"
-    )
-    special = [t for t in (bos, eos) if t is not None]
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
-
-
-def _mark_special(backend: tokenizers.Tokenizer, texts: Iterable[str]) -> None:
-    """Register existing vocabulary entries as special added tokens.
-
-    transformers registers every named special token (and GPT2Tokenizer's default
-    ``<|endoftext|>``) this way, which makes it match whole in text and drop out of
-    ``decode(skip_special_tokens=True)``. Unlike transformers we never *create* a token here:
-    a text absent from the vocabulary would get an id past the model's embedding table.
-    """
-    added = {t.content for t in backend.get_added_tokens_decoder().values()}
-    vocab = backend.get_vocab(with_added_tokens=False)
-    new = []
-    for text in texts:
-        if text in vocab and text not in added:
-            new.append(AddedToken(text, special=True, normalized=False))
-            added.add(text)
-    if new:
-        backend.add_special_tokens(new)
 
 
 class Tokenizer:
@@ -256,17 +229,16 @@ class Tokenizer:
         if model is None:
             raise TokenizerError(f"{source}: GGUF metadata has no tokenizer.ggml.model field")
         if model == "llama":
-            # SentencePiece vocabularies (Gemma) have a module of their own, built on this one.
-            from etjax.tokenizer.sentencepiece_gguf import sentencepiece_tokenizer
-
-            return sentencepiece_tokenizer(metadata, source)
+            # SentencePiece vocabularies (Gemma) have a module of their own.
+            tokens, backend = sentencepiece_backend(metadata, source)
+            return cls(backend, **gguf_specials(metadata, tokens, backend, source))
         if model != "gpt2":
             raise TokenizerError(
                 f"{source}: tokenizer.ggml.model is {model!r}; only 'gpt2' (byte-level BPE) "
                 "and, for Gemma, 'llama' (SentencePiece) vocabularies are supported"
             )
-        tokens = _string_list(metadata, "tokenizer.ggml.tokens", source)
-        merge_lines = _string_list(metadata, "tokenizer.ggml.merges", source)
+        tokens = string_list(metadata, "tokenizer.ggml.tokens", source)
+        merge_lines = string_list(metadata, "tokenizer.ggml.merges", source)
         types = metadata.get("tokenizer.ggml.token_type")
         if types is not None and (
             not isinstance(types, Sequence)
@@ -325,55 +297,23 @@ class Tokenizer:
             [
                 AddedToken(added[index], special=True, normalized=False)
                 for index, kind in enumerate(types)
-                if kind == _TOKEN_TYPE_CONTROL
+                if kind == TOKEN_TYPE_CONTROL
             ]
         )
         backend.add_tokens(
             [
                 AddedToken(added[index], special=False, normalized=False)
                 for index, kind in enumerate(types)
-                if kind == _TOKEN_TYPE_USER_DEFINED
+                if kind == TOKEN_TYPE_USER_DEFINED
             ]
         )
 
-        ids = {
-            name: _gguf_token_id(metadata, f"tokenizer.ggml.{key}", len(tokens), source)
-            for name, key in (
-                ("bos_token", "bos_token_id"),
-                ("eos_token", "eos_token_id"),
-                ("unk_token", "unknown_token_id"),
-                ("pad_token", "padding_token_id"),
-            )
-        }
-        special_tokens = {name: tokens[i] for name, i in ids.items() if i is not None}
         # transformers' GPT2Tokenizer also registers its default "<|endoftext|>" as special.
-        _mark_special(backend, [*special_tokens.values(), "<|endoftext|>"])
-
-        bos_id, eos_id = ids["bos_token"], ids["eos_token"]
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
-        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
-        backend.post_processor = _template_processor(
-            (tokens[bos_id], bos_id) if add_bos else None,
-            (tokens[eos_id], eos_id) if add_eos else None,
-        )
-
-        extra_eos = [
-            i
-            for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            if (i := _gguf_token_id(metadata, key, len(tokens), source)) is not None
-        ]
-        template = metadata.get("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):
-            raise TokenizerError(f"{source}: tokenizer.chat_template must be a string")
         return cls(
             backend,
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            extra_eos_token_ids=extra_eos,
-            chat_template=template,
-            chat_template_origin=f"{source}: tokenizer.chat_template",
-            special_tokens=special_tokens,
-            source=source,
+            **gguf_specials(
+                metadata, tokens, backend, source, add_bos_default=False, extra=["<|endoftext|>"]
+            ),
         )
 
     @classmethod
@@ -420,7 +360,7 @@ class Tokenizer:
                 if table.get(name) is not None:
                     special_tokens[name] = _token_text(table[name], root / file_name, name)
                     break
-        _mark_special(backend, special_tokens.values())
+        mark_special(backend, special_tokens.values())
 
         def named_id(name: str) -> int | None:
             text = special_tokens.get(name)
@@ -666,26 +606,6 @@ class Tokenizer:
 
 
 # --------------------------------------------------------------------------------- helpers
-
-
-def _string_list(metadata: Mapping[str, Any], key: str, source: str) -> list[str]:
-    value = metadata.get(key)
-    if value is None:
-        raise TokenizerError(f"{source}: GGUF metadata has no {key} field")
-    if not isinstance(value, Sequence) or not all(isinstance(v, str) for v in value):
-        raise TokenizerError(f"{source}: {key} must be an array of strings")
-    return list(value)
-
-
-def _gguf_token_id(metadata: Mapping[str, Any], key: str, count: int, source: str) -> int | None:
-    value = metadata.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < count:
-        raise TokenizerError(
-            f"{source}: {key} is {value!r}; it must be a token id in 0..{count - 1}"
-        )
-    return value
 
 
 def _read_json(path: Path) -> Any:
