@@ -175,7 +175,7 @@ def test_page_scores_loop_only_to_the_longest_row_and_match_the_plain_bound(shar
     # The engine passes page tables as wide as its longest possible sequence; scoring loops
     # over slices of SCORE_PAGES pages up to the batch's longest row. Every page a row holds
     # must get the plain bound (several trips, a last slice past the table's end).
-    from etjax.attention.pruned import SCORE_PAGES, score_pages_xla
+    from etjax.pruning.block_scores import SCORE_PAGES, score_pages_xla
 
     rng = np.random.default_rng(5)
     b, h, kvh, hd, n_pages, width = 3, 6, 3, 8, 200, 2 * SCORE_PAGES + 37

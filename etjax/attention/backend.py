@@ -110,12 +110,12 @@ class AttentionBackend:
 
     def page_bounds(self):
         """The pages' Quest-bound scorer of pruned steps (the signature of
-        etjax/attention/pruned.py's `score_pages_xla`): the C++ one on `cpu`, else that."""
+        etjax/pruning/block_scores.py's `score_pages_xla`): the C++ one on `cpu`, else that."""
         if self.name == "cpu":
             from pallas_kernels.block_sparse.cpu import page_bounds_cpu
 
             return page_bounds_cpu
-        from etjax.attention.pruned import score_pages_xla
+        from etjax.pruning.block_scores import score_pages_xla
 
         return score_pages_xla
 
