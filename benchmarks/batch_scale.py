@@ -141,6 +141,9 @@ def main() -> None:
             print(rows[-1], flush=True)
     base = rows[0]["job_host_ms_per_round"]
     lines = [
+        "## `etjax batch`: host cost and memory as the job grows (mock device"
+        + (", records sharing a first block)" if args.prefix_words else ")"),
+        "",
         f"{machine_line()}; {datetime.date.today()}; `{shlex.join(sys.argv)}`",
         "",
         "Host side of `etjax batch` on the mock device (tests/engine_mock.py): real tokenizer, "

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.perf_report import machine_line, median_spread, write_section
 from benchmarks.pruning_speed import greedy_state
 from etjax.attention import PlanSizes, padded_batch_plan, plan_segments, resolve_backend
+from etjax.bench.perf_doc import cpu_name
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.engine.build import MIN_POOL_PAGES
 from etjax.entropy.cost import CostModel
@@ -368,7 +369,7 @@ def _markdown(raw: dict) -> str:
     backends = raw["backends"]
     first = backends[0]
     lines = [
-        f"## The step against its floor ({raw['model']}, float32)",
+        f"## The step against its floor: {raw['model']}, float32, on {cpu_name(raw['machine'])}",
         "",
         f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
         f"{raw['command']}`. Floors in plain JAX with the model's weights: `products` is the "

@@ -49,7 +49,7 @@ def main() -> None:
     if args.first_call:
         print(json.dumps(_first_call()))
         return
-    raw = {"machine": machine_line(), "date": str(datetime.date.today())}
+    raw = {"machine": machine_line(), "date": str(datetime.date.today()), "repeats": args.repeats}
     raw["first_call"] = _first_call_in_fresh_process()
     print("first call:", raw["first_call"], flush=True)
     raw["warm_calls"] = _warm_calls(args.repeats)
@@ -231,7 +231,8 @@ def _markdown(raw: dict) -> str:
     lines = [
         "## `decode()` as a user meets it (SmolLM2-135M, float32, greedy)",
         "",
-        f"`benchmarks/user_calls.py`, {raw['date']}, {raw['machine']}. SmolLM2-135M float32, "
+        f"`benchmarks/user_calls.py --repeats {raw['repeats']}`, {raw['date']}, "
+        f"{raw['machine']}. SmolLM2-135M float32, "
         "greedy; median (min-max) over interleaved repetitions after a warm-up.",
         "",
         "| what | etjax | transformers | etjax / transformers |",

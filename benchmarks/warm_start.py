@@ -71,6 +71,8 @@ def main() -> None:
                 runs[kind].append(_process(Path(cache)))
                 print(kind, runs[kind][-1], flush=True)
     lines = [
+        "## Warm start: a fresh process with an empty and a filled compilation cache",
+        "",
         f"{machine_line()}; {datetime.date.today()}; `{shlex.join(sys.argv)}`",
         "",
         "A fresh process: load the embedded SmolLM2-135M-Instruct (float32), one `decode()` of "
