@@ -195,3 +195,125 @@ def test_json_nested_too_deeply_is_a_field_error():
         assert "deep" in refused.value.allowed and len(str(refused.value)) < 400
     with pytest.raises(FieldError, match=r"^json_schema=<dict nested too deeply to show>"):
         FIELDS["json_schema"].read(deep)
+
+
+# A config.json's fields that divide, index or size arrays: a zero, a negative, a value of the
+# wrong kind is a ModelLoadError naming the file and the field, never Python's own error.
+_LLAMA = dict(
+    model_type="llama",
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+_QWEN3_MOE = dict(
+    _LLAMA, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_attention_heads=0), "num_attention_heads=0; must be an integer >= 1"),
+        (dict(num_key_value_heads=0), "num_key_value_heads=0; must be an integer >= 1"),
+        (dict(num_key_value_heads=3), "num_key_value_heads=3; must be a divisor of num_att"),
+        (dict(head_dim=0), "head_dim=0; must be an integer >= 1"),
+        (dict(head_dim="16"), "head_dim='16'; must be an integer >= 1"),
+        (dict(vocab_size=0), "vocab_size=0; must be an integer >= 1"),
+        (dict(num_hidden_layers=-1), "num_hidden_layers=-1; must be an integer >= 1"),
+        (dict(hidden_size=[64]), r"hidden_size=\[64\]; must be an integer >= 1"),
+        (dict(max_position_embeddings=0), "max_position_embeddings=0; must be an integer >= 1"),
+        (dict(rope_theta=0), "rope_theta=0; must be a finite number > 1"),
+        (dict(rms_norm_eps=-1e-6), "rms_norm_eps=-1e-06; must be a finite number >= 0"),
+        (dict(model_type="mistral", sliding_window=-1), "sliding_window=-1; must be an integer"),
+        (dict(rope_scaling="linear"), "rope_scaling='linear'; must be a JSON object"),
+        (dict(rope_scaling=dict(rope_type="linear", factor=0)), r"rope_scaling\.factor=0; must"),
+        (
+            dict(rope_scaling=dict(rope_type="yarn", factor=4, beta_fast=0)),
+            r"rope_scaling\.beta_fast=0; must be a finite number > 0",
+        ),
+        (
+            dict(
+                rope_scaling=dict(
+                    rope_type="llama3",
+                    factor=8,
+                    low_freq_factor=1,
+                    high_freq_factor=1,
+                    original_max_position_embeddings=64,
+                )
+            ),
+            r"rope_scaling\.high_freq_factor=1\.0; must be greater than low_freq_factor=1\.0",
+        ),
+        (
+            dict(
+                rope_scaling=dict(type="longrope", short_factor=[1.0] * 8),
+                original_max_position_embeddings=1,
+            ),
+            "original_max_position_embeddings=1; must be an integer >= 2",
+        ),
+        (dict(model_type="qwen3", layer_types=5), "layer_types must list"),
+        (
+            dict(model_type="gemma3_text", sliding_window=8, sliding_window_pattern=0),
+            "sliding_window_pattern=0; must be an integer >= 1",
+        ),
+        # The count of experts is named as the config names it, not as a field it lacks.
+        (dict(_QWEN3_MOE, num_experts=0), "num_experts=0; must be an integer >= 1"),
+        (
+            dict(_LLAMA, model_type="mixtral", num_local_experts=0, num_experts_per_tok=2),
+            "num_local_experts=0; must be an integer >= 1",
+        ),
+        (dict(_QWEN3_MOE, num_experts_per_tok=5), r"num_experts_per_tok=5; must be 1\.\.num_exp"),
+        (dict(_QWEN3_MOE, decoder_sparse_step=0), "decoder_sparse_step=0; must be an integer"),
+    ],
+)
+def test_bad_model_sizes_in_a_config_json_are_named(change, message):
+    from etjax.loaders.hf_config import hf_config_to_model_config
+    from etjax.model.rope import rope_inverse_frequencies
+
+    raw = {**_LLAMA, **change}
+    with pytest.raises(ModelLoadError, match=f"^config.json: {message}"):
+        cfg = hf_config_to_model_config(raw, "float32", "config.json")
+        rope_inverse_frequencies(cfg)  # where a zero factor would divide, had it passed
+
+
+def test_a_config_json_nested_too_deeply_is_a_model_load_error(tmp_path):
+    from etjax.loaders.hf_config import read_hf_config
+
+    path = tmp_path / "config.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ModelLoadError, match=r"config\.json: JSON nested too deeply"):
+        read_hf_config(path, "float32")
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("llama.attention.head_count", 0, "llama.attention.head_count=0; must be an integer >= 1"),
+        ("llama.attention.head_count_kv", 3, "head_count_kv=3; must divide llama.attention.he"),
+        ("llama.block_count", 0, "llama.block_count=0; must be an integer >= 1"),
+        ("llama.attention.key_length", 0, "llama.attention.key_length=0; must be an integer"),
+        ("llama.rope.freq_base", 0.0, r"rope_theta=0\.0; must be a finite number > 1"),
+        ("llama.rope.scaling.original_context_length", 0, "original_context_length=0; must be"),
+    ],
+)
+def test_bad_model_sizes_in_a_gguf_header_are_named(key, value, message):
+    from pathlib import Path
+
+    from etjax.loaders.gguf_file import GGUFFile
+    from etjax.loaders.gguf_weights import gguf_model_config
+
+    fields = {
+        "general.architecture": "llama",
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.embedding_length": 64,
+        "llama.block_count": 2,
+        "llama.feed_forward_length": 128,
+        "llama.vocab_size": 100,
+        "llama.rope.scaling.type": "yarn",
+        key: value,
+    }
+    with pytest.raises(ModelLoadError, match=f"^m.gguf: .*{message}"):
+        gguf_model_config(GGUFFile(Path("m.gguf"), fields, []), "float32")

@@ -89,7 +89,7 @@ def gguf_rope_scaling(
     elif kind == "linear":
         scaling = RopeScaling("linear", factor=float(take("factor")))
     elif kind == "yarn":
-        original = int(take("original_context_length", max_positions))
+        original = _context(reader, prefix, take("original_context_length", max_positions))
         factor = float(take("factor", max_positions / original))
         default = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
         _require(reader, prefix, "yarn_ext_factor", take("yarn_ext_factor", 1.0), 1.0, "1.0")
@@ -103,7 +103,7 @@ def gguf_rope_scaling(
         )
         served = max(max_positions, int(factor * original))
     elif kind == "longrope":
-        original = int(take("original_context_length"))
+        original = _context(reader, prefix, take("original_context_length"))
         factor = float(take("factor", max_positions / original))
         default = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
         short = _factors(reader, tensors, _SHORT, head_dim)
@@ -163,6 +163,15 @@ def _require(reader: GGUFFile, prefix: str, key: str, value: Any, want: float, a
         raise ModelLoadError(
             f"{reader.path}: {prefix}{key}={value!r} is not supported; allowed: {allowed}"
         )
+
+
+def _context(reader: GGUFFile, prefix: str, value: Any) -> int:
+    # The original context length: a divisor and a logarithm's argument, so at least 2.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ModelLoadError(
+            f"{reader.path}: {prefix}original_context_length={value!r}; must be an integer >= 2"
+        )
+    return value
 
 
 def _float32_of(stored: Any, computed: float) -> float:

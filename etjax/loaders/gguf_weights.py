@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from etjax.errors import ModelLoadError
+from etjax.errors import EtjaxError, ModelLoadError, shown
 from etjax.loaders.assemble import SourceTensor, assemble_weights
 from etjax.loaders.gguf_file import GGUFFile, read_gguf
 from etjax.loaders.gguf_rope import gguf_rope_scaling
@@ -57,15 +57,44 @@ def gguf_field(reader: GGUFFile, key: str, default: Any = ...) -> Any:
     return reader.fields[key]
 
 
+def gguf_count(reader: GGUFFile, key: str, default: Any = ..., minimum: int = 1) -> int:
+    """Metadata field `key` (or `default`) as an integer >= `minimum`: a size that divides or
+    shapes an array, refused by name when 0 or negative rather than met as a
+    ZeroDivisionError further on."""
+    value = gguf_field(reader, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ModelLoadError(
+            f"{reader.path}: {key}={shown(value)}; must be an integer >= {minimum}"
+        )
+    return value
+
+
 def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
-    """Build the `ModelConfig` from the `{arch}.*` metadata of a GGUF file."""
+    """Build the `ModelConfig` from the `{arch}.*` metadata of a GGUF file; a value it
+    cannot take is a `ModelLoadError` naming the file and the key (or `ModelConfig`'s
+    field)."""
+    try:
+        return _model_config(reader, dtype)
+    except ModelLoadError:
+        raise
+    except EtjaxError as e:  # ModelConfig's own checks, naming its field
+        raise ModelLoadError(f"{reader.path}: {e}") from None
+    except (TypeError, ValueError, ArithmeticError, LookupError) as e:
+        # A key of an unexpected kind (a list where a number belongs) no check above named.
+        raise ModelLoadError(
+            f"{reader.path}: a metadata field holds a value etjax cannot read "
+            f"({type(e).__name__}: {e})"
+        ) from None
+
+
+def _model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
     allowed = gguf_architectures()
     if arch not in allowed:
         raise ModelLoadError(
             f"{reader.path}: general.architecture={arch!r} is not supported; allowed: {allowed}"
         )
-    num_experts = int(gguf_field(reader, f"{arch}.expert_count", 0) or 0)
+    num_experts = gguf_count(reader, f"{arch}.expert_count", 0, minimum=0)
     fam = gguf_family(arch, routed_experts=num_experts > 0)
     if fam is None:
         with_experts = tuple(a for a in allowed if gguf_family(a, True))
@@ -79,19 +108,17 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
             f"{reader.path}: {arch}.expert_count is missing or 0; general.architecture="
             f"{arch!r} has routed experts (llama.cpp requires them)"
         )
-    num_heads = int(gguf_field(reader, f"{arch}.attention.head_count"))
-    hidden = int(gguf_field(reader, f"{arch}.embedding_length"))
+    num_heads = gguf_count(reader, f"{arch}.attention.head_count")
+    hidden = gguf_count(reader, f"{arch}.embedding_length")
     tensor_names = {t.name for t in reader.tensors}
-    head_dim = int(
-        gguf_field(
-            reader,
-            f"{arch}.attention.key_length",
-            gguf_field(reader, f"{arch}.rope.dimension_count", hidden // num_heads),
-        )
+    head_dim = gguf_count(
+        reader,
+        f"{arch}.attention.key_length",
+        gguf_count(reader, f"{arch}.rope.dimension_count", hidden // num_heads),
     )
-    num_layers = int(gguf_field(reader, f"{arch}.block_count"))
+    num_layers = gguf_count(reader, f"{arch}.block_count")
     rope_scaling, max_positions = gguf_rope_scaling(
-        reader, arch, fam.name, head_dim, int(gguf_field(reader, f"{arch}.context_length", 4096))
+        reader, arch, fam.name, head_dim, gguf_count(reader, f"{arch}.context_length", 4096)
     )
     window = {}
     if fam.name == "gemma3":
@@ -107,10 +134,10 @@ def gguf_model_config(reader: GGUFFile, dtype: str) -> ModelConfig:
     return ModelConfig(
         vocab_size=_vocab_size(reader, arch),
         hidden_size=hidden,
-        intermediate_size=int(gguf_field(reader, f"{arch}.feed_forward_length")),
+        intermediate_size=gguf_count(reader, f"{arch}.feed_forward_length", minimum=0),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(gguf_field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        num_kv_heads=_kv_heads(reader, arch, num_heads),
         head_dim=head_dim,
         rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
@@ -139,8 +166,8 @@ def _expert_fields(
     # `norm_topk_prob` false is not recorded, so such a model's file is read as llama.cpp
     # runs it, renormalised (every released Qwen3-MoE renormalises).
     field = functools.partial(gguf_field, reader)
-    top_k = int(field(f"{arch}.expert_used_count"))
-    if not 0 < top_k <= num_experts:
+    top_k = gguf_count(reader, f"{arch}.expert_used_count")
+    if top_k > num_experts:
         raise ModelLoadError(
             f"{reader.path}: {arch}.expert_used_count={top_k}; must be 1..{num_experts} "
             f"({arch}.expert_count)"
@@ -174,9 +201,9 @@ def _expert_fields(
         )
     # llama.cpp's Mixtral (`llama`) gives its experts the model's feed-forward width;
     # `qwen3moe` its own key, else that width over k, as llama.cpp falls back.
-    width = int(field(f"{arch}.feed_forward_length"))
+    width = gguf_count(reader, f"{arch}.feed_forward_length", minimum=0)
     if arch != "llama":
-        width = int(field(f"{arch}.expert_feed_forward_length", width // top_k))
+        width = gguf_count(reader, f"{arch}.expert_feed_forward_length", width // top_k)
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=top_k,
@@ -189,11 +216,11 @@ def _gemma3_window(reader: GGUFFile, arch: str, num_layers: int, head_dim: int) 
     # llama.cpp's Gemma 3: every sixth layer is global, the others see the last
     # `attention.sliding_window` positions and rotate with base 10000 (not stored in the file,
     # as transformers assumes too); the query scale is head_dim ** -0.5.
-    pattern = int(gguf_field(reader, f"{arch}.attention.sliding_window_pattern", 6))
+    pattern = gguf_count(reader, f"{arch}.attention.sliding_window_pattern", 6)
     if gguf_field(reader, f"{arch}.final_logit_softcapping", None) is not None:
         raise ModelLoadError(f"{reader.path}: {arch}.final_logit_softcapping is not supported")
     return dict(
-        sliding_window=int(gguf_field(reader, f"{arch}.attention.sliding_window")),
+        sliding_window=gguf_count(reader, f"{arch}.attention.sliding_window"),
         local_layers=tuple(i for i in range(num_layers) if (i + 1) % pattern),
         rope_local_theta=10000.0,
         query_pre_attn_scalar=float(head_dim),
@@ -209,7 +236,7 @@ def _gemma2_window(
     cap = functools.partial(gguf_field, reader, default=0.0)
     rope_theta = float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0))
     return dict(
-        sliding_window=int(gguf_field(reader, f"{arch}.attention.sliding_window")),
+        sliding_window=gguf_count(reader, f"{arch}.attention.sliding_window"),
         local_layers=tuple(range(0, num_layers, 2)),
         rope_local_theta=rope_theta,
         query_pre_attn_scalar=float(hidden_per_head if num_layers == 46 else head_dim),
@@ -218,10 +245,19 @@ def _gemma2_window(
     )
 
 
+def _kv_heads(reader: GGUFFile, arch: str, num_heads: int) -> int:
+    key = f"{arch}.attention.head_count_kv"
+    kv_heads = gguf_count(reader, key, num_heads)
+    if num_heads % kv_heads:
+        raise ModelLoadError(
+            f"{reader.path}: {key}={kv_heads}; must divide {arch}.attention.head_count={num_heads}"
+        )
+    return kv_heads
+
+
 def _vocab_size(reader: GGUFFile, arch: str) -> int:
-    size = gguf_field(reader, f"{arch}.vocab_size", None)
-    if size is not None:
-        return int(size)
+    if gguf_field(reader, f"{arch}.vocab_size", None) is not None:
+        return gguf_count(reader, f"{arch}.vocab_size")
     return len(gguf_field(reader, "tokenizer.ggml.tokens"))
 
 

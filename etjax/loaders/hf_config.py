@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from etjax.errors import ModelLoadError
+from etjax.errors import EtjaxError, ModelLoadError, shown
+from etjax.loaders.config_fields import ConfigFields
 from etjax.loaders.hf_rope import rope_scaling_of
 from etjax.model.config import ModelConfig, RopeScaling
 from etjax.model.families import hf_model_types
@@ -15,11 +16,13 @@ from etjax.model.families import hf_model_types
 def read_hf_config(path: Path, dtype: str) -> ModelConfig:
     """Parse `path` (a config.json) into a `ModelConfig` with the given compute dtype."""
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelLoadError(f"{path}: config.json not found") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelLoadError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:
+        raise ModelLoadError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(raw, dict):
         raise ModelLoadError(f"{path}: expected a JSON object")
     return hf_config_to_model_config(raw, dtype, source=str(path))
@@ -27,27 +30,34 @@ def read_hf_config(path: Path, dtype: str) -> ModelConfig:
 
 def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> ModelConfig:
     """Map config.json fields to a `ModelConfig`; errors name `source` and the field."""
+    try:
+        return _model_config(raw, dtype, source)
+    except ModelLoadError:
+        raise
+    except EtjaxError as e:  # ModelConfig's own checks, naming its field
+        raise ModelLoadError(f"{source}: {e}") from None
+    except (TypeError, ValueError, AttributeError, ArithmeticError, LookupError) as e:
+        # A field of an unexpected kind that no check above named: still the file's fault.
+        raise ModelLoadError(
+            f"{source}: a field holds a value etjax cannot read ({type(e).__name__}: {e})"
+        ) from None
+
+
+def _model_config(raw: dict[str, Any], dtype: str, source: str) -> ModelConfig:
     model_type = raw.get("model_type")
     families = hf_model_types()
-    if model_type not in families:
+    if not isinstance(model_type, str) or model_type not in families:
         raise ModelLoadError(
-            f"{source}: model_type={model_type!r} is not supported; allowed: {tuple(families)}"
+            f"{source}: model_type={shown(model_type)} is not supported; allowed: {tuple(families)}"
         )
-
-    def field(name: str, default: Any = ...) -> Any:
-        if name in raw and raw[name] is not None:
-            return raw[name]
-        if default is ...:
-            raise ModelLoadError(f"{source}: required field {name!r} is missing")
-        return default
-
+    field = ConfigFields(raw, source)
     architecture = families[model_type].name
     if field("mlp_bias", False):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported")
-    num_heads = int(field("num_attention_heads"))
-    hidden = int(field("hidden_size"))
-    rope_params = raw.get("rope_parameters") or {}
-    max_positions = int(field("max_position_embeddings", 4096))
+    num_heads = field.count("num_attention_heads")
+    hidden = field.count("hidden_size")
+    rope_params = field.table("rope_parameters")
+    max_positions = field.count("max_position_embeddings", 4096)
     if architecture == "gemma3":
         return _gemma3_config(raw, field, dtype, source)
     if architecture == "gemma2":
@@ -56,11 +66,11 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
     act = field("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{source}: hidden_act={act!r}; only 'silu' (SwiGLU) is supported")
-    rope_theta = float(rope_params.get("rope_theta", field("rope_theta", 10000.0)))
-    num_layers = int(field("num_hidden_layers"))
-    head_dim = int(field("head_dim", hidden // num_heads))
+    rope_theta = _rope_theta(field, rope_params, 10000.0)
+    num_layers = field.count("num_hidden_layers")
+    head_dim = field.count("head_dim", hidden // num_heads)
     rotary = rope_params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if float(rotary) != 1.0:
+    if rotary != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor={rotary!r}; only 1.0 is supported")
     rope_scaling, max_positions = rope_scaling_of(raw, rope_params, head_dim, max_positions, source)
     windows: dict[str, Any] = {}
@@ -68,31 +78,32 @@ def hf_config_to_model_config(raw: dict[str, Any], dtype: str, source: str) -> M
     if architecture in ("qwen3", "qwen3_moe", "mixtral") and field("attention_bias", False):
         raise ModelLoadError(f"{source}: attention_bias=true is not supported for {model_type}")
     if architecture == "qwen3":
-        windows = _qwen3_windows(raw, num_layers, max_positions, source)
+        windows = _qwen3_windows(field, num_layers, max_positions)
     elif architecture == "qwen3_moe":
         # transformers' Qwen3-MoE windows every layer when `use_sliding_window` (it has no
         # `max_window_layers` or `layer_types`).
-        window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
+        window = field.window() if raw.get("use_sliding_window", False) else None
         windows = every_layer_windowed(window, num_layers, max_positions)
         experts = _moe_fields(raw, field, model_type, num_layers, source)
     elif architecture == "mixtral":
-        windows = every_layer_windowed(raw.get("sliding_window"), num_layers, max_positions)
+        windows = every_layer_windowed(field.window(), num_layers, max_positions)
         experts = _moe_fields(raw, field, model_type, num_layers, source)
     elif architecture == "phi3":
-        windows = every_layer_windowed(raw.get("sliding_window"), num_layers, max_positions)
+        windows = every_layer_windowed(field.window(), num_layers, max_positions)
     else:
-        max_positions = min(max_positions, _sliding_window_limit(raw, model_type) or max_positions)
+        limit = _sliding_window_limit(field, model_type)
+        max_positions = min(max_positions, limit or max_positions)
 
     return ModelConfig(
-        vocab_size=int(field("vocab_size")),
+        vocab_size=field.count("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(field("intermediate_size")),
+        intermediate_size=field.count("intermediate_size", minimum=0 if experts else 1),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(field("num_key_value_heads", num_heads)),
+        num_kv_heads=_kv_heads(field, num_heads),
         head_dim=head_dim,
         rope_theta=rope_theta,
-        rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
+        rms_norm_eps=field.number("rms_norm_eps", 1e-6),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(field("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(field("attention_bias", False)),
@@ -122,31 +133,33 @@ def _moe_fields(raw: dict, field, model_type: str, num_layers: int, source: str)
             raise ModelLoadError(
                 f"{source}: {name}={raw[name]!r} (shared experts) is not supported for {model_type}"
             )
-    num_experts = int(raw.get("num_experts") or field("num_local_experts"))
-    top_k = int(field("num_experts_per_tok"))
-    if not 0 < top_k <= num_experts:
-        raise ModelLoadError(
-            f"{source}: num_experts_per_tok={top_k}; must be 1..{num_experts} (the experts)"
+    # The count of experts is the field the config holds (Qwen3-MoE's `num_experts`, else
+    # `num_local_experts`), and an error names that one.
+    count_name = "num_experts" if raw.get("num_experts") is not None else "num_local_experts"
+    num_experts = field.count(count_name)
+    top_k = field.count("num_experts_per_tok")
+    if top_k > num_experts:
+        raise field.refuse(
+            "num_experts_per_tok", top_k, f"1..{count_name}={num_experts} (the experts)"
         )
     if model_type == "mixtral":
         return dict(
             num_experts=num_experts,
             num_experts_per_tok=top_k,
-            moe_intermediate_size=int(field("intermediate_size")),
+            moe_intermediate_size=field.count("intermediate_size"),
             norm_topk_prob=True,
         )
-    step = int(field("decoder_sparse_step", 1))
-    only = [int(i) for i in field("mlp_only_layers", [])]
-    if step < 1 or any(not 0 <= i < num_layers for i in only):
-        raise ModelLoadError(
-            f"{source}: decoder_sparse_step={step} must be at least 1 and mlp_only_layers="
-            f"{only} list layers 0..{num_layers - 1}"
-        )
+    step = field.count("decoder_sparse_step", 1)
+    only = field("mlp_only_layers", [])
+    if not isinstance(only, list) or any(
+        isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers for i in only
+    ):
+        raise field.refuse("mlp_only_layers", only, f"a list of layers 0..{num_layers - 1}")
     dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
     return dict(
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        moe_intermediate_size=int(field("moe_intermediate_size")),
+        moe_intermediate_size=field.count("moe_intermediate_size"),
         norm_topk_prob=bool(field("norm_topk_prob", False)),
         dense_mlp_layers=dense,
     )
@@ -155,7 +168,7 @@ def _moe_fields(raw: dict, field, model_type: str, num_layers: int, source: str)
 def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
     # Gemma 3 text models: layers marked "sliding_attention" see the last `sliding_window`
     # positions and rotate with the local base; "full_attention" layers see everything.
-    num_layers = int(field("num_hidden_layers"))
+    num_layers = field.count("num_hidden_layers")
     act = field("hidden_activation", "gelu_pytorch_tanh")
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(
@@ -166,21 +179,21 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
             raise ModelLoadError(f"{source}: {name}={raw[name]!r} is not supported (null only)")
     layer_types = raw.get("layer_types")
     if layer_types is None:  # older configs: every `sliding_window_pattern`-th layer is global
-        pattern = int(raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", 6)))
+        name = "_sliding_window_pattern" if "sliding_window_pattern" not in raw else ""
+        pattern = field.count(name or "sliding_window_pattern", 6)
         layer_types = [
             "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
             for i in range(num_layers)
         ]
-    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
-        raise ModelLoadError(
-            f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
-            f"of the {num_layers} layers"
-        )
+    _check_layer_types(layer_types, num_layers, source)
     # transformers 5 keeps one RoPE table per layer type; transformers 4 two fields. Gemma 3
     # 4B and larger slow their global layers' rotation linearly (factor 8; transformers 4
     # wrote it as `rope_scaling`); local layers are never scaled.
-    rope = raw.get("rope_parameters") or {}
-    full, local = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    rope = field.table("rope_parameters")
+    full, local = (
+        ConfigFields(rope, source, "rope_parameters.").table(k)
+        for k in ("full_attention", "sliding_attention")
+    )
     kind = local.get("rope_type", "default")
     if kind != "default":
         raise ModelLoadError(
@@ -189,7 +202,7 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
         )
     scaling, name = full, "rope_parameters.full_attention"
     if full.get("rope_type", "default") == "default" and raw.get("rope_scaling"):
-        scaling, name = raw["rope_scaling"], "rope_scaling"
+        scaling, name = field.table("rope_scaling"), "rope_scaling"
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ("default", "linear"):
         raise ModelLoadError(
@@ -197,31 +210,35 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
         )
     rope_scaling = None
     if kind == "linear":
-        rope_scaling = RopeScaling("linear", factor=float(scaling["factor"]))
+        factor = ConfigFields(scaling, source, f"{name}.").number("factor", above=0)
+        rope_scaling = RopeScaling("linear", factor=factor)
     if field("attention_bias", False):
         raise ModelLoadError(f"{source}: attention_bias=true is not supported for Gemma 3")
-    num_heads = int(field("num_attention_heads"))
-    hidden = int(field("hidden_size"))
-    head_dim = int(field("head_dim", hidden // num_heads))
+    num_heads = field.count("num_attention_heads")
+    hidden = field.count("hidden_size")
+    head_dim = field.count("head_dim", hidden // num_heads)
+    local_theta = ConfigFields(local, source, "rope_parameters.sliding_attention.")
     return ModelConfig(
-        vocab_size=int(field("vocab_size")),
+        vocab_size=field.count("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(field("intermediate_size")),
+        intermediate_size=field.count("intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(field("num_key_value_heads", num_heads)),
+        num_kv_heads=_kv_heads(field, num_heads),
         head_dim=head_dim,
-        rope_theta=float(full.get("rope_theta", field("rope_theta", 1_000_000.0))),
+        rope_theta=_rope_theta(field, full, 1_000_000.0, "rope_parameters.full_attention."),
         rope_scaling=rope_scaling,
-        rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(field("max_position_embeddings", 32768)),
+        rms_norm_eps=field.number("rms_norm_eps", 1e-6),
+        max_position_embeddings=field.count("max_position_embeddings", 32768),
         tie_word_embeddings=bool(field("tie_word_embeddings", True)),
         dtype=dtype,
         architecture="gemma3",
-        sliding_window=int(field("sliding_window")),
+        sliding_window=field.count("sliding_window"),
         local_layers=tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention"),
-        rope_local_theta=float(local.get("rope_theta", field("rope_local_base_freq", 10000.0))),
-        query_pre_attn_scalar=float(field("query_pre_attn_scalar", head_dim)),
+        rope_local_theta=local_theta.number(
+            "rope_theta", field.number("rope_local_base_freq", 10000.0)
+        ),
+        query_pre_attn_scalar=field.number("query_pre_attn_scalar", head_dim),
     )
 
 
@@ -229,7 +246,7 @@ def _gemma2_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
     # Gemma 2: every other layer (the first, third, ...) sees the last `sliding_window`
     # positions unless `layer_types` says otherwise; one RoPE base for all; soft caps on the
     # attention scores and the final logits (null: none).
-    num_layers = int(field("num_hidden_layers"))
+    num_layers = field.count("num_hidden_layers")
     act = field("hidden_activation", field("hidden_act", "gelu_pytorch_tanh"))
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelLoadError(
@@ -241,7 +258,7 @@ def _gemma2_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
         raise ModelLoadError(
             f"{source}: tie_word_embeddings=false is not supported for Gemma 2 (tied only)"
         )
-    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope = field.table("rope_scaling") or field.table("rope_parameters")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
         raise ModelLoadError(
@@ -250,64 +267,89 @@ def _gemma2_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
     layer_types = raw.get("layer_types") or [
         "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)
     ]
-    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
-        raise ModelLoadError(
-            f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
-            f"of the {num_layers} layers"
-        )
-    num_heads = int(field("num_attention_heads"))
-    hidden = int(field("hidden_size"))
-    head_dim = int(field("head_dim", hidden // num_heads))
-    max_positions = int(field("max_position_embeddings", 8192))
-    window = raw.get("sliding_window")
+    _check_layer_types(layer_types, num_layers, source)
+    num_heads = field.count("num_attention_heads")
+    hidden = field.count("hidden_size")
+    head_dim = field.count("head_dim", hidden // num_heads)
+    max_positions = field.count("max_position_embeddings", 8192)
+    window = field.window()
     local = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
     windows = {}
-    if window and local and int(window) < max_positions:
-        windows = dict(sliding_window=int(window), local_layers=local)
-    rope_theta = float(rope.get("rope_theta", field("rope_theta", 10000.0)))
+    if window and local and window < max_positions:
+        windows = dict(sliding_window=window, local_layers=local)
+    table = "rope_scaling." if field.table("rope_scaling") else "rope_parameters."
+    rope_theta = _rope_theta(field, rope, 10000.0, table)
     return ModelConfig(
-        vocab_size=int(field("vocab_size")),
+        vocab_size=field.count("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(field("intermediate_size")),
+        intermediate_size=field.count("intermediate_size"),
         num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=int(field("num_key_value_heads", num_heads)),
+        num_kv_heads=_kv_heads(field, num_heads),
         head_dim=head_dim,
         rope_theta=rope_theta,
-        rms_norm_eps=float(field("rms_norm_eps", 1e-6)),
+        rms_norm_eps=field.number("rms_norm_eps", 1e-6),
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         dtype=dtype,
         architecture="gemma2",
         rope_local_theta=rope_theta,
-        query_pre_attn_scalar=float(field("query_pre_attn_scalar", head_dim)),
-        attn_logit_softcapping=float(field("attn_logit_softcapping", 0.0)),
-        final_logit_softcapping=float(field("final_logit_softcapping", 0.0)),
+        query_pre_attn_scalar=field.number("query_pre_attn_scalar", head_dim),
+        attn_logit_softcapping=field.number("attn_logit_softcapping", 0.0),
+        final_logit_softcapping=field.number("final_logit_softcapping", 0.0),
         **windows,
     )
 
 
-def _qwen3_windows(raw: dict, num_layers: int, max_positions: int, source: str) -> dict:
+def _qwen3_windows(field: ConfigFields, num_layers: int, max_positions: int) -> dict:
     # Qwen3's sliding-window layers (off unless `use_sliding_window`) are the ones `layer_types`
     # marks, or else those from `max_window_layers` on, as transformers reads the config. A
     # window as long as the context never binds, and is dropped.
-    window = raw.get("sliding_window") if raw.get("use_sliding_window", False) else None
-    layer_types = raw.get("layer_types")
+    window = field.window() if field("use_sliding_window", False) else None
+    layer_types = field("layer_types", None)
     if layer_types is None:
-        first = int(raw.get("max_window_layers", num_layers))
+        first = field.count("max_window_layers", num_layers, minimum=0)
         layer_types = [
             "sliding_attention" if window and i >= first else "full_attention"
             for i in range(num_layers)
         ]
-    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+    _check_layer_types(layer_types, num_layers, field.source)
+    local = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+    if not local or not window or window >= max_positions:
+        return {}
+    return dict(sliding_window=window, local_layers=local)
+
+
+def _check_layer_types(layer_types: Any, num_layers: int, source: str) -> None:
+    kinds = {"sliding_attention", "full_attention"}
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != num_layers
+        or not all(isinstance(t, str) and t in kinds for t in layer_types)
+    ):
         raise ModelLoadError(
             f"{source}: layer_types must list 'sliding_attention' or 'full_attention' for each "
             f"of the {num_layers} layers"
         )
-    local = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-    if not local or not window or int(window) >= max_positions:
-        return {}
-    return dict(sliding_window=int(window), local_layers=local)
+
+
+def _rope_theta(
+    field: ConfigFields, rope: dict, default: float, table: str = "rope_parameters."
+) -> float:
+    # transformers 5 writes the base in `rope_parameters` (or a layer type's table of it),
+    # transformers 4 at the top level.
+    if rope.get("rope_theta") is not None:
+        return ConfigFields(rope, field.source, table).number("rope_theta", above=1)
+    return field.number("rope_theta", default, above=1)
+
+
+def _kv_heads(field: ConfigFields, num_heads: int) -> int:
+    kv_heads = field.count("num_key_value_heads", num_heads)
+    if num_heads % kv_heads:
+        raise field.refuse(
+            "num_key_value_heads", kv_heads, f"a divisor of num_attention_heads={num_heads}"
+        )
+    return kv_heads
 
 
 def every_layer_windowed(window: int | None, num_layers: int, max_positions: int) -> dict:
@@ -318,12 +360,9 @@ def every_layer_windowed(window: int | None, num_layers: int, max_positions: int
     return dict(sliding_window=int(window), local_layers=tuple(range(num_layers)))
 
 
-def _sliding_window_limit(raw: dict, model_type: str) -> int | None:
+def _sliding_window_limit(field: ConfigFields, model_type: str) -> int | None:
     # etjax attends to the whole context. Within a sliding window that is exact, so a model with
     # one is served with its context capped at the window rather than silently approximated.
-    window = raw.get("sliding_window")
-    if window is None:
+    if model_type == "qwen2" and not field("use_sliding_window", False):
         return None
-    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
-        return None
-    return int(window)
+    return field.window()

@@ -7,9 +7,13 @@ must never hold arrays.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+
+from etjax.errors import FieldError
 
 SUPPORTED_DTYPES = ("float32", "bfloat16")
 DTYPE_CHOICES = ("auto", *SUPPORTED_DTYPES)
@@ -29,6 +33,44 @@ def resolve_dtype(dtype: str, platform: str | None = None) -> str:
 
 
 ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
+
+# The sizes every model has, each an integer >= 1.
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
+# Numbers that may be 0 (no soft cap; the usual query scale) but never negative: an epsilon
+# under a square root, a scale under one, a cap that divides.
+_NON_NEGATIVE = (
+    "rms_norm_eps",
+    "query_pre_attn_scalar",
+    "attn_logit_softcapping",
+    "final_logit_softcapping",
+)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(name: str, value: object, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise FieldError(name, value, f"an integer >= {minimum}")
+
+
+def _positive_number(name: str, value: object) -> None:
+    if not _is_number(value) or not value > 0:
+        raise FieldError(name, value, "a finite number > 0")
+
+
+def _number_at_least_0(name: str, value: object) -> None:
+    if not _is_number(value) or value < 0:
+        raise FieldError(name, value, "a finite number >= 0")
 
 
 @dataclass(frozen=True)
@@ -63,6 +105,28 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"RopeScaling.rope_type={self.rope_type!r}; allowed: {ROPE_TYPES}")
+        # Each divides a frequency or is a logarithm's argument (etjax/model/rope.py): zero or
+        # a negative would give infinite or NaN rotations, not an error.
+        _positive_number("rope_scaling.factor", self.factor)
+        _positive_number("rope_scaling.attention_factor", self.attention_factor)
+        for i, f in enumerate(self.frequency_factors):
+            _positive_number(f"rope_scaling.frequency_factors[{i}]", f)
+        if self.rope_type == "yarn" or (self.rope_type == "llama3" and not self.frequency_factors):
+            _count(
+                "rope_scaling.original_max_position_embeddings",
+                self.original_max_position_embeddings,
+            )
+        if self.rope_type == "yarn":
+            _positive_number("rope_scaling.beta_fast", self.beta_fast)
+            _positive_number("rope_scaling.beta_slow", self.beta_slow)
+        if self.rope_type == "llama3" and not self.frequency_factors:
+            _positive_number("rope_scaling.low_freq_factor", self.low_freq_factor)
+            if not self.high_freq_factor > self.low_freq_factor:  # the band's width divides
+                raise FieldError(
+                    "rope_scaling.high_freq_factor",
+                    self.high_freq_factor,
+                    f"greater than low_freq_factor={self.low_freq_factor}",
+                )
 
 
 @dataclass(frozen=True)
@@ -115,29 +179,51 @@ class ModelConfig:
     dense_mlp_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        # FieldError (a ValueError) naming the field, the value and what is allowed: a loader
+        # adds the file. Sizes divide (heads into groups, hidden into heads) or size arrays,
+        # so a zero or a negative is refused here rather than met as a ZeroDivisionError or
+        # a NaN inside the model.
         if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"ModelConfig.dtype={self.dtype!r}; allowed: {SUPPORTED_DTYPES}")
+            raise FieldError("ModelConfig.dtype", self.dtype, f"one of {SUPPORTED_DTYPES}")
         # Imported here: the registry's tables are written in terms of this class.
         from etjax.model.families import family
 
         family(self.architecture)  # raises naming the supported architectures
-        if self.local_layers and self.sliding_window <= 0:
-            raise ValueError(f"local_layers={self.local_layers} needs a sliding_window > 0")
-        if any(not 0 <= i < self.num_layers for i in self.local_layers):
-            raise ValueError(
-                f"local_layers={self.local_layers}: layers are 0..{self.num_layers - 1}"
-            )
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(
-                f"num_experts_per_tok={self.num_experts_per_tok}; must be 1..{self.num_experts}"
-            )
-        if any(not 0 <= i < self.num_layers for i in self.dense_mlp_layers):
-            raise ValueError(
-                f"dense_mlp_layers={self.dense_mlp_layers}: layers are 0..{self.num_layers - 1}"
-            )
+        for name in _SIZES:
+            _count(name, getattr(self, name))
+        if self.head_dim % 2:  # RoPE rotates pairs of the head's dimensions
+            raise FieldError("head_dim", self.head_dim, "an even integer (RoPE rotates pairs)")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            raise FieldError(
+                "num_heads", self.num_heads, f"a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.num_experts == 0 or self.dense_mlp_layers:  # some layer has the dense MLP
+            _count("intermediate_size", self.intermediate_size)
+        for name in ("rope_theta", "rope_local_theta"):  # a base: theta ** (-2i / d) must fall
+            value = getattr(self, name)
+            if not _is_number(value) or not value > 1:
+                raise FieldError(name, value, "a finite number > 1 (the RoPE base)")
+        for name in _NON_NEGATIVE:
+            _number_at_least_0(name, getattr(self, name))
+        _count("sliding_window", self.sliding_window, minimum=0)
+        if self.local_layers and self.sliding_window <= 0:
+            raise FieldError(
+                "sliding_window", self.sliding_window, f"> 0 for local_layers={self.local_layers}"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.local_layers):
+            raise FieldError("local_layers", self.local_layers, f"layers 0..{self.num_layers - 1}")
+        _count("num_experts", self.num_experts, minimum=0)
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise FieldError(
+                    "num_experts_per_tok",
+                    self.num_experts_per_tok,
+                    f"1..num_experts={self.num_experts}",
+                )
+            _count("moe_intermediate_size", self.moe_intermediate_size)
+        if any(not 0 <= i < self.num_layers for i in self.dense_mlp_layers):
+            raise FieldError(
+                "dense_mlp_layers", self.dense_mlp_layers, f"layers 0..{self.num_layers - 1}"
             )
 
     @property
