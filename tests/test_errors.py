@@ -317,3 +317,21 @@ def test_bad_model_sizes_in_a_gguf_header_are_named(key, value, message):
     }
     with pytest.raises(ModelLoadError, match=f"^m.gguf: .*{message}"):
         gguf_model_config(GGUFFile(Path("m.gguf"), fields, []), "float32")
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "line 1: JSON nested too deeply to read"),
+        (b'{"prompt": "x", "arrival": NaN}', "line 1: arrival=nan; must be a finite number"),
+        (b'{"prompt": "x", "priority": -Infinity}', "priority=-inf; must be a finite number"),
+        (b'{"prompt": "\xff"}', "not UTF-8 text"),
+    ],
+)
+def test_a_workload_file_too_deep_not_finite_or_not_utf8_is_a_config_error(tmp_path, line, message):
+    from etjax.bench.workload_file import read_workload_file
+
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(line + b"\n")
+    with pytest.raises(ConfigError, match=f"w.jsonl.*{message}"):
+        read_workload_file(path, model=None)  # refused before the prompt meets a tokenizer

@@ -13,10 +13,11 @@ a benchmark over part of a workload would measure something else.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from etjax.bench.workloads import WorkloadRequest
-from etjax.errors import ConfigError
+from etjax.errors import ConfigError, shown
 from etjax.request_checks import tokenize_prompt
 
 FIELDS = ("id", "prompt", "messages", "max_new_tokens", "priority", "arrival")
@@ -52,6 +53,8 @@ def read_workload_file(path: str | Path, model) -> list[WorkloadRequest]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise ConfigError(f"workload file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"workload file {path}: not UTF-8 text ({e})") from None
     requests = []
     for number, text in enumerate(lines, start=1):
         if text.strip():
@@ -66,6 +69,8 @@ def _request(text: str, where: str, model, index: int) -> WorkloadRequest:
         record = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: JSON nested too deeply to read") from None
     if not isinstance(record, dict):
         raise ConfigError(f"{where}: a record must be a JSON object")
     unknown = sorted(set(record) - set(FIELDS))
@@ -94,8 +99,9 @@ def _request(text: str, where: str, model, index: int) -> WorkloadRequest:
 
 def _number(record: dict, name: str, default: float, where: str, integer: bool = False):
     value = record.get(name, default)
+    # JSON's NaN and Infinity parse as floats; no arrival or priority can be one.
     ok = isinstance(value, int) if integer else isinstance(value, int | float)
-    if isinstance(value, bool) or not ok:
-        kind = "an integer" if integer else "a number"
-        raise ConfigError(f"{where}: {name}={value!r}; must be {kind}")
+    if isinstance(value, bool) or not ok or not math.isfinite(value):
+        kind = "an integer" if integer else "a finite number"
+        raise ConfigError(f"{where}: {name}={shown(value)}; must be {kind}")
     return value
