@@ -439,3 +439,10 @@ def _parse_metrics(text: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     return values
+
+
+def test_a_bad_flag_fails_before_the_socket_and_the_model(capsys):
+    from etjax.cli import main
+
+    assert main(["serve", "--max-tokens", "0", "--port", "0"]) == 2
+    assert "--max-tokens=0; must be a positive integer" in capsys.readouterr().err

@@ -74,12 +74,12 @@ def add_serve(commands) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT (exit 0), or until the model fails to load (exit 2)."""
+    from etjax.errors import ConfigError, FieldError
+
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        from etjax.errors import ConfigError
-
         raise ConfigError("etjax serve needs its extra: pip install 'etjax[serve]'") from None
     from etjax.run_config import load_run_config
     from etjax.serve.app import make_app
@@ -87,13 +87,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from etjax.serve.state import FAILED, ServerState
 
     # Everything a flag can get wrong fails before the socket and the model.
-    limits = ServeLimits(
-        max_body_bytes=args.max_body_bytes,
-        max_tokens=args.max_tokens,
-        max_waiting=args.max_waiting,
-        request_timeout=args.request_timeout,
-        grace_period=args.grace_period,
-    )
+    try:
+        limits = ServeLimits(
+            max_body_bytes=args.max_body_bytes,
+            max_tokens=args.max_tokens,
+            max_waiting=args.max_waiting,
+            request_timeout=args.request_timeout,
+            grace_period=args.grace_period,
+        )
+    except FieldError as e:
+        flag = "--" + e.field.replace("_", "-")
+        raise ConfigError(f"{flag}={e.value!r}; must be {e.allowed}") from None
     config = load_run_config(args.config)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     sock = _bind(args.host, args.port)
