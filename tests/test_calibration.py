@@ -4,7 +4,9 @@ reading the calibrated signal while sampling and the default path stay as they w
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 
 import chex
 import jax.numpy as jnp
@@ -13,7 +15,8 @@ import pytest
 
 import etjax
 from etjax.calibration.file import Calibration, load_calibration, save_calibration
-from etjax.calibration.fit import fit_temperature, mean_nll
+from etjax.calibration.fit import calibrate, fit_temperature, mean_nll
+from etjax.calibration.identity import model_identity
 from etjax.calibration.metrics import entropy_gap, expected_calibration_error, token_statistics
 from etjax.calibration.signal import CalibrationParams, calibrated_entropy
 from etjax.cli import main
@@ -158,7 +161,9 @@ GOOD = {
         ({"temperature": "1.2"}, r"field 'temperature' = '1.2'"),
         ({"temperature": True}, r"field 'temperature' = True"),
         ({"temperature": float("nan")}, r"field 'temperature' = nan"),
-        ({"version": 2}, r"field 'version' = 2; this etjax reads version 1"),
+        ({"version": 3}, r"field 'version' = 3; this etjax reads versions 1, 2"),
+        ({"version": 2}, r"missing field 'model_identity' \(version 2 files record"),
+        ({"model_identity": ["llama"]}, r"field 'model_identity' = \['llama'\]; must be an obj"),
         ({"format": "pickle"}, r"field 'format' = 'pickle'"),
         ({"vocab_size": 0}, r"field 'vocab_size' = 0; must be a positive integer"),
         ({"code": "import os"}, r"unknown field 'code'"),
@@ -194,6 +199,12 @@ def test_unreadable_or_mismatched_calibration_files(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(GOOD))
     with pytest.raises(CalibrationError, match="'vocab_size' = 49152 but the model has 1000"):
         load_calibration(tmp_path / "other.json", vocab_size=1000)
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CalibrationError, match=r"deep\.json: JSON nested too deeply to read"):
+        load_calibration(tmp_path / "deep.json")
+    (tmp_path / "huge.json").write_text(json.dumps({**GOOD, "fit": {"x": [0] * 50_000}}))
+    with pytest.raises(CalibrationError, match=r"field 'fit' = \{'x': \[0, 0,.*\.\.\. \(150007 ch"):
+        load_calibration(tmp_path / "huge.json")
 
 
 # The engine, on a tiny random model ---------------------------------------------------------
@@ -287,11 +298,15 @@ def test_a_calibrations_ramp_shift_moves_the_engines_ramp(tiny):
     assert kept[shift] < kept[0.0]
 
 
-def test_load_model_with_a_calibration_and_decode(tiny_hf_dir, tmp_path):
+def test_load_model_with_a_calibration_and_decode(tiny_hf_dir, tmp_path, caplog):
     directory = tiny_hf_dir("llama")
+    # Made by hand, without the model's identity: a version 1 file, loaded with a warning.
     path = save_calibration(Calibration(T, "tiny", 49152), tmp_path / "cal.json")
-    model = etjax.load_model(directory, calibration=path)
+    assert json.loads(path.read_text())["version"] == 1
+    with caplog.at_level(logging.WARNING, logger="etjax.calibration.file"):
+        model = etjax.load_model(directory, calibration=path)
     assert model.calibration.temperature == T
+    assert "cal.json: a version 1 calibration file" in caplog.text
     (result,) = etjax.decode("Hello", model=model, max_new_tokens=3)
     assert len(result.calibrated_entropy) == 3
     assert all(c > h for c, h in zip(result.calibrated_entropy, result.entropy, strict=True))
@@ -300,7 +315,9 @@ def test_load_model_with_a_calibration_and_decode(tiny_hf_dir, tmp_path):
         etjax.load_model(directory, calibration=tmp_path / "bad.json")
 
 
-def test_calibrate_command_fits_on_one_text_and_reports_on_another(tiny_hf_dir, tmp_path, lee):
+def test_calibrate_command_fits_on_one_text_and_reports_on_another(
+    tiny, tiny_hf_dir, tmp_path, lee
+):
     fit_text, held_text = tmp_path / "fit.txt", tmp_path / "held.txt"
     fit_text.write_text(" ".join(lee[:3]))
     held_text.write_text(" ".join(lee[100:102]))
@@ -310,7 +327,11 @@ def test_calibrate_command_fits_on_one_text_and_reports_on_another(tiny_hf_dir, 
     assert main([*args, "--output", str(out)]) == 0
     cal = load_calibration(out, vocab_size=49152)
     fit = cal.fit
-    assert fit["tokens"] == 128 and fit["held_out_tokens"] > 0
+    assert fit["tokens"] == 128 and fit["held_out_tokens"] >= 128
+    # The file records the model it was fitted on (the same weights as `tiny`'s).
+    assert json.loads(out.read_text())["version"] == 2
+    assert cal.identity["architecture"] == "llama" and cal.identity["num_layers"] == 2
+    assert load_calibration(out, 49152, model_identity(tiny)) == cal
     assert fit["nll_after"] <= fit["nll_before"] and fit["optimizer"] == "optax.lbfgs"
     # A random model is far too sure of itself: the fit raises T and closes most of the gap
     # between its entropy and the surprisal, on the text it saw and on the other.
@@ -325,6 +346,44 @@ def test_calibrate_command_fits_on_one_text_and_reports_on_another(tiny_hf_dir, 
     again = tmp_path / "again.json"
     assert main([*args, "--output", str(again)]) == 0
     assert json.loads(again.read_text()) == json.loads(out.read_text())
+
+
+def test_a_file_fitted_for_another_model_of_the_same_vocabulary_is_refused(tiny, tmp_path):
+    # The same architecture, sizes and vocabulary; one norm weight moved, as a fine-tune would.
+    layers = list(tiny.weights.layers)
+    layers[1] = layers[1].replace(attn_norm=layers[1].attn_norm + 0.5)
+    tuned = dataclasses.replace(tiny.weights, layers=tuple(layers))
+    other = dataclasses.replace(tiny, weights=tuned, name="tiny-tuned")
+    fitted = Calibration(T, "tiny-tuned", 49152, identity=model_identity(other))
+    path = save_calibration(fitted, tmp_path / "tuned.json")
+    assert load_calibration(path, 49152, model_identity(other)) == fitted
+    with pytest.raises(CalibrationError) as refused:
+        load_calibration(path, 49152, model_identity(tiny), model_name="tiny")
+    message = str(refused.value)
+    assert message.startswith(f"{path}: fitted for another model: the file's model ('tiny-tuned')")
+    assert "the model loaded ('tiny') differ in weights 'sha256:" in message
+    assert "architecture" not in message and "vocab_size" not in message  # only what differs
+
+
+def test_the_identity_is_the_weights_not_the_dtype_they_load_in(tiny_hf_dir, tiny):
+    bf16 = etjax.load_model(tiny_hf_dir("llama"), dtype="bfloat16")
+    assert bf16.weights.embed.dtype == jnp.bfloat16
+    assert model_identity(bf16) == model_identity(tiny)
+
+
+def test_calibrate_refuses_too_little_text_before_running_the_model(tiny, tiny_hf_dir, tmp_path):
+    few = "The river ran"
+    scored = len(tiny.tokenizer.encode(few)) - 1  # a window of n tokens scores n - 1
+    with pytest.raises(CalibrationError, match=rf"texts \(--text\) holds {scored} scored tok"):
+        calibrate(tiny, few)
+    with pytest.raises(CalibrationError, match=r"held_out \(--held-out\) holds 0 scored tokens"):
+        calibrate(tiny, "word " * 400, held_out="")
+    with pytest.raises(CalibrationError, match=r"max_tokens \(--max-tokens\) = 100; must be an"):
+        calibrate(tiny, "word " * 400, max_tokens=100)
+    (tmp_path / "few.txt").write_text(few)
+    code = main(["calibrate", "--model", str(tiny_hf_dir("llama")), "--text",
+                 str(tmp_path / "few.txt"), "--output", str(tmp_path / "c.json")])  # fmt: skip
+    assert code == 2 and not (tmp_path / "c.json").exists()
 
 
 def test_calibrate_command_checks_files_before_loading(tmp_path, capsys):

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from etjax.calibration.fit import MIN_TOKENS
 from etjax.errors import CalibrationError
 
 DESCRIPTION = """Fit the temperature of a model's entropy signal to text (minimising the
@@ -15,7 +16,9 @@ etjax.load_model(MODEL, calibration=PATH): pruning, the scheduler and drafting t
 calibrated entropy; sampling is unchanged. The file also holds the shift of the pruning
 ramp that keeps the default budget under the calibrated signal on the same text (the engine
 moves its thresholds by it). Pass --held-out text the fit does not see to judge it: the file
-records NLL, top-token ECE and the entropy - surprisal gap before and after."""
+records NLL, top-token ECE and the entropy - surprisal gap before and after, and the model's
+identity (architecture, sizes, a fingerprint of its weights): a load with another model is
+refused."""
 
 
 def add_calibrate(commands) -> None:
@@ -35,8 +38,19 @@ def add_calibrate(commands) -> None:
     )
     cal.add_argument("--output", type=Path, required=True, help="the calibration file to write")
     cal.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    cal.add_argument("--window", type=int, default=512, help="tokens per teacher-forced window")
-    cal.add_argument("--max-tokens", type=int, default=4096, help="scored positions the fit holds")
+    cal.add_argument(
+        "--window",
+        type=int,
+        default=512,
+        help="tokens per teacher-forced window (a multiple of 16)",
+    )
+    cal.add_argument(
+        "--max-tokens",
+        type=int,
+        default=4096,
+        help=f"scored positions the fit holds (at least {MIN_TOKENS}, as --text and --held-out "
+        "must hold)",
+    )
     cal.set_defaults(run=_calibrate)
 
 

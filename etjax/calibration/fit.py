@@ -27,6 +27,7 @@ import optax
 from etjax.attention import padded_batch_plan
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.calibration.file import MAX_TEMPERATURE, MIN_TEMPERATURE, Calibration
+from etjax.calibration.identity import model_identity
 from etjax.calibration.metrics import summarise, token_statistics
 from etjax.calibration.ramp import ramp_shift
 from etjax.errors import CalibrationError
@@ -37,7 +38,14 @@ from etjax.runtime.steps import prefill_chunk
 
 WINDOW = 512  # tokens per teacher-forced window (a short context: the first tokens see little)
 MAX_TOKENS = 4096  # positions the fit holds: tokens x vocabulary x 4 bytes of logits
+# Fewest scored positions a fit, or a held-out report, takes. The fit sets T where the mean
+# of a per-token term (E_p[z] - z_y, spread over a nat or more) is zero, and that error
+# shrinks only as 1/sqrt(N): from a handful of tokens the temperature describes those tokens,
+# not the model, and lands on a clip bound as often as not. With the Fisher information of
+# log T near 1 to 5 per token, 128 tokens (a paragraph or two) put its standard error near 5%.
+MIN_TOKENS = 128
 PAGE = 16
+_WHY = "the fitted temperature's error shrinks only as 1/sqrt(tokens)"
 _CHUNK = 256  # rows per softmax in the objective (bounds the [rows, V] intermediates)
 
 
@@ -244,8 +252,26 @@ def calibrate(
     (etjax/calibration/ramp.py).
     """
     texts = _text_list(texts, "texts")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise CalibrationError(f"max_tokens={max_tokens!r}; must be a positive integer")
+    held = None if held_out is None else _text_list(held_out, "held_out")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < MIN_TOKENS:
+        raise CalibrationError(
+            f"max_tokens (--max-tokens) = {max_tokens!r}; must be an integer >= {MIN_TOKENS}, "
+            f"the fewest scored tokens a fit takes ({_WHY})"
+        )
+    if isinstance(window, bool) or not isinstance(window, int) or window < PAGE or window % PAGE:
+        raise CalibrationError(
+            f"window (--window) = {window!r}; must be a positive multiple of {PAGE}"
+        )
+    # Counted before any logit is computed: a fit refused after minutes of work wastes them.
+    # (The text is tokenized again below; tokenizing costs little beside the model.)
+    for name, flag, given in (("texts", "--text", texts), ("held_out", "--held-out", held)):
+        if given is not None:
+            scored = sum(len(w) - 1 for w in text_windows(model, given, window))
+            if scored < MIN_TOKENS:
+                raise CalibrationError(
+                    f"{name} ({flag}) holds {scored} scored token{'s' * (scored != 1)}; a "
+                    f"calibration needs at least {MIN_TOKENS} ({_WHY}): give more text"
+                )
     logits, targets = teacher_forced(model, texts, window, max_tokens)
     fit = fit_temperature(logits, targets)
     temperatures = (1.0, fit.temperature)
@@ -256,8 +282,7 @@ def calibrate(
     # default setting's budget (etjax/calibration/ramp.py).
     raw_entropy, calibrated_entropy = (s["entropy"] for s in stats)
     shift = ramp_shift(raw_entropy, calibrated_entropy)
-    if held_out is not None:
-        held = _text_list(held_out, "held_out")
+    if held is not None:
         figures["held_out"] = evaluate(model, held, temperatures, window, max_tokens)
     record: dict = {
         "tokens": int(targets.size),
@@ -280,6 +305,7 @@ def calibrate(
         vocab_size=model.config.vocab_size,
         fit=record,
         ramp_shift=shift,
+        identity=model_identity(model),
     )
 
 

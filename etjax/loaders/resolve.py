@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 from etjax.calibration.file import load_calibration
+from etjax.calibration.identity import model_identity
 from etjax.distributed.mesh import MeshShape, make_mesh
 from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
@@ -64,8 +65,13 @@ def load_model(
     model = _load(name_or_path, dtype, placement, revision)
     if placement is not None and not checkpoint.is_etjax_checkpoint(model.source):
         model = dataclasses.replace(model, weights=placement.place_weights(model.weights))
-    if checked is not None:
-        checked = load_calibration(calibration, vocab_size=model.config.vocab_size)
+    if checked is not None:  # and now against the model: its vocabulary and identity
+        checked = load_calibration(
+            calibration,
+            vocab_size=model.config.vocab_size,
+            identity=model_identity(model),
+            model_name=model.name,
+        )
         model = dataclasses.replace(model, calibration=checked)
     return model
 
