@@ -335,3 +335,34 @@ def test_a_workload_file_too_deep_not_finite_or_not_utf8_is_a_config_error(tmp_p
     path.write_bytes(line + b"\n")
     with pytest.raises(ConfigError, match=f"w.jsonl.*{message}"):
         read_workload_file(path, model=None)  # refused before the prompt meets a tokenizer
+
+
+_MANIFEST = json.dumps(
+    {
+        "format_version": 2,
+        "config": dict(
+            vocab_size=0, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+            num_kv_heads=2, head_dim=16,
+        ),
+    }
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "name, text, message",
+    [
+        ("etjax_model.json", "[" * 100_000 + "]" * 100_000, "JSON nested too deeply to read"),
+        ("etjax_model.json", "[1]", "malformed etjax manifest"),
+        ("etjax_model.json", _MANIFEST, "vocab_size=0; must be an integer >= 1"),
+        ("model.safetensors.index.json", "[" * 100_000, "JSON nested too deeply to read"),
+        ("model.safetensors.index.json", '{"weight_map": [1]}', "weight_map must map tensor"),
+        ("model.safetensors.index.json", '{"weight_map": {"a": 5}}', "weight_map must map tensor"),
+    ],
+)
+def test_a_model_folders_json_that_is_deep_or_malformed_is_a_model_load_error(
+    tmp_path, name, text, message
+):
+    (tmp_path / "config.json").write_text(json.dumps({**_LLAMA, "vocab_size": 49152}))
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ModelLoadError, match=f"{name}: .*{message}"):
+        etjax.load_model(tmp_path)

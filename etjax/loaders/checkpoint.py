@@ -85,8 +85,10 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
         # Checkpoints written before `architecture` existed hold Llama or Qwen2 weights, which
         # share the layer and its leaf names: "llama", the default, restores both.
         saved_cfg = ModelConfig(**raw)
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ModelLoadError(f"{manifest_path}: malformed etjax manifest ({e})") from None
+    except RecursionError:
+        raise ModelLoadError(f"{manifest_path}: JSON nested too deeply to read") from None
     except ModelLoadError:
         raise
     except ValueError as e:  # a field the config refuses, e.g. an architecture of a newer etjax

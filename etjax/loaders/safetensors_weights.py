@@ -13,7 +13,7 @@ import ml_dtypes  # noqa: F401 (registers bfloat16 with numpy, for safetensors' 
 import numpy as np
 from safetensors import safe_open
 
-from etjax.errors import ModelLoadError
+from etjax.errors import ModelLoadError, shown
 from etjax.loaders.assemble import SourceTensor, assemble_weights
 from etjax.model.config import ModelConfig
 from etjax.model.leaves import Part
@@ -28,9 +28,18 @@ def safetensors_files(directory: Path) -> list[Path]:
     index = directory / _INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:  # not UTF-8, not JSON, no weight_map
             raise ModelLoadError(f"{index}: not a valid safetensors index ({e})") from None
+        except RecursionError:
+            raise ModelLoadError(f"{index}: JSON nested too deeply to read") from None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(name, str) for name in weight_map.values()
+        ):
+            raise ModelLoadError(
+                f"{index}: weight_map must map tensor names to file names; it is "
+                f"{shown(weight_map)}"
+            )
         files = sorted({directory / name for name in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
