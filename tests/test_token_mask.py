@@ -16,7 +16,7 @@ from jax.experimental import io_callback
 
 from etjax.calibration.signal import CalibrationParams
 from etjax.constraints import matcher
-from etjax.engine.device import _empty_store
+from etjax.engine.row_store import empty_store
 from etjax.runtime.commit import sample_rows
 from etjax.runtime.token_mask import collect_masks, mask_rows, start_masks
 
@@ -107,7 +107,7 @@ def test_masked_rows_sample_their_allowed_tokens_and_the_others_are_untouched(co
     words = np.packbits(
         np.pad(allowed, ((0, 0), (0, 32 * matcher.mask_words(v) - v))), bitorder="little"
     ).view(np.uint32)
-    store = _empty_store(_Vocab(v), b, (0,))
+    store = empty_store(_Vocab(v), b, (0,))
     temperature = np.ones(b, np.float32)
     temperature[5] = 2.0
     state = store.replace(

@@ -30,7 +30,7 @@ from __future__ import annotations
 from etjax.constraints.matcher import forced_tokens, valid_prefix
 from etjax.drafting.config import SpeculationConfig
 from etjax.drafting.rule import verification_pays
-from etjax.runtime.buckets import ragged_token_bucket
+from etjax.buckets import ragged_token_bucket
 
 
 def forced_draft_limit(spec: SpeculationConfig, steps_per_sync: int) -> int:

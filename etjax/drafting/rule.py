@@ -49,7 +49,7 @@ import math
 from dataclasses import dataclass
 
 from etjax.drafting.config import SpeculationConfig
-from etjax.runtime.buckets import batch_bucket, ragged_token_bucket
+from etjax.buckets import batch_bucket, ragged_token_bucket
 
 # The pooled estimate's step towards the prior per round in which sure rows drafted nothing
 # (a row's own step is `acceptance_memory`, 0.7). From a pool at 0.1 and a row at 0.2 (with

@@ -21,10 +21,9 @@ from etjax.compilation_cache import use_persistent_cache
 from etjax.engine.device import DeviceBackend
 from etjax.engine.engine import Engine
 from etjax.engine.policies import make_policy
-from etjax.entropy.cost import CostModel
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
-from etjax.runtime.buckets import pages_bucket
+from etjax.buckets import pages_bucket
 from etjax.runtime.options import RequestSettings, RuntimeOptions, SequenceOutput
 from etjax.tokenizer import Tokenizer
 
@@ -50,7 +49,7 @@ def build_engine(
     pages = num_pages or options.num_pages or 4096
     eos = tuple(tokenizer.eos_token_ids)
     backend = DeviceBackend(weights, cfg, eos, options, pages)
-    cost = CostModel.for_model(cfg, options.page_size, options.kv_cache_dtype(cfg.dtype))
+    cost = backend.cost  # the one cost model of this engine's model, KV dtype and pages
     policy = make_policy(
         options.policy,
         cost.weight_bytes,

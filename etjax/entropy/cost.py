@@ -107,6 +107,14 @@ class CostModel:
         pages = (positions + self.page_size - 1) // self.page_size
         return self.layer_keys((pages * self.page_size).astype(np.float32), xp=xp)
 
+    def prefill_cost(self, start: int, num_tokens: int, num_chunks: int) -> tuple[float, float]:
+        """FLOPs and bytes (host floats) of a prompt chunk of `num_tokens` tokens from position
+        `start`, in a step of `num_chunks` chunks that share one read of the weights."""
+        positions = np.arange(start + 1, start + num_tokens + 1)
+        keys = float(np.asarray(self.keys_read(positions, xp=np)).sum())
+        flops = num_tokens * self.matmul_flops_per_token + self.attention_flops_per_key * keys
+        return flops, self.weight_bytes / num_chunks + self.kv_bytes_per_key * keys
+
     def token_cost(
         self,
         keys: jax.Array,

@@ -1,0 +1,112 @@
+"""A step's inputs built on the host (etjax/engine/step_inputs.py), checked by hand: no model,
+no device program. Page size 4 keeps the arithmetic small enough to follow."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from etjax.attention import XLA
+from etjax.engine.backend import PrefillJob
+from etjax.engine.step_inputs import StepGeometry, burst_inputs, mixed_inputs
+from etjax.pruning.config import PruningConfig
+
+GEOMETRY = StepGeometry(
+    page_size=4,
+    pad_row=7,
+    num_pages=32,
+    max_seq_pages=8,
+    pruned_table_width=8,
+    prefill_rows=2,
+    max_batch_size=4,
+    token_budget=64,
+    steps_per_sync=2,
+    max_draft=3,
+    prefix_cache=False,
+    pruning=PruningConfig(),
+    backend=XLA,
+    window=0,
+)
+
+
+def test_mixed_step_lays_rows_then_drafts_then_chunks_in_one_flat_batch():
+    # Row 2 has 5 cached tokens on pages [3, 9] and drafts [11, 12]; row 0 has 2 on page [5].
+    # A chunk of 3 prompt tokens of the sequence on pages [20, 21] starts at position 3.
+    job = PrefillJob(row=1, tokens=[40, 41, 42], start=3, pages=[20, 21], targets=[41, 42, -1])
+    step = mixed_inputs(
+        GEOMETRY,
+        rows=[2, 0],
+        pages=[[3, 9], [5]],
+        lengths=[5, 2],
+        budgets=[1.0, 1.0],
+        jobs=[job],
+        drafts=[[11, 12], []],
+        speculating=False,
+    )
+    batch = step.batch
+    # 3 + 1 + 3 = 7 tokens, padded to the smallest bucket, 8.
+    assert batch.tokens.shape == (8,)
+    # Slot 0: row 2's own token (sampled on the device, 0 here), then its drafts; slot 3: row
+    # 0's token; slots 4-6 the chunk.
+    np.testing.assert_array_equal(batch.tokens, [0, 11, 12, 0, 40, 41, 42, 0])
+    np.testing.assert_array_equal(batch.positions, [5, 6, 7, 2, 3, 4, 5, 0])
+    # Position p of a sequence is on its page p // 4; padding writes to the null page 0.
+    np.testing.assert_array_equal(batch.write_pages, [9, 9, 9, 5, 20, 21, 21, 0])
+    # With chunks the rows pad to max_batch_size (4), pad slots at the pad row and past T.
+    np.testing.assert_array_equal(step.rows, [2, 0, 7, 7])
+    np.testing.assert_array_equal(batch.decode_slot, [0, 3, 8, 8])
+    np.testing.assert_array_equal(batch.draft_len, [2, 0, 0, 0])
+    np.testing.assert_array_equal(batch.last_index, [6, 0])  # the chunk's last token
+    np.testing.assert_array_equal(batch.targets, [-1, -1, -1, -1, 41, 42, -1, -1])
+    assert step.row_tokens == 4
+    assert step.max_draft == 3  # drafts present: this step verifies
+    assert step.page_table is None and step.max_kept == 0  # dense
+
+
+def test_mixed_step_without_drafts_or_speculation_verifies_nothing_and_pads_to_its_rows():
+    step = mixed_inputs(GEOMETRY, [4], [[6]], [1], [1.0], [], [[]], speculating=False)
+    assert step.max_draft == 0
+    np.testing.assert_array_equal(step.rows, [4])  # no chunks: the rows' own bucket
+    assert step.batch.last_index.shape == (0,)  # no prefill logits computed
+    assert mixed_inputs(GEOMETRY, [4], [[6]], [1], [1.0], [], [[]], True).max_draft == 3
+
+
+@pytest.mark.parametrize(
+    "rows, drafts, message",
+    [
+        ([0, 1, 2, 3, 4], [[]] * 5, "max_batch_size=4"),
+        ([0], [[1, 2, 3, 4]], "max_draft=3"),
+    ],
+)
+def test_mixed_step_refuses_what_the_engine_was_not_built_for(rows, drafts, message):
+    pages = [[1]] * len(rows)
+    with pytest.raises(ValueError, match=message):
+        mixed_inputs(GEOMETRY, rows, pages, [1] * len(rows), [1.0] * len(rows), [], drafts, False)
+
+
+def test_mixed_step_refuses_more_tokens_than_the_budget():
+    job = PrefillJob(row=1, tokens=list(range(64)), start=0, pages=list(range(1, 17)))
+    with pytest.raises(ValueError, match="65 tokens exceeds token_budget=64"):
+        mixed_inputs(GEOMETRY, [0], [[1]], [1], [1.0], [job], [[]], False)
+
+
+def test_dense_burst_tables_hold_only_the_pages_the_burst_writes():
+    # Two steps from lengths 3 and 9: positions 3-4 (pages 0-1 of row 1's list) and 9-10
+    # (page 2 of row 5's): each table starts at the page of its length, two columns wide.
+    burst = burst_inputs(GEOMETRY, [1, 5], [[10, 11], [12, 13, 14]], [3, 9], [1.0, 1.0], num=4)
+    np.testing.assert_array_equal(burst.rows, [1, 5, 7, 7])
+    np.testing.assert_array_equal(burst.page_base, [0, 2, 0, 0])
+    np.testing.assert_array_equal(burst.page_table[:2], [[10, 11], [14, 0]])
+    assert burst.plan is not None and burst.groups is None and burst.max_kept == 0
+    np.testing.assert_array_equal(burst.spared, [0.0, 0.0])  # no prefix cache, nothing shared
+
+
+def test_pruned_burst_takes_whole_tables_and_a_kept_width():
+    geometry = dataclasses.replace(GEOMETRY, pruning=PruningConfig(enabled=True))
+    burst = burst_inputs(geometry, [1], [[10, 11, 12]], [9], [1.0], num=1)
+    np.testing.assert_array_equal(burst.page_table, [[10, 11, 12, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(burst.page_base, [0])
+    assert burst.plan is None  # no sliding-window layers: the pruned path reads everything
+    assert 1 <= burst.max_kept <= geometry.pruned_table_width
