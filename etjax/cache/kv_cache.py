@@ -17,14 +17,26 @@ touches only the pages it reads and writes, never a copy of a layer's slice.
 from __future__ import annotations
 
 import functools
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from etjax.model.config import ModelConfig
 from etjax.pruning.block_scores import update_key_bounds
+
+
+class KVShape(Protocol):
+    """What the cache needs of a model (etjax/model/config.py `ModelConfig` has it): the
+    cache sits below the model, which writes into it, so it names no model type."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def jnp_dtype(self) -> jnp.dtype: ...
+
 
 NULL_PAGE = 0
 
@@ -110,7 +122,7 @@ def cache_from_pool(pool: PagePool) -> KVCache:
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5))
 def init_kv_cache(
-    cfg: ModelConfig,
+    cfg: KVShape,
     num_pages: int,
     page_size: int,
     mass_rows: int = 1,
@@ -134,15 +146,13 @@ def init_kv_cache(
     )
 
 
-def kv_jnp_dtype(cfg: ModelConfig, dtype: str | None = None) -> jnp.dtype:
+def kv_jnp_dtype(cfg: KVShape, dtype: str | None = None) -> jnp.dtype:
     """The keys' and values' dtype: `dtype` ("float32", "float16", "bfloat16") or, None, the
     model's."""
     return cfg.jnp_dtype if dtype is None else jnp.dtype(dtype)
 
 
-def kv_cache_bytes(
-    cfg: ModelConfig, num_pages: int, page_size: int, dtype: str | None = None
-) -> int:
+def kv_cache_bytes(cfg: KVShape, num_pages: int, page_size: int, dtype: str | None = None) -> int:
     """Device bytes a cache of this size occupies (keys and values of `dtype`, None: the
     model's)."""
     itemsize = kv_jnp_dtype(cfg, dtype).itemsize

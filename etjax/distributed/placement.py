@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -38,7 +38,11 @@ from etjax.distributed.mesh import DATA, MODEL
 if TYPE_CHECKING:
     from etjax.cache.kv_cache import KVCache
     from etjax.model.weights import Weights
-    from etjax.runtime.state import DecodeState, StepOutputs
+
+# The engine's per-row pytrees (etjax/runtime/state.py: `DecodeState`, `StepOutputs`), named by
+# type variables: the runtime above places its state here, so nothing here names its types.
+Rows = TypeVar("Rows")
+Tree = TypeVar("Tree")
 
 # The pytrees name their arrays' dimensions (`AXES` of Weights, layers and KVCache); each
 # mesh axis splits the first of these names, in this order, that an array has and the axis
@@ -131,7 +135,7 @@ class Placement:
 
     # Decode state: every leaf is per row ----------------------------------------------------
 
-    def state(self, state: DecodeState, vocab_size: int) -> DecodeState:
+    def state(self, state: Rows, vocab_size: int) -> Rows:
         """Rows over `data`; [rows, vocab] arrays also over `model`; shared eos ids
         replicated."""
 
@@ -144,6 +148,6 @@ class Placement:
         shardings = jax.tree.map(row_sharding, state.replace(eos_ids=None))
         return shardings.replace(eos_ids=None if state.eos_ids is None else self.replicated)
 
-    def outputs(self, outputs: StepOutputs) -> StepOutputs:
+    def outputs(self, outputs: Tree) -> Tree:
         """Per-step outputs [K, B]: rows over `data`."""
         return jax.tree.map(lambda leaf: self.sharding(leaf.shape, {1: DATA}), outputs)

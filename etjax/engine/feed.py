@@ -10,21 +10,36 @@ not submit (a record it answered with an error) never enter the window.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from etjax.engine.engine import Engine, RequestHandle
+
+class Handle(Protocol):
+    """A submitted request (`Engine.submit`'s `RequestHandle`), as the loop sees it."""
+
+    @property
+    def done(self) -> bool: ...
+
+
+class Fed(Protocol):
+    """An engine, as the loop drives it (etjax/engine/engine.py `Engine`)."""
+
+    @property
+    def feed_window(self) -> int: ...
+
+    def step(self) -> object: ...
+
 
 T = TypeVar("T")
-InFlight = list[tuple[T, "list[RequestHandle]"]]
+H = TypeVar("H", bound=Handle)
+InFlight = list[tuple[T, list[H]]]
 _END = object()  # what `next` returns when the items run out (an item may be None)
 
 
 def run_fed(
-    engine: Engine,
+    engine: Fed,
     items: Iterable[T],
-    submit: Callable[[T], list[RequestHandle] | None],
-    on_done: Callable[[T, list[RequestHandle]], None],
+    submit: Callable[[T], list[H] | None],
+    on_done: Callable[[T, list[H]], None],
     on_round: Callable[[InFlight], None] | None = None,
     after_round: Callable[[int], None] | None = None,
 ) -> None:
