@@ -203,6 +203,16 @@ def test_logprobs_in_openai_shape_equal_decode(server, reference):
             [v for _, v in top], abs=1e-4
         )
         assert entry.top_logprobs[0].token == entry.token  # greedy: the drawn token is first
+    # /v1/completions' own shape: parallel lists and each token's offset in the text.
+    answer = server.client().completions.create(
+        model="smollm2-135m-instruct", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, logprobs=3
+    )
+    expected, got = reference["plain"][0], answer.choices[0].logprobs
+    assert got.token_logprobs == pytest.approx(expected.logprob, abs=1e-4)
+    assert "".join(got.tokens) == expected.text
+    assert got.text_offset == [len("".join(got.tokens[:i])) for i in range(len(got.tokens))]
+    for top, pairs in zip(got.top_logprobs, expected.top_logprobs, strict=True):
+        assert sorted(top.values()) == pytest.approx(sorted(v for _, v in pairs), abs=1e-4)
 
 
 def test_two_samples_and_a_json_schema_that_validates(server):
@@ -281,6 +291,7 @@ def test_a_client_that_disconnects_frees_its_pages(server):
         (b'{"prompt": "x", "max_tokens": 1000000}', 400, "max_tokens"),  # over the cap
         (b'{"prompt": "\\ud800"}', 400, "prompt"),  # a lone surrogate
         (b'{"prompt": "x", "model": "gpt-9"}', 404, "model"),
+        (b'{"prompt": "x", "model": ["a"]}', 404, "model"),
         (b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
         (b'{"prompt": "x", "etjax": {"trusted_chat": true}}', 400, "etjax.trusted_chat"),
         (

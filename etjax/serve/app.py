@@ -282,6 +282,7 @@ def _tool_body(raw: bytes, state: ServerState, fields: tuple[str, ...]) -> dict:
     for name in sorted(body):
         if name not in allowed:
             raise ApiError(400, f"body.{name} is not a known field; allowed: {sorted(allowed)}")
-    if "model" in body and body["model"] not in state.served:
+    model = body.get("model")
+    if "model" in body and (not isinstance(model, str) or model not in state.served):
         raise ApiError(404, f"body.model={body['model']!r} is not served", "model")
     return body

@@ -67,7 +67,7 @@ class ServeRequest:
     priority: float
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
-    logprobs: bool  # the answer carries log-probabilities (chat's logprobs: true)
+    logprobs: bool  # the answer carries log-probabilities (chat's true, completions' k)
     trace: bool  # each choice carries its entropy trace (etjax.trace)
 
 
@@ -83,7 +83,7 @@ def read_body(
     `ApiError`: 400 naming the field at fault, 404 for a `model` not in `served` (the names
     the server answers to; the name is only compared, never loaded)."""
     body = json_object(raw)
-    if "model" in body and body["model"] not in served:
+    if "model" in body and (not isinstance(body["model"], str) or body["model"] not in served):
         raise ApiError(
             404,
             f"body.model={body['model']!r}: this server serves {sorted(served)}",
@@ -96,12 +96,15 @@ def read_body(
     include_usage = _stream_options(server.get("stream_options"), stream)
     extension = _extension(server.get("etjax"))
     trace = _bool(extension.pop(TRACE, False), f"etjax.{TRACE}")
+    legacy = _legacy_logprobs(body) if url == openai_format.COMPLETIONS else None
     try:
         record = openai_format.to_record({"url": url, "body": body})
-        logprobs = openai_format.wants_logprobs(body, url)
+        logprobs = openai_format.wants_logprobs(body, url) or legacy is not None
     except RequestError as e:
         raise ApiError(400, str(e), _param(str(e))) from None
     sources = _sources(body)
+    if legacy is not None:
+        record["logprobs"], sources["logprobs"] = legacy, "logprobs"
     for name, value in extension.items():
         _add(record, sources, name, value, f"etjax.{name}")
     if "priority" in server:
@@ -185,6 +188,25 @@ def _check_names(body: dict) -> None:
             raise ApiError(400, f"body.{name} is not supported: {REFUSED[name]}", name)
         if name not in allowed:
             raise ApiError(400, f"body.{name} is not a known field; allowed: {allowed}", name)
+
+
+def _legacy_logprobs(body: dict) -> int | None:
+    # /v1/completions' own `logprobs`: an integer k (the k most likely tokens at each one),
+    # answered in that endpoint's shape; taken out of the body, which the batch door's table
+    # reads as chat's switch.
+    if "top_logprobs" in body:
+        raise ApiError(
+            400, "body.top_logprobs is for chat; /v1/completions takes logprobs: k", "top_logprobs"
+        )
+    if "logprobs" not in body:
+        return None
+    k = body.pop("logprobs")
+    if k is None:
+        return None
+    try:
+        return FIELDS["logprobs"].read(k, RECORD)
+    except FieldError as e:
+        raise ApiError(400, f"body.logprobs={k!r}; must be {e.allowed}", "logprobs") from None
 
 
 def _bool(value: object, name: str) -> bool:

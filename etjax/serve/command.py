@@ -43,7 +43,7 @@ def add_serve(commands) -> None:
     serve.add_argument(
         "--config",
         default="default",
-        help="a run config (a name in etjax/configs/ or a .toml path): engine sizes and the "
+        help="a run config (a name in configs/ or a .toml path): engine sizes and the "
         "[request] and [sampler] defaults of requests",
     )
     serve.add_argument("--host", default="127.0.0.1", help="the address to bind (default: local)")

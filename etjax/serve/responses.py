@@ -5,7 +5,8 @@ The shapes are OpenAI's (and so what its clients parse): `text_completion` and
 `prompt_tokens_details.cached_tokens` (the prompt tokens the prefix cache served: those of the
 first sample, as later samples find the prompt it prefilled), and chat log-probabilities as
 `{"content": [{token, logprob, bytes, top_logprobs}]}` (etjax/jobs/openai_format.py writes
-the same for batch jobs). etjax's own additions ride in an `etjax` key of a choice, only when
+the same for batch jobs), completions' as `{tokens, token_logprobs, top_logprobs,
+text_offset}`. etjax's own additions ride in an `etjax` key of a choice, only when
 the request asks (`etjax.trace`): the sample's seed and each new token's entropy trace.
 """
 
@@ -44,6 +45,7 @@ class Shape:
         self.chat = request.url == CHAT
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._offsets = [0] * len(request.samples)  # completions logprobs' text_offset
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_name}
@@ -58,7 +60,7 @@ class Shape:
                 choice["message"] = {"role": "assistant", "content": out.text}
             else:
                 choice["text"] = out.text
-            choice["logprobs"] = self._logprobs(out.token_ids, out.logprob, out.top_logprobs)
+            choice["logprobs"] = self._logprobs(i, out.token_ids, out.logprob, out.top_logprobs)
             choice["finish_reason"] = finish_reason(out.finish_reason)
             choice |= self._trace(i, {name: getattr(out, name) for name in TRACE_FIELDS})
             choices.append(choice)
@@ -85,7 +87,7 @@ class Shape:
                 choice["delta"] = {"content": d.text}
             else:
                 choice["text"] = d.text
-            choice["logprobs"] = self._logprobs(d.token_ids, d.logprobs, d.top_logprobs)
+            choice["logprobs"] = self._logprobs(d.index, d.token_ids, d.logprobs, d.top_logprobs)
             choice["finish_reason"] = (
                 None if d.finish_reason is None else finish_reason(d.finish_reason)
             )
@@ -114,11 +116,13 @@ class Shape:
             "prompt_tokens_details": {"cached_tokens": cached},
         }
 
-    def _logprobs(self, token_ids, logprobs, tops) -> dict | None:
-        # Chat's shape; each token's bytes are its text's UTF-8 (a token ending inside a
-        # character reads U+FFFD, as etjax/jobs/openai_format.py writes it).
+    def _logprobs(self, index: int, token_ids, logprobs, tops) -> dict | None:
         if not self.request.logprobs:
             return None
+        if not self.chat:
+            return self._completion_logprobs(index, token_ids, logprobs, tops)
+        # Chat's shape; each token's bytes are its text's UTF-8 (a token ending inside a
+        # character reads U+FFFD, as etjax/jobs/openai_format.py writes it).
 
         def entry(token: int, logprob: float) -> dict:
             text = self.token_text(token)
@@ -130,6 +134,22 @@ class Shape:
                 entry(token, value) | {"top_logprobs": [entry(t, v) for t, v in top]}
                 for token, value, top in zip(token_ids, logprobs, tops, strict=True)
             ]
+        }
+
+    def _completion_logprobs(self, index: int, token_ids, logprobs, tops) -> dict:
+        # The legacy completions shape: parallel lists, each alternative as {text: logprob},
+        # and each token's offset in the choice's text (counted on across a stream's chunks).
+        texts = [self.token_text(t) for t in token_ids]
+        offsets = []
+        for text in texts:
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(text)
+        tops = tops or [[] for _ in token_ids]
+        return {
+            "tokens": texts,
+            "token_logprobs": list(logprobs),
+            "top_logprobs": [{self.token_text(t): v for t, v in top} for top in tops],
+            "text_offset": offsets,
         }
 
     def _trace(self, index: int, trace: dict[str, list[float]]) -> dict:
