@@ -117,12 +117,12 @@ def _parser() -> argparse.ArgumentParser:
     batch.add_argument("--input", type=Path, required=True, help="JSONL, one request per line")
     batch.add_argument("--output", type=Path, required=True, help="JSONL of results (appended)")
     batch.add_argument(
-        "--config", default="default", help="a name in etjax/configs/ or the path of a .toml file"
+        "--config", default="default", help="a name in configs/ or the path of a .toml file"
     )
     batch.add_argument(
         "--model",
         default=None,
-        help="overrides the config's model: a preset in etjax/configs/models/ (or a preset .toml), "
+        help="overrides the config's model: a preset in configs/models/ (or a preset .toml), "
         "or a model name or path",
     )
     batch.add_argument(
@@ -205,7 +205,7 @@ def _add_bench(commands) -> None:
         "--configs", default=",".join(d.configs), help="comma-separated; the first is the baseline"
     )
     bench.add_argument(
-        "--model", default=None, help="a model preset in etjax/configs/models/ for every config"
+        "--model", default=None, help="a model preset in configs/models/ for every config"
     )
     bench.add_argument("--requests", type=int, default=d.requests)
     bench.add_argument("--repetitions", type=int, default=d.repetitions)

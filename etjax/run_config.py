@@ -1,4 +1,4 @@
-"""Named run configurations: declarative TOML files in `etjax/configs/`, loaded into the frozen
+"""Named run configurations: declarative TOML files in `configs/`, loaded into the frozen
 dataclasses that steer a run.
 
 A file has up to seven tables, each optional:
@@ -14,7 +14,7 @@ A file has up to seven tables, each optional:
     [request]  any request field open to configs (etjax/request_fields.py: max_new_tokens,
                stop, chat, ...): the default for requests that do not set it
 
-A model preset (`etjax/configs/models/NAME.toml`) holds only [model] and [engine]: it says which
+A model preset (`configs/models/NAME.toml`) holds only [model] and [engine]: it says which
 weights to run and, where a model needs them, engine sizes. `load_run_config(config,
 model=preset)` puts the preset's model in place of the config's and lets its [engine] keys
 win, so one ablation config runs unchanged on any model.
@@ -40,7 +40,8 @@ from etjax.request_fields import RequestDefaults
 from etjax.runtime.options import RuntimeOptions
 from etjax.sampling.settings import SamplerSettings
 
-# Shipped inside the package (package data), so an installed wheel has them as a checkout does.
+# configs/ at the top of a clone; etjax/configs links to it, so the package finds it the same
+# way in a clone and in a wheel (which holds the files themselves, as package data).
 CONFIG_DIR = Path(str(importlib.resources.files("etjax") / "configs"))
 MODEL_PRESET_DIR = CONFIG_DIR / "models"
 
@@ -83,12 +84,12 @@ _PRESET_TABLES = ("model", "engine")
 
 
 def available_configs() -> list[str]:
-    """Names of the configs shipped in `etjax/configs/`."""
+    """Names of the configs shipped in `configs/`."""
     return sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
 
 
 def available_model_presets() -> list[str]:
-    """Names of the model presets shipped in `etjax/configs/models/`."""
+    """Names of the model presets shipped in `configs/models/`."""
     return sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.toml"))
 
 
@@ -99,8 +100,8 @@ def is_model_preset(name_or_path: str | Path) -> bool:
 
 
 def load_run_config(name_or_path: str | Path, model: str | Path | None = None) -> RunConfig:
-    """Load `etjax/configs/NAME.toml`, or a TOML file by path; `model` names a model preset
-    (`etjax/configs/models/NAME.toml`, or a .toml path) that replaces the config's model."""
+    """Load `configs/NAME.toml`, or a TOML file by path; `model` names a model preset
+    (`configs/models/NAME.toml`, or a .toml path) that replaces the config's model."""
     path = _find(name_or_path, CONFIG_DIR, "config", available_configs())
     data = _read(path, _TABLES)
     built = {name: _build(path, name, cls, data.get(name, {})) for name, cls in _TABLES.items()}

@@ -58,7 +58,7 @@ class BenchPlan:
         "speculative_only",
         "full",
     )
-    model: str | None = None  # a model preset (etjax/configs/models/); None: each config's own
+    model: str | None = None  # a model preset (configs/models/); None: each config's own
     requests: int = 64
     repetitions: int = 2
     seed: int = 0
