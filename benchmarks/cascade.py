@@ -82,7 +82,7 @@ def _case(rows: int, context: int, tile: int, rounds: int) -> dict:
     cascade = plan_passes([own], rows, cascade_sizes, shared=prefixes)
     positions = jnp.full((rows,), position, jnp.int32)
     # The XLA loops, and (where it builds) the CPU kernel the engine runs on a CPU.
-    from pallas_kernels.cpu import cpu_kernels_available
+    from cpp_kernels import cpu_kernels_available
     from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
 
     kernels = {"xla": None}

@@ -38,9 +38,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, median_spread, write_section
+from cpp_kernels import cpu_kernels_available
 from etjax.model.experts import expert_groups, route, routed_experts
 from etjax.model.products import grouped_product, row_products
-from pallas_kernels.cpu import cpu_kernels_available
 
 # name, experts E, hidden D, expert width M, top k, tokens T, the model's dtype
 CASES = (

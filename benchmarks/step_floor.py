@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, median_spread, write_section
 from benchmarks.pruning_speed import greedy_state
+from cpp_kernels import cpu_kernels_available
 from etjax.attention import PlanSizes, padded_batch_plan, plan_segments, resolve_backend
 from etjax.bench.perf_doc import cpu_name
 from etjax.cache.kv_cache import init_kv_cache
@@ -54,7 +55,6 @@ from etjax.model.products import MAX_KERNEL_ROWS, row_products
 from etjax.model.transformer import logits_from_hidden
 from etjax.runtime.steps import StepStatics, decode_steps, prefill_chunk
 from etjax.sampling.sampler import first_argmax
-from pallas_kernels.cpu import cpu_kernels_available
 from pallas_kernels.ragged_attention import Segment
 
 PAGE, STEPS, CHUNK = 16, 8, 512

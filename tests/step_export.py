@@ -11,6 +11,7 @@ builds for one decoding row beside one prefill chunk.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import numpy as np
@@ -54,9 +55,12 @@ def ragged_step_inputs(cfg: ModelConfig, options: RuntimeOptions) -> tuple[tuple
         pass
     finally:
         device_module.mixed_step = original
-    *arrays, statics, max_draft = captured["args"]
+    # The device passes the step's arguments by keyword: put them back in the step's order.
+    call = inspect.signature(mixed_step).bind(*captured["args"], **captured["kwargs"])
+    call.apply_defaults()
+    *arrays, statics, max_draft = call.args
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), arrays)
-    return (*shapes, statics, max_draft), captured["kwargs"]
+    return (*shapes, statics, max_draft), {}
 
 
 def export_ragged_step(cfg: ModelConfig, options: RuntimeOptions, platform: str) -> export.Exported:

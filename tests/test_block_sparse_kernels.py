@@ -32,7 +32,7 @@ from tests.hypothesis_profiles import examples
 TOLERANCE = {"float32": dict(out=2e-5, mass=1e-5), "bfloat16": dict(out=2e-2, mass=1e-5)}
 _PLATFORM = jax.default_backend()
 BACKENDS = {"xla": jax.jit(block_sparse_attention_xla)}
-if _PLATFORM == "cpu":  # the C++ kernel, pallas_kernels/cpu/block_sparse.cc
+if _PLATFORM == "cpu":  # the C++ kernel, cpp_kernels/block_sparse.cc
     BACKENDS["cpu"] = jax.jit(block_sparse_attention_cpu)
 if _PLATFORM in ("cpu", "tpu"):
     BACKENDS["pallas_tpu"] = functools.partial(

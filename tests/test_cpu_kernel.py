@@ -1,4 +1,4 @@
-"""The CPU attention kernel (pallas_kernels/cpu/ragged_pass.cc) against the float32
+"""The CPU attention kernel (cpp_kernels/ragged_pass.cc) against the float32
 reference: narrow (decode) and wide (prompt chunk) query tiles over ragged batches drawn by
 hypothesis (bursts whose
 items reach past the current position, windows, soft caps, float32, float16 and bfloat16
@@ -19,12 +19,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpp_kernels import cpu_kernels_available
 from etjax.attention import resolve_backend
 from etjax.pruning.block_scores import block_upper_bounds
 from etjax.pruning.config import PruningConfig
 from etjax.pruning.selection import select_blocks
 from pallas_kernels.block_sparse.cpu import page_bounds_cpu, select_blocks_cpu
-from pallas_kernels.cpu import cpu_kernels_available
 from pallas_kernels.ragged_attention import ragged_attention_reference, ragged_attention_xla
 from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
 from tests.hypothesis_profiles import examples

@@ -1,4 +1,4 @@
-"""The routed experts' CPU grouped-products kernel (pallas_kernels/cpu/grouped_products.cc,
+"""The routed experts' CPU grouped-products kernel (cpp_kernels/grouped_products.cc,
 chosen by etjax/model/products.py) against float64 NumPy: empty groups, one row, uneven
 groups, rows in no group, weights of 32 and 16 bits (widened per row block, or once for a
 large group), a bfloat16 model's rows, each row's result independent of the rows beside it;
@@ -12,12 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpp_kernels import cpu_kernels_available
+from cpp_kernels.targets import GROUPED_PRODUCTS
 from etjax.loaders.hf_config import hf_config_to_model_config
 from etjax.model.experts import routed_experts
 from etjax.model.products import grouped_product, row_products
 from etjax.runtime.options import RuntimeOptions
 from etjax.runtime.steps import mixed_step
-from pallas_kernels.cpu import cpu_kernels_available
 from tests.step_export import ragged_step_inputs
 from tests.test_entropy_experts import steered_reference
 from tests.test_moe import tiny_qwen3_moe_config
@@ -125,7 +126,7 @@ def test_routed_experts_on_the_kernel_equal_a_top_k_mixture(skew):
     mixed = rng.integers(1, 4, size=t).astype(np.int32)
     with row_products(True):
         text = layer.lower(x, router, w_gate_up, w_down, mixed).as_text()
-        assert "etjax_grouped_products_cpu" in text
+        assert GROUPED_PRODUCTS.name in text
         for active_k in (np.full(t, 3, np.int32), mixed):
             ours = np.asarray(layer(x, router, w_gate_up, w_down, active_k))
             want = steered_reference(x, router, w_gate_up, w_down, 3, True, active_k)
@@ -136,7 +137,7 @@ def _runs_kernel(x, w, enabled=True) -> bool:
     sizes = jnp.zeros((w.shape[0],), jnp.int32)
     with row_products(enabled):
         text = _jit(grouped_product).lower(x, w, sizes).as_text()
-    return "etjax_grouped_products_cpu" in text
+    return GROUPED_PRODUCTS.name in text
 
 
 def test_the_kernel_runs_only_where_it_is_chosen_and_takes_the_shapes():
@@ -159,4 +160,4 @@ def test_the_engines_step_runs_the_experts_on_the_kernel():
     cfg = hf_config_to_model_config(raw, "float32", source="config.json")
     args, kwargs = ragged_step_inputs(cfg, RuntimeOptions(attention_backend="cpu"))
     text = mixed_step.lower(*args, **kwargs).as_text()
-    assert text.count("etjax_grouped_products_cpu") == 2
+    assert text.count(GROUPED_PRODUCTS.name) == 2

@@ -10,11 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import etjax
+from cpp_kernels import cpu_kernels_available
 from etjax.engine.device import DeviceBackend
 from etjax.engine.grouping import split_by_width
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RuntimeOptions
-from pallas_kernels.cpu import cpu_kernels_available
 from tests.hypothesis_profiles import examples
 
 

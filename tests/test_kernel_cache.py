@@ -1,4 +1,4 @@
-"""The C++ kernels' cache (pallas_kernels/cpu/build.py) trusts no file for its name: a
+"""The C++ kernels' cache (cpp_kernels/build.py) trusts no file for its name: a
 truncated, planted, swapped or world-writable library is never loaded (rebuilt, or the XLA
 kernels run after one warning naming the file), a build under any umask is private, and a
 compiler that never answers is stopped. One real compile in all (the module's fixture); every
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pallas_kernels.cpu import build
+from cpp_kernels import build
 from tests.subprocess_env import subprocess_env
 
 # A library whose constructor, if it ever ran, would leave a marker file.
@@ -46,7 +46,7 @@ def genuine(tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("umask") / "parent" / "kernels"
     env = subprocess_env() | {"ETJAX_KERNEL_CACHE": str(cache)}
     script = (
-        "import os; os.umask(0); from pallas_kernels.cpu import cpu_kernels_available; "
+        "import os; os.umask(0); from cpp_kernels import cpu_kernels_available; "
         "print(cpu_kernels_available())"
     )
     done = subprocess.run(
@@ -150,7 +150,7 @@ def test_a_truncated_library_is_rebuilt_in_a_process_that_lives(cache, genuine, 
     env = subprocess_env() | {"CXX": str(_stand_in(tmp_path, genuine, compiler, COPY))}
     script = (
         "import logging; logging.basicConfig(); "
-        "from pallas_kernels.cpu import cpu_kernels_available; print(cpu_kernels_available())"
+        "from cpp_kernels import cpu_kernels_available; print(cpu_kernels_available())"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
@@ -238,7 +238,7 @@ def test_a_planted_library_is_replaced_by_a_rebuild(
 ):
     _swapped(cache, planted)
     monkeypatch.setenv("CXX", str(_stand_in(tmp_path, genuine, compiler, COPY)))
-    assert set(build._load_handlers()) == set(build.TARGETS)
+    assert set(build._load_handlers()) == {target.name for target in build.TARGETS}
     assert not (cache.parent / "marker").exists()
     assert _only(cache, ".so").read_bytes() == _only(genuine, ".so").read_bytes()
 

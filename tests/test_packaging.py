@@ -26,7 +26,7 @@ def test_a_wheel_runs_batch_with_the_shipped_config_and_preset(tmp_path):
     source = tmp_path / "source"
     source.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("etjax", "pallas_kernels"):
+    for name in ("etjax", "pallas_kernels", "cpp_kernels"):
         shutil.copytree(ROOT / name, source / name, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, source / name)
@@ -41,8 +41,12 @@ def test_a_wheel_runs_batch_with_the_shipped_config_and_preset(tmp_path):
     wheel = wheels / built.stdout.split()[-1]
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
+    # configs/ at the top of the clone ships inside the package (etjax/configs links to it).
     assert "etjax/configs/default.toml" in names
     assert "etjax/configs/models/smollm2-135m-bf16.toml" in names
+    # The C++ kernels' sources, which the wheel's first run compiles.
+    sources = [p.name for p in (ROOT / "cpp_kernels").iterdir() if p.suffix in (".cc", ".h")]
+    assert sources and all(f"cpp_kernels/{name}" in names for name in sources)
 
     # A fresh virtual environment with the wheel installed by pip (console script included).
     # Its dependencies come from this environment's site-packages as a plain path entry: the

@@ -197,8 +197,8 @@ def test_page_scores_loop_only_to_the_longest_row_and_match_the_plain_bound(shar
 def _selections():
     chosen = {"xla": select_blocks}
     if jax.default_backend() == "cpu":
+        from cpp_kernels import cpu_kernels_available
         from pallas_kernels.block_sparse.cpu import select_blocks_cpu
-        from pallas_kernels.cpu import cpu_kernels_available
 
         if cpu_kernels_available():
             chosen["cpu"] = select_blocks_cpu

@@ -1,4 +1,4 @@
-"""The CPU row-products kernel (pallas_kernels/cpu/row_products.cc, chosen by
+"""The CPU row-products kernel (cpp_kernels/row_products.cc, chosen by
 etjax/model/products.py) against float64 NumPy: every row count a decode step or a small
 chunk has, weights of 32 and 16 bits, each row's result independent of the rows beside it;
 and the choice itself: on for the engine's CPU step programs, off outside them, off past its
@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from cpp_kernels import cpu_kernels_available
+from cpp_kernels.targets import ROW_PRODUCTS
 from etjax.model import products
 from etjax.model.products import MAX_KERNEL_ROWS, project, row_products
-from pallas_kernels.cpu import cpu_kernels_available
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
 
@@ -60,7 +61,7 @@ def test_leading_axes_are_flattened_into_rows():
 def _runs_kernel(x, w, enabled=True, out_dtype=None) -> bool:
     with row_products(enabled):
         text = jax.jit(lambda x, w: project(x, w, out_dtype)).lower(x, w).as_text()
-    return "etjax_row_products_cpu" in text
+    return ROW_PRODUCTS.name in text
 
 
 def test_the_kernel_runs_only_where_it_is_chosen_and_takes_the_shapes():

@@ -4,7 +4,7 @@ platform) and carried as a static value in the attention plan and the step's sta
 - `xla`: pallas_kernels/ragged_attention/xla.py for dense attention and the XLA block-sparse
   kernel for pruned decode; every platform.
 - `cpu`: `xla`, except that attention runs C++ kernels that read the pages in place
-  (pallas_kernels/cpu): every dense pass (decode rows and verified drafts: 0.2-0.4x the XLA
+  (cpp_kernels): every dense pass (decode rows and verified drafts: 0.2-0.4x the XLA
   loop's time per layer; prompt chunks, register-blocked and skipping what the causal mask
   hides; docs/PERF.md "step_floor"), and pruned decode's page scores, block selection and
   block-sparse attention.
@@ -157,6 +157,6 @@ def resolve_backend(name: str, platform: str | None = None, devices: int = 1) ->
 
 
 def _cpu_kernel_builds() -> bool:
-    from pallas_kernels.cpu import cpu_kernels_available
+    from cpp_kernels import cpu_kernels_available
 
     return cpu_kernels_available()

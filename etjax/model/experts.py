@@ -16,7 +16,7 @@ products. XLA:CPU has no such instruction in JAX 0.10.2: JAX's default lowering
 the rows of other experts to zero and runs a dense product: each of the T*k rows meets every
 expert, E times the routed FLOPs, which a mesh of CPU devices still runs. The engine's step
 programs on one CPU device run the C++ grouped-products kernel instead
-(pallas_kernels/cpu/grouped_products.cc), which reads only the experts that have rows and
+(cpp_kernels/grouped_products.cc), which reads only the experts that have rows and
 runs each row against its own: the routed FLOPs. The results are
 the same; the cost model (etjax/entropy/cost.py) counts the routed experts.
 

@@ -1,7 +1,7 @@
 """Where a projection's matrix product runs: XLA's, or on a CPU for a few rows the C++ kernel
-that reads each weight once for all of them (pallas_kernels/cpu/row_products.cc); and where
+that reads each weight once for all of them (cpp_kernels/row_products.cc); and where
 the routed experts' grouped product runs: XLA's ragged dot, or on a CPU the C++ kernel that
-multiplies each row by its own expert only (pallas_kernels/cpu/grouped_products.cc).
+multiplies each row by its own expert only (cpp_kernels/grouped_products.cc).
 
 A decode step multiplies its 1-32 rows by every weight of the model, so on a CPU the step is
 the weights' read. XLA:CPU streams them at the machine's bandwidth for one row and packs
@@ -61,11 +61,12 @@ def project(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     `out_dtype` (default: x's)."""
     out_dtype = out_dtype or x.dtype
     if _takes(x, w, out_dtype):
-        from pallas_kernels.cpu.build import call_cpu_kernel
+        from cpp_kernels import call_cpu_kernel
+        from cpp_kernels.targets import ROW_PRODUCTS
 
         rows = x.reshape(-1, x.shape[-1])
         out = call_cpu_kernel(
-            "etjax_row_products_cpu",
+            ROW_PRODUCTS,
             jax.ShapeDtypeStruct((rows.shape[0], w.shape[0]), jnp.float32),
             rows,
             w,
@@ -96,13 +97,14 @@ def grouped_product(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> ja
     (output-major), group_sizes [E] int32 (group e takes the next group_sizes[e] rows; rows
     past their sum belong to no group and come out zero) -> [R, N] in rows' dtype."""
     if _takes_grouped(rows, w, group_sizes):
-        from pallas_kernels.cpu.build import call_cpu_kernel
+        from cpp_kernels import call_cpu_kernel
+        from cpp_kernels.targets import GROUPED_PRODUCTS
 
         # 16-bit rows (a bfloat16 model) are widened for the kernel and its float32 sums
         # rounded back, as XLA's product with a 16-bit result rounds its own: [R, K] and
         # [R, N] are small beside the experts' weights.
         out = call_cpu_kernel(
-            "etjax_grouped_products_cpu",
+            GROUPED_PRODUCTS,
             jax.ShapeDtypeStruct((rows.shape[0], w.shape[1]), jnp.float32),
             rows.astype(jnp.float32),
             w,

@@ -9,7 +9,7 @@ Quest bound over the group's queries (an upper bound for every member), hot for 
 it was hot for any member, and the group keeps what its most uncertain member's fraction asks
 of the shared pages. Each row then selects its own pages after the prefix with its own
 fraction, and its kept table lists the group's pages first: the CPU kernel reads those once
-for the whole group (pallas_kernels/cpu/block_sparse.cc).
+for the whole group (cpp_kernels/block_sparse.cc).
 
 Every member attends at least the blocks of the shared prefix its own fraction asks for,
 chosen by a bound that holds for its queries too, so no member attends less than it would

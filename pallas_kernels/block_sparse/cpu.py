@@ -1,4 +1,4 @@
-"""Pruned decode on the CPU kernels (pallas_kernels/cpu, XLA FFI calls), the `cpu` attention
+"""Pruned decode on the CPU kernels (cpp_kernels, XLA FFI calls), the `cpu` attention
 backend's pruned steps (etjax/attention/backend.py): `block_sparse_attention_cpu`, where each
 (row, KV head) reads its kept pages where they lie (same signature and results as the other
 backends, the package docstring), and `page_bounds_cpu`, the pages' Quest bounds the
@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpp_kernels import call_cpu_kernel
+from cpp_kernels.targets import BLOCK_SPARSE, PAGE_BOUNDS, SELECT_BLOCKS
 from pallas_kernels.block_sparse.validation import check_inputs
-from pallas_kernels.cpu.build import call_cpu_kernel
-
-TARGET = "etjax_block_sparse_cpu"
 
 
 def block_sparse_attention_cpu(
@@ -30,7 +29,7 @@ def block_sparse_attention_cpu(
     """See the package docstring. leaders, shared_counts [B] int32 (optional): rows sharing a
     prefix, computed together: row b with the row leaders[b] (a row leading itself), whose
     first shared_counts[leader] kept entries are the same pages for every row of its group
-    and are read once for all of them (pallas_kernels/cpu/block_sparse.cc). The results are
+    and are read once for all of them (cpp_kernels/block_sparse.cc). The results are
     those of the rows computed apart; None: every row alone."""
     check_inputs(q, k_pages, v_pages, page_table, kept_blocks, kept_counts, lengths)
     b, h, hd = q.shape
@@ -40,7 +39,7 @@ def block_sparse_attention_cpu(
         shared_counts = jnp.zeros((b,), jnp.int32)
     kvh = k_pages.shape[1]
     out, mass = call_cpu_kernel(
-        "etjax_block_sparse_cpu",
+        BLOCK_SPARSE,
         (
             jax.ShapeDtypeStruct((b, h, hd), jnp.float32),
             jax.ShapeDtypeStruct((b, kvh, kept_blocks.shape[-1]), jnp.float32),
@@ -67,15 +66,15 @@ def page_bounds_cpu(
     num_blocks: jax.Array,
     shared: bool,
 ) -> jax.Array:
-    """The Quest bound of each row's pages on the CPU kernel (pallas_kernels/cpu/
-    page_bounds.cc): q [B, H, hd]; k_min, k_max [N, KVH, hd]; page_table [B, P]; num_blocks
-    [B] the pages each row holds. Returns scores [B, 1 if shared else KVH, P] float32: the
+    """The Quest bound of each row's pages on the CPU kernel (cpp_kernels/page_bounds.cc):
+    q [B, H, hd]; k_min, k_max [N, KVH, hd]; page_table [B, P]; num_blocks [B] the pages
+    each row holds. Returns scores [B, 1 if shared else KVH, P] float32: the
     largest scaled q.k each page's key bounds allow (etjax/pruning/block_scores.py's
     `block_upper_bounds`, the maximum over KV heads when shared), -inf past num_blocks."""
     b, _, hd = q.shape
     heads = 1 if shared else k_min.shape[1]
     return call_cpu_kernel(
-        "etjax_page_bounds_cpu",
+        PAGE_BOUNDS,
         jax.ShapeDtypeStruct((b, heads, page_table.shape[1]), jnp.float32),
         q.astype(jnp.float32),
         k_min.astype(jnp.float32),
@@ -88,13 +87,13 @@ def page_bounds_cpu(
 
 
 def select_blocks_cpu(scores, num_blocks, budget, cfg, max_kept: int, last_mass=None):
-    """etjax/pruning/selection.py's `select_blocks` on the CPU kernel (pallas_kernels/cpu/
+    """etjax/pruning/selection.py's `select_blocks` on the CPU kernel (cpp_kernels/
     select_blocks.cc): the same arguments and the same kept blocks and counts, ties to the
     lower block as `lax.top_k` breaks them."""
     b, heads, _ = scores.shape
     mass = jnp.zeros((1, 1, 1), jnp.float32) if last_mass is None else last_mass
     return call_cpu_kernel(
-        "etjax_select_blocks_cpu",
+        SELECT_BLOCKS,
         (
             jax.ShapeDtypeStruct((b, heads, max_kept), jnp.int32),
             jax.ShapeDtypeStruct((b, heads), jnp.int32),

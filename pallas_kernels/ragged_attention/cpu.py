@@ -1,10 +1,10 @@
-"""The dense ragged pass on the CPU kernel (pallas_kernels/cpu/ragged_pass.cc, an XLA FFI
-call that reads the KV pages in place): decode tiles and prompt chunks alike.
+"""The dense ragged pass on the CPU kernel (cpp_kernels/ragged_pass.cc, an XLA FFI call that
+reads the KV pages in place): decode tiles and prompt chunks alike.
 
 `ragged_pass_cpu` takes the arguments of the XLA backend's passes and returns the same
 (outputs, log-sum-exps), so xla.py runs it in place of its loops for the `cpu` attention
 backend (etjax/attention/backend.py), which the engine picks on a CPU when
-`pallas_kernels.cpu.cpu_kernels_available()`.
+`cpp_kernels.cpu_kernels_available()`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu.build import call_cpu_kernel
+from cpp_kernels import call_cpu_kernel
+from cpp_kernels.targets import RAGGED_PASS
 from pallas_kernels.ragged_attention.work_items import TilePass
-
-TARGET = "etjax_ragged_pass_cpu"
 
 
 def ragged_pass_cpu(
@@ -34,7 +33,7 @@ def ragged_pass_cpu(
     _, h, hd = q.shape
     nq, qt = tile_pass.tile_tokens.shape
     return call_cpu_kernel(
-        TARGET,
+        RAGGED_PASS,
         (
             jax.ShapeDtypeStruct((nq, qt, h, hd), jnp.float32),
             jax.ShapeDtypeStruct((nq, qt, h), jnp.float32),

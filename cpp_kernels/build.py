@@ -1,13 +1,14 @@
-"""The CPU kernels' library: built on first use, verified, loaded, registered with XLA.
+"""The C++ kernels' library: built on first use, verified, loaded, registered with XLA.
 
-`ragged_pass.cc` (dense decode passes, pallas_kernels/ragged_attention/cpu.py),
-`block_sparse.cc` (pruned decode), `page_bounds.cc` (the pages' Quest bounds pruned decode
-ranks them by) and `select_blocks.cc` (its kept blocks; the last three in
-pallas_kernels/block_sparse/cpu.py) read the KV pages (and bounds) where
-they lie, which XLA:CPU cannot (ragged_pass.cc's header says why that matters);
-`row_products.cc` runs projections of a few rows and `grouped_products.cc` the routed
-experts' grouped products (etjax/model/products.py), both with `row_blocks.h`'s micro-kernel;
-all share `kernel_math.h`. They are compiled into one library, once per machine, with the C++
+Every source defines one XLA FFI target (targets.py: its name, handler symbol and source,
+defined once). `ragged_pass.cc` (dense ragged passes), `block_sparse.cc` (pruned decode),
+`page_bounds.cc` (the pages' Quest bounds pruned decode ranks them by) and `select_blocks.cc`
+(its kept blocks) read the KV pages (and bounds) where they lie, which XLA:CPU cannot
+(ragged_pass.cc's header says why that matters); `row_products.cc` runs projections of a few
+rows and `grouped_products.cc` the routed experts' grouped products, both with
+`row_blocks.h`'s micro-kernel; all share `kernel_math.h`. Their Python wrappers sit beside the
+other implementations of each op (pallas_kernels/<op>/cpu.py). They are compiled into one
+library, once per machine, with the C++
 compiler at hand (`CXX`, else g++, c++ or clang++) for this CPU (`-march=native`), and cached
 under `$ETJAX_KERNEL_CACHE` (default `~/.cache/etjax/kernels`), keyed by the sources, the
 flags, the compiler, jaxlib and the CPU's flags, so a copy built for another machine is never
@@ -39,27 +40,10 @@ import tempfile
 
 import jax
 
-# The FFI targets the library registers, by the handler symbol each is bound to.
-TARGETS = {
-    "etjax_ragged_pass_cpu": "EtjaxRaggedPassCpu",
-    "etjax_block_sparse_cpu": "EtjaxBlockSparseCpu",
-    "etjax_page_bounds_cpu": "EtjaxPageBoundsCpu",
-    "etjax_select_blocks_cpu": "EtjaxSelectBlocksCpu",
-    "etjax_row_products_cpu": "EtjaxRowProductsCpu",
-    "etjax_grouped_products_cpu": "EtjaxGroupedProductsCpu",
-}
+from cpp_kernels.targets import TARGETS, Target
+
 HERE = pathlib.Path(__file__).parent
-SOURCES = tuple(
-    HERE / name
-    for name in (
-        "ragged_pass.cc",
-        "block_sparse.cc",
-        "page_bounds.cc",
-        "select_blocks.cc",
-        "row_products.cc",
-        "grouped_products.cc",
-    )
-)
+SOURCES = tuple(HERE / target.source for target in TARGETS)
 HEADERS = tuple(
     HERE / name for name in ("kernel_math.h", "ragged_pass.h", "wide_tiles.h", "row_blocks.h")
 )
@@ -131,8 +115,8 @@ def _load_handlers() -> dict | None:
         library, path = _library()
         try:
             return {
-                target: jax.ffi.pycapsule(getattr(library, symbol))
-                for target, symbol in TARGETS.items()
+                target.name: jax.ffi.pycapsule(getattr(library, target.symbol))
+                for target in TARGETS
             }
         except AttributeError as error:  # a library of another build, or broken sources
             raise _Unusable(path, f"lacks a kernel: {error}") from error
@@ -435,16 +419,16 @@ def _sync_folder(folder: pathlib.Path) -> None:
         os.close(descriptor)
 
 
-def call_cpu_kernel(target: str, results, *args, **attributes):
-    """`jax.ffi.ffi_call` of one of the library's targets (TARGETS) on `args`, integer
+def call_cpu_kernel(target: Target, results, *args, **attributes):
+    """`jax.ffi.ffi_call` of one of the library's targets (targets.py) on `args`, integer
     arrays as int32 (the kernels' index type); raises RuntimeError, naming why, when the
     library is not built."""
     if not cpu_kernels_available():
-        raise RuntimeError("the CPU attention kernels are not built (see the log's warning)")
+        raise RuntimeError("the CPU kernels are not built (see the log's warning)")
     import jax.numpy as jnp
 
     args = [
         jnp.asarray(a, jnp.int32) if jnp.issubdtype(jnp.result_type(a), jnp.integer) else a
         for a in args
     ]
-    return jax.ffi.ffi_call(target, results)(*args, **attributes)
+    return jax.ffi.ffi_call(target.name, results)(*args, **attributes)
