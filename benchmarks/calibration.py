@@ -1,6 +1,6 @@
 """Calibration of the entropy signal on held-out text, before and after a fitted temperature.
 
-For each model: the temperature is fitted (etjax/calibration/fit.py, optax L-BFGS on the
+For each model: the temperature is fitted (etjax/calibrate/fit.py, optax L-BFGS on the
 mean NLL) to the first `--tokens` scored positions of some Lee articles, and measured on
 `--tokens` positions of other articles it never saw (windows of `--window` tokens, each from
 an empty cache): next-token NLL, the expected calibration error of the top token (15 bins),
@@ -120,8 +120,8 @@ def main() -> None:
     import etjax
     from etjax.bench.corpus import lee_articles
     from etjax.bench.perplexity import long_documents, perplexity, prefill_documents
-    from etjax.calibration.fit import fit_temperature, teacher_forced, text_statistics
-    from etjax.calibration.metrics import entropy_gap, summarise, token_statistics
+    from etjax.calibrate.fit import fit_temperature, teacher_forced, text_statistics
+    from etjax.calibrate.metrics import entropy_gap, summarise, token_statistics
     from etjax.calibration.ramp import ramp_shift
     from etjax.pruning.budget import kept_fraction
     from etjax.pruning.config import PruningConfig

@@ -5,7 +5,7 @@ attention reads, and the sampling temperature. Start with `etjax.decode("prompt"
 """
 
 from etjax.api import Result, decode, load_model
-from etjax.calibration.fit import calibrate
+from etjax.calibrate.fit import calibrate
 from etjax.errors import EtjaxError, ModelLoadError, RequestError, TokenizerError
 from etjax.loaders.loaded_model import Model
 

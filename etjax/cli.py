@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from etjax.calibration.command import add_calibrate
+from etjax.calibrate.command import add_calibrate
 from etjax.compilation_cache import use_persistent_cache
 from etjax.errors import EtjaxError, JobInterrupted
 from etjax.generate_command import add_generate

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import etjax
+from etjax.calibrate.fit import calibrate, fit_temperature, mean_nll
+from etjax.calibrate.metrics import entropy_gap, expected_calibration_error, token_statistics
 from etjax.calibration.file import Calibration, load_calibration, save_calibration
-from etjax.calibration.fit import calibrate, fit_temperature, mean_nll
 from etjax.calibration.identity import model_identity
-from etjax.calibration.metrics import entropy_gap, expected_calibration_error, token_statistics
 from etjax.calibration.signal import CalibrationParams, calibrated_entropy
 from etjax.cli import main
 from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids

@@ -301,7 +301,7 @@ def test_a_config_json_nested_too_deeply_is_a_model_load_error(tmp_path):
 def test_bad_model_sizes_in_a_gguf_header_are_named(key, value, message):
     from pathlib import Path
 
-    from etjax.loaders.gguf_file import GGUFFile
+    from etjax.gguf_file import GGUFFile
     from etjax.loaders.gguf_weights import gguf_model_config
 
     fields = {

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from etjax.loaders.gguf_file import read_gguf
+from etjax.gguf_file import read_gguf
 
 
 def _as_reader_sees_it(path) -> tuple[dict, list[tuple]]:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from etjax.model.config import ModelConfig
+from etjax.model.weights import parameter_count
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class CostModel:
         return cls(
             matmul_flops_per_token=2.0 * matmul_params,
             attention_flops_per_key=4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
-            weight_bytes=float((cfg.num_parameters - unread) * itemsize),
+            weight_bytes=float((parameter_count(cfg) - unread) * itemsize),
             kv_bytes_per_key=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize,
             page_size=page_size,
             num_layers=cfg.num_layers,

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from etjax.errors import ModelLoadError
-from etjax.loaders.gguf_file import GGUFFile
+from etjax.gguf_file import GGUFFile
 from etjax.model.config import RopeScaling
 
 _SHORT, _LONG, _FREQS = (

@@ -20,8 +20,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from etjax.errors import EtjaxError, ModelLoadError, shown
+from etjax.gguf_file import GGUFFile, read_gguf
 from etjax.loaders.assemble import SourceTensor, assemble_weights
-from etjax.loaders.gguf_file import GGUFFile, read_gguf
 from etjax.loaders.gguf_rope import gguf_rope_scaling
 from etjax.loaders.hf_config import every_layer_windowed
 from etjax.model.config import ModelConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from etjax.calibration.file import Calibration
 from etjax.model.config import ModelConfig
-from etjax.model.weights import Weights
+from etjax.model.weights import Weights, parameter_count
 from etjax.tokenizer import Tokenizer
 
 
@@ -27,5 +27,5 @@ class Model:
         c = self.config
         return (
             f"Model({self.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, "
-            f"vocab={c.vocab_size}, dtype={c.dtype}, params={c.num_parameters / 1e6:.1f}M)"
+            f"vocab={c.vocab_size}, dtype={c.dtype}, params={parameter_count(c) / 1e6:.1f}M)"
         )

@@ -185,10 +185,6 @@ class ModelConfig:
         # a NaN inside the model.
         if self.dtype not in SUPPORTED_DTYPES:
             raise FieldError("ModelConfig.dtype", self.dtype, f"one of {SUPPORTED_DTYPES}")
-        # Imported here: the registry's tables are written in terms of this class.
-        from etjax.model.families import family
-
-        family(self.architecture)  # raises naming the supported architectures
         for name in _SIZES:
             _count(name, getattr(self, name))
         if self.head_dim % 2:  # RoPE rotates pairs of the head's dimensions
@@ -252,10 +248,3 @@ class ModelConfig:
 
     def with_dtype(self, dtype: str) -> ModelConfig:
         return dataclasses.replace(self, dtype=dtype)
-
-    @property
-    def num_parameters(self) -> int:
-        """Parameter count (tied embeddings counted once), from the weight tables."""
-        from etjax.model.weights import parameter_count  # the tables are built on this class
-
-        return parameter_count(self)

@@ -47,7 +47,7 @@ from tokenizers import AddedToken, decoders
 from tokenizers.models import BPE
 
 from etjax.errors import TokenizerError
-from etjax.loaders.gguf_file import GGUFFile, read_gguf
+from etjax.gguf_file import GGUFFile, read_gguf
 from etjax.tokenizer.chat_template import ChatTemplate
 from etjax.tokenizer.gguf_bpe import gguf_bpe_family
 from etjax.tokenizer.gguf_vocab import (
@@ -186,7 +186,7 @@ class Tokenizer:
     def from_gguf(cls, path: str | os.PathLike[str] | GGUFFile | GGUFReader) -> Tokenizer:
         """Build the tokenizer described by a GGUF file's ``tokenizer.*`` metadata.
 
-        Accepts a path, a header already read (`etjax.loaders.gguf_file.read_gguf`) or an
+        Accepts a path, a header already read (`etjax.gguf_file.read_gguf`) or an
         open ``gguf.GGUFReader``. Byte-level BPE vocabularies
         (``tokenizer.ggml.model == "gpt2"``) and Gemma's SentencePiece ones (``"llama"``) are
         supported. Returns a Tokenizer whose ids match transformers' for the same file; raises

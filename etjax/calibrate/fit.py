@@ -26,9 +26,9 @@ import optax
 
 from etjax.attention import padded_batch_plan
 from etjax.cache.kv_cache import init_kv_cache
+from etjax.calibrate.metrics import summarise, token_statistics
 from etjax.calibration.file import MAX_TEMPERATURE, MIN_TEMPERATURE, Calibration
 from etjax.calibration.identity import model_identity
-from etjax.calibration.metrics import summarise, token_statistics
 from etjax.calibration.ramp import ramp_shift
 from etjax.errors import CalibrationError
 from etjax.loaders.loaded_model import Model

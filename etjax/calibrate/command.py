@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from etjax.calibration.fit import MIN_TOKENS
+from etjax.calibrate.fit import MIN_TOKENS
 from etjax.errors import CalibrationError
 
 DESCRIPTION = """Fit the temperature of a model's entropy signal to text (minimising the
@@ -63,8 +63,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise CalibrationError(f"--output {out}: needs a file path in an existing folder")
     if any(out.resolve() == p.resolve() for p in args.text + (args.held_out or [])):
         raise CalibrationError(f"--output {out} is one of the text files; write it elsewhere")
+    from etjax.calibrate.fit import calibrate
     from etjax.calibration.file import save_calibration
-    from etjax.calibration.fit import calibrate
     from etjax.loaders.resolve import load_model
 
     model = load_model(args.model, dtype=args.dtype)
