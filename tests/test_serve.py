@@ -113,7 +113,9 @@ def reference(server):
 
 def _reference(smollm2) -> dict:
     """decode()'s greedy outputs for the completions prompts and the chat question."""
-    plain = etjax.decode(PROMPTS, model=smollm2, max_new_tokens=MAX_TOKENS, logprobs=3)
+    plain = etjax.decode(
+        PROMPTS, model=smollm2, max_new_tokens=MAX_TOKENS, logprobs=3, prompt_logprobs=True
+    )
     chat = etjax.decode(
         [[{"role": "user", "content": QUESTION}]],
         model=smollm2,
@@ -213,6 +215,20 @@ def test_logprobs_in_openai_shape_equal_decode(server, reference):
     assert got.text_offset == [len("".join(got.tokens[:i])) for i in range(len(got.tokens))]
     for top, pairs in zip(got.top_logprobs, expected.top_logprobs, strict=True):
         assert sorted(top.values()) == pytest.approx(sorted(v for _, v in pairs), abs=1e-4)
+
+
+def test_the_entropy_trace_and_prompt_logprobs_on_request(server, reference):
+    answer = server.client().completions.create(
+        model="smollm2-135m-instruct",
+        prompt=PROMPTS[0],
+        max_tokens=MAX_TOKENS,
+        extra_body={"etjax": {"trace": True, "prompt_logprobs": True}},
+    )
+    extra, expected = answer.choices[0].model_extra["etjax"], reference["plain"][0]
+    assert extra["trace"]["entropy"] == pytest.approx(expected.entropy, abs=1e-4)
+    assert extra["trace"]["kept_blocks"] == expected.kept_blocks
+    assert extra["prompt_logprobs"][0] is None
+    assert extra["prompt_logprobs"][1:] == pytest.approx(expected.prompt_logprobs[1:], abs=1e-4)
 
 
 def test_two_samples_and_a_json_schema_that_validates(server):

@@ -156,7 +156,8 @@ def read_body(
         priority=asked.priority,
         stream=stream,
         include_usage=include_usage,
-        logprobs=logprobs,
+        # etjax.logprobs (k) is answered as chat's top_logprobs or completions' logprobs are.
+        logprobs=logprobs or settings.logprobs > 0,
         trace=trace,
     )
 

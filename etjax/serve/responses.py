@@ -7,7 +7,8 @@ first sample, as later samples find the prompt it prefilled), and chat log-proba
 `{"content": [{token, logprob, bytes, top_logprobs}]}` (etjax/jobs/openai_format.py writes
 the same for batch jobs), completions' as `{tokens, token_logprobs, top_logprobs,
 text_offset}`. etjax's own additions ride in an `etjax` key of a choice, only when
-the request asks (`etjax.trace`): the sample's seed and each new token's entropy trace.
+the request asks: with `etjax.trace` the sample's seed and each new token's entropy trace,
+with `etjax.prompt_logprobs` each prompt token's log-probability (on the sample's last chunk).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class Shape:
                 choice["text"] = out.text
             choice["logprobs"] = self._logprobs(i, out.token_ids, out.logprob, out.top_logprobs)
             choice["finish_reason"] = finish_reason(out.finish_reason)
-            choice |= self._trace(i, {name: getattr(out, name) for name in TRACE_FIELDS})
+            choice |= self._etjax(i, {name: getattr(out, name) for name in TRACE_FIELDS}, out)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return self._head(obj) | {"choices": choices, "usage": self.usage(outputs)}
@@ -91,7 +92,7 @@ class Shape:
             choice["finish_reason"] = (
                 None if d.finish_reason is None else finish_reason(d.finish_reason)
             )
-            choices.append(choice | self._trace(d.index, d.trace))
+            choices.append(choice | self._etjax(d.index, d.trace, d.output))
         return self._chunk(choices)
 
     def usage_chunk(self, outputs: list[SequenceOutput]) -> dict:
@@ -152,8 +153,12 @@ class Shape:
             "text_offset": offsets,
         }
 
-    def _trace(self, index: int, trace: dict[str, list[float]]) -> dict:
-        if not self.request.trace:
-            return {}
-        seed = self.request.samples[index].sampler.seed
-        return {"etjax": {"seed": seed, "trace": trace}}
+    def _etjax(self, index: int, trace: dict[str, list[float]], out: SequenceOutput | None):
+        # etjax's additions to a choice: with etjax.trace its seed and trace (of the tokens
+        # at hand), with etjax.prompt_logprobs those, once the sample is done.
+        extra = {}
+        if self.request.trace:
+            extra = {"seed": self.request.samples[index].sampler.seed, "trace": trace}
+        if out is not None and out.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = out.prompt_logprobs
+        return {"etjax": extra} if extra else {}
