@@ -53,14 +53,17 @@ class Result:
     after drawing token i (all of them unless `pruning` is on). With `logprobs=k`,
     `top_logprobs[i]` holds the k most likely `(token_id, logprob)` pairs at token i, most
     likely first, of the same distribution as `logprob[i]`: the model's at temperature 1
-    (renormalised over the allowed tokens under a constraint), before penalties, temperature
-    and filters (None when not asked). With
+    (renormalised over the allowed tokens under a constraint, and then only allowed tokens:
+    fewer than k where fewer are allowed), before penalties, temperature and filters (None
+    when not asked). With
     `prompt_logprobs=True`, `prompt_logprobs[j]` is prompt token j's log-probability given
     the tokens before it, of the model's distribution at temperature 1 (None for the first
-    token; the whole list None when not asked). `finish_reason` is "eos",
-    "stop", "length" (also for a constrained output cut by `max_new_tokens`, which then
-    need not parse), or None when the prompt was rejected, in which case `error` says why and
-    nothing was generated.
+    token; the whole list None when not asked). `finish_reason` is "eos" (under a
+    constraint: the output satisfies it), "stop", "length" (also for a constrained output cut
+    by `max_new_tokens`, which then need not parse), "error" when the grammar engine failed
+    on a constrained request while generating (`error` names the constraint and llguidance's
+    reason; the text need not match), or None when the prompt was rejected, in which case
+    `error` says why and nothing was generated.
     """
 
     text: str = ""
@@ -261,6 +264,7 @@ def decode(
     for k, out in zip(valid, outputs, strict=True):
         r = results[k]
         r.text, r.token_ids, r.finish_reason = out.text, out.token_ids, out.finish_reason
+        r.error = out.error
         for name in TRACE_FIELDS:
             setattr(r, name, getattr(out, name))
         r.top_logprobs, r.prompt_logprobs = out.top_logprobs, out.prompt_logprobs

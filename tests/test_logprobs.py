@@ -252,3 +252,83 @@ def test_a_bad_logprobs_is_a_field_error_at_decode(tmp_path, value):
         etjax.decode("x", model=str(tmp_path / "missing"), logprobs=value)
     assert (refused.value.field, refused.value.value) == ("logprobs", value)
     assert str(refused.value) == f"logprobs={value!r}; must be an integer from 0 to 20"
+
+
+def _strict(line: str) -> dict:
+    # JSON as RFC 8259 has it: NaN and Infinity, which Python's json writes, are refused.
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON: {line[:200]}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_under_a_constraint_top_logprobs_hold_only_allowed_tokens_and_lines_are_strict_json(
+    tiny, tmp_path, monkeypatch
+):
+    # "[ab]" allows the tokens "a" and "b", then only end-of-sequence: with k = 5, two pairs
+    # each time, the whole of a distribution renormalised over them (their probabilities sum
+    # to 1), never the forbidden tokens the top 5 would pad with at -inf.
+    import etjax.engine.engine as engine_module
+
+    letters = {tiny.tokenizer.encode(c, add_special_tokens=False)[0] for c in "ab"}
+    eos = set(tiny.tokenizer.eos_token_ids)
+
+    def check(tops: list[list]) -> None:
+        assert {t for t, _ in tops[0]} == letters and len(tops[0]) == 2, tops
+        assert all({t for t, _ in top} <= eos for top in tops[1:]), tops
+        for top in tops:
+            assert np.exp([v for _, v in top]).sum() == pytest.approx(1.0, abs=1e-5)
+
+    (result,) = etjax.decode("Pick a letter:", model=tiny, regex="[ab]", logprobs=5)
+    assert result.finish_reason == "eos" and result.text in ("a", "b")
+    check(result.top_logprobs)
+
+    # A NaN the engine should never produce (here planted in one record's prompt
+    # log-probabilities) becomes that record's error line, naming where: never invalid JSON.
+    original = engine_module._record_prompt_logprobs
+
+    def planted(seq, job, values):
+        original(seq, job, values)
+        if seq.settings.logprobs == 3:
+            seq.output.prompt_logprobs[1] = float("nan")
+
+    monkeypatch.setattr(engine_module, "_record_prompt_logprobs", planted)
+    config_path = tmp_path / "small.toml"
+    config_path.write_text("[request]\nmax_new_tokens = 4\n")
+    conversation = [{"role": "user", "content": "Pick a letter."}]
+    asks = {"regex": "[ab]", "logprobs": 5, "prompt_logprobs": True}
+    lines = [
+        {"id": "native", "prompt": "Pick a letter:", **asks},
+        {"id": "nan", "prompt": "Pick a letter:", "logprobs": 3, "prompt_logprobs": True},
+        {"id": "refused", "prompt": "x", "logprobs": 21},
+        {
+            "custom_id": "chat",
+            "url": openai_format.CHAT,
+            "body": {
+                "messages": conversation,
+                "guided_regex": "[ab]",
+                "logprobs": True,
+                "top_logprobs": 5,
+            },
+        },
+        {"custom_id": "chat-refused", "url": openai_format.CHAT, "body": {"messages": 1}},
+    ]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out.jsonl"
+    run_batch(src, out, load_run_config(config_path), tiny, show_progress=False)
+    written = out.read_text().splitlines()
+    by_id = {r.get("custom_id", r.get("id")): r for r in map(_strict, written)}
+    assert len(written) == len(by_id) == len(lines)
+    native = by_id["native"]
+    assert native["error"] is None and native["finish_reason"] == "eos"
+    check(native["top_logprobs"])
+    assert by_id["nan"]["error"] == (
+        "line 2: the result holds prompt_logprobs[1]=nan, not a finite number"
+    )
+    assert by_id["refused"]["error"] and by_id["chat-refused"]["error"]["message"]
+    (choice,) = by_id["chat"]["response"]["body"]["choices"]
+    content = choice["logprobs"]["content"]
+    texts = {tiny.tokenizer.decode([t]) for t in letters}
+    assert {e["token"] for e in content[0]["top_logprobs"]} == texts
+    assert np.exp([e["logprob"] for e in content[0]["top_logprobs"]]).sum() == pytest.approx(1.0)

@@ -19,6 +19,13 @@ callbacks are ordered, so a step collects its masks before the next step asks, a
 that fails between them leaves its masks there only until the next step's request replaces
 them. Nothing builds up behind failed steps, and a collect takes only its own step's masks.
 
+A constraint llguidance cannot serve is found as early as it can be: at `register` (the
+engine's submit), a matcher that fails to compile, or whose first masks fail (over the tokens
+its grammar forces), is a `FieldError` naming the field (`refusal`); one that fails only while
+generating, after which its mask allows only end-of-sequence, ends its request with finish
+reason "error" (`failure`, read by the engine when the row finishes), never "eos": under a
+constraint, "eos" means that the output satisfies it.
+
 `forced_tokens` lists the tokens the grammar forces next (llguidance's fast-forward tokens), which
 the engine drafts so that a run of them costs one pass (etjax/drafting/forced.py);
 `valid_prefix` cuts a constrained row's lookup draft to what the grammar allows. A verifying
@@ -36,9 +43,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from etjax.constraints.grammar import grammar_text
-from etjax.errors import RequestError
+from etjax.errors import FieldError, RequestError
 
 ALL_TOKENS = 0xFFFFFFFF  # a mask word allowing all 32 of its tokens
+# The most forced tokens `refusal` follows at submit: llguidance's failures on a grammar's
+# forced start (a row past its limits, an infinite recursion) show within the first one.
+PROBE_TOKENS = 4
+REASON_CHARS = 200  # of llguidance's error message (which appends its whole parser state)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -104,7 +115,9 @@ def _ll_tokenizer(tokenizer, vocab_size: int):
 
 
 def register(kind: str, value, tokenizer, vocab_size: int) -> int:
-    """A fresh matcher for a request's constraint; returns its id."""
+    """A fresh matcher for a request's constraint; returns its id. A constraint llguidance
+    cannot serve, as far as its first masks show (`refusal`), is a `FieldError` naming the
+    field (`kind`) and llguidance's reason."""
     import llguidance
 
     if tokenizer is None:
@@ -112,12 +125,66 @@ def register(kind: str, value, tokenizer, vocab_size: int) -> int:
     matcher = llguidance.LLMatcher(
         _ll_tokenizer(tokenizer, vocab_size), grammar_text(kind, value), log_level=0
     )
-    if matcher.is_error():
-        raise RequestError(f"{kind}: {matcher.get_error()}")
+    why = refusal(matcher, set(tokenizer.eos_token_ids))
+    if why is not None:
+        raise FieldError(kind, value, f"a constraint llguidance can generate from ({why})")
     with _lock:
         gid = next(_ids)
         _registry[gid] = RowGrammar(matcher, vocab_size)
     return gid
+
+
+def reason(matcher) -> str:
+    """llguidance's error on one line, without the parser state it appends, cut to
+    REASON_CHARS."""
+    text = " ".join(matcher.get_error().split("<state>")[0].split())
+    return text if len(text) <= REASON_CHARS else f"{text[:REASON_CHARS]}..."
+
+
+def refusal(matcher, eos: set[int]) -> str | None:
+    """Why llguidance cannot serve a fresh matcher's constraint, as its first masks show, or
+    None. A grammar that fails to compile, or whose first mask fails, has an empty language
+    or hits a limit of llguidance's (a `$ref` cycle, a row of over 2000 choices, a grammar
+    whose only strings are infinite); so does one that fails within the first PROBE_TOKENS
+    tokens it forces, which every output must take. Without this such a request would
+    generate an end-of-sequence token at once (all a failed matcher's mask allows). Probed on
+    a copy: the matcher itself consumes nothing."""
+    if matcher.is_error():
+        return reason(matcher)
+    probe, eos_ids = matcher.deep_copy(), np.fromiter(eos, np.int64)
+    for taken in range(PROBE_TOKENS + 1):
+        bits = np.frombuffer(probe.compute_bitmask(), np.uint8)
+        allowed = np.flatnonzero(np.unpackbits(bits, bitorder="little"))
+        after = "at its first token" if taken == 0 else f"after {taken} forced token"
+        after += "s" * (taken > 1)
+        if probe.is_error():
+            why = reason(probe)
+            if why.startswith("NoExtensionBias"):  # llguidance's name for it
+                why = f"no token can continue the output ({why})"
+            return f"{after}: {why}"
+        free = allowed[~np.isin(allowed, eos_ids)]
+        if not free.size and not probe.is_accepting():
+            return f"{after}: it allows no token, and no output is complete"
+        if free.size != 1 or free.size < allowed.size or taken == PROBE_TOKENS:
+            return None  # a choice (or an end) the model makes: not a certain failure
+        probe.consume_token(int(free[0]))
+    return None
+
+
+def failure(gid: int, finish: str) -> str | None:
+    """Why a constrained request's output, ended by `finish` (a finish reason), fails its
+    constraint, or None: llguidance's error, which its matcher met while generating (after
+    one a mask allows only end-of-sequence, which must not read as a complete output), or,
+    for an output ended by end-of-sequence, a grammar that was not in an accepting state."""
+    row = _registry.get(gid)
+    if row is None:
+        return None
+    m = row.matcher
+    if m.is_error():
+        return f"llguidance failed while generating: {reason(m)}"
+    if finish == "eos" and not (m.is_accepting() or m.is_stopped()):
+        return "generation ended where no output is complete"
+    return None
 
 
 def initial_mask(gid: int) -> np.ndarray:

@@ -40,6 +40,7 @@ import numpy as np
 
 from etjax.cache.page_allocator import pages_needed
 from etjax.cache.prefix_cache import CachedPage, PrefixCache
+from etjax.constraints.matcher import failure as grammar_failure
 from etjax.constraints.matcher import register as register_grammar
 from etjax.constraints.matcher import release as release_grammar
 from etjax.drafting import (
@@ -650,7 +651,9 @@ class Engine:
                     )
                     if seq.output.top_logprobs is None:
                         seq.output.top_logprobs = []
-                    seq.output.top_logprobs.append(list(pairs))
+                    # Only tokens the distribution allows: under a constraint the top k pad
+                    # with forbidden ones at -inf (which JSON cannot hold).
+                    seq.output.top_logprobs.append([p for p in pairs if p[1] != -np.inf])
                 saved = 0.0 if spared is None else spared[j] if spared.ndim == 1 else spared[k, j]
                 seq.output.shared_blocks.append(float(saved))
                 if not seq.accept(int(out.tokens[k, j]), trace, finish):
@@ -659,6 +662,8 @@ class Engine:
             if seq.output.finish_reason:
                 self._release(seq)
                 seq.close()
+                if seq.grammar >= 0:
+                    _check_constraint(seq)
                 self._stamp_finish(seq, now)
 
     def _stamp_finish(self, seq: Sequence, now: float) -> None:
@@ -709,6 +714,16 @@ class Engine:
     def pages_in_use(self) -> int:
         """Pages live sequences hold (cached pages nobody holds are not in use)."""
         return self.page_cache.num_held
+
+
+def _check_constraint(seq: Sequence) -> None:
+    # A constrained output llguidance failed on (or that ended where its grammar was not
+    # complete) finishes as "error", never as "eos": after a failure its mask allows only
+    # end-of-sequence, and "eos" under a constraint means that the output satisfies it.
+    why = grammar_failure(seq.grammar, seq.output.finish_reason)
+    if why is not None:
+        seq.output.finish_reason = "error"
+        seq.output.error = f"{seq.settings.constraint[0]}: {why}"
 
 
 def _prompt_targets(seq: Sequence, start: int, end: int) -> list[int] | None:

@@ -35,7 +35,7 @@ from etjax.engine.build import build_engine, pool_pages, request_pages
 from etjax.engine.engine import Engine, RequestHandle
 from etjax.engine.feed import run_fed
 from etjax.errors import ConfigError, JobError, JobInterrupted, RequestError
-from etjax.jobs import openai_format
+from etjax.jobs import openai_format, result_checks
 from etjax.jobs.input_lines import input_lines
 from etjax.jobs.output_lock import output_lock
 from etjax.jobs.records import ParsedRecord
@@ -222,7 +222,12 @@ class _Job:
 
         def finished(rec: ParsedRecord, handles: list[RequestHandle]) -> None:
             outs = [h.output for h in handles]
-            results.append(self._result_record(rec, outs))
+            record = self._result_record(rec, outs)
+            where = result_checks.non_finite(record)
+            if where is not None:  # a bug upstream; JSON has no NaN: the record says so
+                rec.error = f"line {rec.line}: the result holds {where}, not a finite number"
+                record = _error_record(rec)
+            results.append(record)
             for out in outs:
                 stats.add(out)
             counted.pop(rec.line, None)
@@ -254,7 +259,14 @@ class _Job:
         return False
 
     def _result_record(self, rec: ParsedRecord, outs: list[SequenceOutput]) -> dict:
+        failed = result_checks.failure(outs)
+        if failed is not None:  # the grammar engine failed: an error line, never a success
+            failed = f"line {rec.line}: {failed}"
         if rec.openai_url is not None:
+            if failed is not None:
+                return openai_format.error_line(
+                    rec.id, failed, rec.fingerprint, "generation_failed"
+                )
             model = rec.openai_model or self.model.name
             tokenizer = self.model.tokenizer
             return openai_format.output_line(
@@ -270,7 +282,7 @@ class _Job:
         line = {"id": rec.id} | samples[0] | {"prompt_tokens": len(rec.prompt_ids)}
         if rec.n > 1:
             line["samples"] = samples
-        return line | {"error": None, "fingerprint": rec.fingerprint}
+        return line | {"error": failed, "fingerprint": rec.fingerprint}
 
     def _check_stop(self, dropped: int | None) -> None:
         # After a round's results are synced (or while surveying): stop if a signal came.
@@ -310,7 +322,7 @@ def _sample(out: SequenceOutput, seed: int) -> dict:
         "seed": seed,
     } | {
         name: getattr(out, name)
-        for name in ("top_logprobs", "prompt_logprobs")
+        for name in ("top_logprobs", "prompt_logprobs", "error")
         if getattr(out, name) is not None
     }
 

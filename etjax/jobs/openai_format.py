@@ -156,12 +156,17 @@ def output_line(
     }
 
 
-def error_line(custom_id: str | int, message: str, fingerprint: str) -> dict:
+def error_line(
+    custom_id: str | int, message: str, fingerprint: str, code: str = "invalid_request"
+) -> dict:
+    """The OpenAI output line of a request that has no answer: a refused one
+    ("invalid_request"), or one the grammar engine failed on while generating
+    ("generation_failed", whose output did not satisfy its constraint)."""
     return {
         "id": f"batch_req_{uuid.uuid4().hex}",
         "custom_id": custom_id,
         "response": None,
-        "error": {"code": "invalid_request", "message": message},
+        "error": {"code": code, "message": message},
         "fingerprint": fingerprint,
     }
 

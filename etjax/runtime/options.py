@@ -228,5 +228,8 @@ class SequenceOutput:
     # T = 1 (None for the first); None when not asked.
     prompt_logprobs: list[float | None] | None = None
     text: str = ""
-    finish_reason: str = ""  # "eos", "stop" (a stop string), "length" or "cancelled"
+    # "eos", "stop" (a stop string), "length", "cancelled", or "error": the grammar engine
+    # failed on a constrained request (`error` says why; the text need not match)
+    finish_reason: str = ""
+    error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)  # latencies (s), see engine.py
