@@ -95,15 +95,8 @@ def _model_config(raw: dict[str, Any], dtype: str, source: str) -> ModelConfig:
         max_positions = min(max_positions, limit or max_positions)
 
     return ModelConfig(
-        vocab_size=field.count("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=field.count("intermediate_size", minimum=0 if experts else 1),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=_kv_heads(field, num_heads),
-        head_dim=head_dim,
+        **_sizes(field, num_layers, num_heads, hidden, head_dim, routed=bool(experts)),
         rope_theta=rope_theta,
-        rms_norm_eps=field.number("rms_norm_eps", 1e-6),
         max_position_embeddings=max_positions,
         tie_word_embeddings=bool(field("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(field("attention_bias", False)),
@@ -219,16 +212,9 @@ def _gemma3_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
     head_dim = field.count("head_dim", hidden // num_heads)
     local_theta = ConfigFields(local, source, "rope_parameters.sliding_attention.")
     return ModelConfig(
-        vocab_size=field.count("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=field.count("intermediate_size"),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=_kv_heads(field, num_heads),
-        head_dim=head_dim,
+        **_sizes(field, num_layers, num_heads, hidden, head_dim),
         rope_theta=_rope_theta(field, full, 1_000_000.0, "rope_parameters.full_attention."),
         rope_scaling=rope_scaling,
-        rms_norm_eps=field.number("rms_norm_eps", 1e-6),
         max_position_embeddings=field.count("max_position_embeddings", 32768),
         tie_word_embeddings=bool(field("tie_word_embeddings", True)),
         dtype=dtype,
@@ -280,15 +266,8 @@ def _gemma2_config(raw: dict, field, dtype: str, source: str) -> ModelConfig:
     table = "rope_scaling." if field.table("rope_scaling") else "rope_parameters."
     rope_theta = _rope_theta(field, rope, 10000.0, table)
     return ModelConfig(
-        vocab_size=field.count("vocab_size"),
-        hidden_size=hidden,
-        intermediate_size=field.count("intermediate_size"),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=_kv_heads(field, num_heads),
-        head_dim=head_dim,
+        **_sizes(field, num_layers, num_heads, hidden, head_dim),
         rope_theta=rope_theta,
-        rms_norm_eps=field.number("rms_norm_eps", 1e-6),
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         dtype=dtype,
@@ -341,6 +320,28 @@ def _rope_theta(
     if rope.get("rope_theta") is not None:
         return ConfigFields(rope, field.source, table).number("rope_theta", above=1)
     return field.number("rope_theta", default, above=1)
+
+
+def _sizes(
+    field: ConfigFields,
+    num_layers: int,
+    num_heads: int,
+    hidden: int,
+    head_dim: int,
+    routed: bool = False,
+) -> dict:
+    # The sizes every family reads alike (ModelConfig's keywords); a model whose layers are
+    # all routed experts may have no dense MLP width.
+    return dict(
+        vocab_size=field.count("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=field.count("intermediate_size", minimum=0 if routed else 1),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=_kv_heads(field, num_heads),
+        head_dim=head_dim,
+        rms_norm_eps=field.number("rms_norm_eps", 1e-6),
+    )
 
 
 def _kv_heads(field: ConfigFields, num_heads: int) -> int:
