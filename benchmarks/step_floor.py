@@ -51,11 +51,12 @@ from etjax.engine.build import MIN_POOL_PAGES
 from etjax.entropy.cost import CostModel
 from etjax.model.families import family
 from etjax.model.layers import rms_norm
-from etjax.model.products import MAX_KERNEL_ROWS, row_products
+from etjax.model.products import row_products
 from etjax.model.transformer import logits_from_hidden
 from etjax.runtime.steps import StepStatics, decode_steps, prefill_chunk
 from etjax.sampling.sampler import first_argmax
 from pallas_kernels.ragged_attention import Segment
+from pallas_kernels.row_products.cpu import MAX_KERNEL_ROWS
 
 PAGE, STEPS, CHUNK = 16, 8, 512
 BURST_PAGES = (STEPS - 1) // PAGE + 2  # pages a burst of STEPS tokens can write to

@@ -1,5 +1,5 @@
-// Quest page bounds for pruned decode on CPUs (etjax/pruning/block_scores.py's
-// `block_upper_bounds`, looped over a row's pages as etjax/attention/pruned.py scores them):
+// Quest page bounds for pruned decode on CPUs (pallas_kernels/page_scores: reference.py's
+// `block_upper_bounds`, looped over a row's pages as xla.py's `score_pages_xla` loops):
 // for each row, KV head and page of the row, the largest scaled q.k that the page's
 // per-dimension key bounds allow, the maximum over the query heads of the group (and over the
 // KV heads when one selection serves them all). The XLA loop gathers every page's bounds into

@@ -1,4 +1,4 @@
-// The kept blocks of pruned decode on CPUs (etjax/pruning/selection.py's `select_blocks`,
+// The kept blocks of pruned decode on CPUs (pallas_kernels/block_selection's `select_blocks_xla`,
 // whose rule this follows exactly): per row and selection (one per KV head, or one for all),
 // the sinks and the recent window first, then blocks that drew at least the mass threshold
 // when last read, then the highest page scores; ties go to the lower block, as `lax.top_k`
@@ -27,7 +27,7 @@ using namespace etjax_cpu;  // NOLINT: this file's own helpers
 
 namespace {
 
-// Added to the score of a recently hot block (selection.py's _RECENTLY_HOT).
+// Added to the score of a recently hot block (block_selection/xla.py's RECENTLY_HOT).
 constexpr float kRecentlyHot = 1e6f;
 
 struct Problem {

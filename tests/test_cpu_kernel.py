@@ -21,10 +21,11 @@ from hypothesis import strategies as st
 
 from cpp_kernels import cpu_kernels_available
 from etjax.attention import resolve_backend
-from etjax.pruning.block_scores import block_upper_bounds
 from etjax.pruning.config import PruningConfig
-from etjax.pruning.selection import select_blocks
-from pallas_kernels.block_sparse.cpu import page_bounds_cpu, select_blocks_cpu
+from pallas_kernels.block_selection.cpu import select_blocks_cpu
+from pallas_kernels.block_selection.xla import select_blocks_xla
+from pallas_kernels.page_scores.cpu import page_bounds_cpu
+from pallas_kernels.page_scores.reference import block_upper_bounds
 from pallas_kernels.ragged_attention import ragged_attention_reference, ragged_attention_xla
 from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
 from tests.hypothesis_profiles import examples
@@ -240,8 +241,8 @@ def test_without_a_compiler_the_engine_falls_back_to_xla_with_a_warning(tmp_path
 
 @pytest.mark.parametrize("by_mass", [False, True])
 @pytest.mark.parametrize("shared", [True, False])
-def test_block_selection_keeps_what_select_blocks_keeps(by_mass, shared):
-    # The C++ selection against select_blocks (the rule's definition): rows shorter than the
+def test_block_selection_keeps_what_the_xla_selection_keeps(by_mass, shared):
+    # The C++ selection against the XLA one (the rule's definition): rows shorter than the
     # table, budgets under and over what a row holds, hot blocks by mass, a kept table narrower
     # and wider than the page table. With distinct scores the kept sets are the same; with
     # many ties (scores rounded to 0.5) any choice among equals at the cut keeps the same
@@ -250,7 +251,8 @@ def test_block_selection_keeps_what_select_blocks_keeps(by_mass, shared):
     rows, width = 6, 40
     heads = 1 if shared else 3
     cfg = PruningConfig(enabled=True, sink_blocks=1, recent_blocks=2, mass_threshold=0.2)
-    thresholds = cfg.thresholds()
+    thresholds = cfg.thresholds()  # the traced scalars a step passes
+    settings = (thresholds.sink_blocks, thresholds.recent_blocks, thresholds.mass_threshold)
     num_blocks = jnp.asarray([40, 1, 17, 3, 30, 40], jnp.int32)
     budget = jnp.asarray([5, 4, 30, 1, 12, 40], jnp.int32)
     mass = jnp.asarray(rng.uniform(0, 0.3, size=(rows, heads, width)), jnp.float32)
@@ -265,10 +267,9 @@ def test_block_selection_keeps_what_select_blocks_keeps(by_mass, shared):
         forced = (block < 1) | ((block >= n - 2) & (block < n))
         ranked = np.where(forced, np.inf, np.where(block < n, hot, -np.inf))
         for max_kept in (12, 48):
-            want, want_counts = select_blocks(
-                scores, num_blocks, budget, thresholds, max_kept, mass
-            )
-            got, counts = select_blocks_cpu(scores, num_blocks, budget, thresholds, max_kept, mass)
+            args = (scores, num_blocks, budget, *settings, max_kept, mass)
+            want, want_counts = select_blocks_xla(*args)
+            got, counts = select_blocks_cpu(*args)
             np.testing.assert_array_equal(np.asarray(counts), np.asarray(want_counts))
             for r, h in np.ndindex(rows, heads):
                 count = int(counts[r, h])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,15 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from etjax.pruning.block_scores import (
-    block_upper_bounds,
-    remember_mass,
-    update_key_bounds,
-)
+from etjax.pruning.block_scores import remember_mass, update_key_bounds
 from etjax.pruning.budget import kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
 from etjax.pruning.groups import PrunedGroups, grouped_blocks, select_grouped
 from etjax.pruning.selection import select_blocks
+from pallas_kernels.page_scores.reference import block_upper_bounds
 from tests.hypothesis_profiles import examples
 
 CFG = PruningConfig(enabled=True, min_fraction=0.25, entropy_low=1.0, entropy_high=3.0)
@@ -175,7 +173,7 @@ def test_page_scores_loop_only_to_the_longest_row_and_match_the_plain_bound(shar
     # The engine passes page tables as wide as its longest possible sequence; scoring loops
     # over slices of SCORE_PAGES pages up to the batch's longest row. Every page a row holds
     # must get the plain bound (several trips, a last slice past the table's end).
-    from etjax.pruning.block_scores import SCORE_PAGES, score_pages_xla
+    from pallas_kernels.page_scores.xla import SCORE_PAGES, score_pages_xla
 
     rng = np.random.default_rng(5)
     b, h, kvh, hd, n_pages, width = 3, 6, 3, 8, 200, 2 * SCORE_PAGES + 37
@@ -198,10 +196,10 @@ def _selections():
     chosen = {"xla": select_blocks}
     if jax.default_backend() == "cpu":
         from cpp_kernels import cpu_kernels_available
-        from pallas_kernels.block_sparse.cpu import select_blocks_cpu
+        from pallas_kernels.block_selection.cpu import select_blocks_cpu
 
         if cpu_kernels_available():
-            chosen["cpu"] = select_blocks_cpu
+            chosen["cpu"] = functools.partial(select_blocks, kernel=select_blocks_cpu)
     return chosen
 
 

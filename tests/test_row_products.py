@@ -14,7 +14,8 @@ import pytest
 from cpp_kernels import cpu_kernels_available
 from cpp_kernels.targets import ROW_PRODUCTS
 from etjax.model import products
-from etjax.model.products import MAX_KERNEL_ROWS, project, row_products
+from etjax.model.products import project, row_products
+from pallas_kernels.row_products.cpu import MAX_KERNEL_ROWS
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C++ compiler")
 

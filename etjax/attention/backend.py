@@ -109,25 +109,26 @@ class AttentionBackend:
         return block_sparse_attention_xla
 
     def page_bounds(self):
-        """The pages' Quest-bound scorer of pruned steps (the signature of
-        etjax/pruning/block_scores.py's `score_pages_xla`): the C++ one on `cpu`, else that."""
+        """The pages' Quest-bound scorer of pruned steps (pallas_kernels/page_scores, one
+        signature): the C++ one on `cpu`, else the XLA loop."""
         if self.name == "cpu":
-            from pallas_kernels.block_sparse.cpu import page_bounds_cpu
+            from pallas_kernels.page_scores.cpu import page_bounds_cpu
 
             return page_bounds_cpu
-        from etjax.pruning.block_scores import score_pages_xla
+        from pallas_kernels.page_scores.xla import score_pages_xla
 
         return score_pages_xla
 
     def block_selection(self):
-        """Pruned steps' choice of kept blocks (etjax/pruning/selection.py's `select_blocks`
-        signature): the C++ one on `cpu`, else that function."""
-        if self.name == "cpu":
-            from pallas_kernels.block_sparse.cpu import select_blocks_cpu
-
-            return select_blocks_cpu
+        """Pruned steps' choice of kept blocks, with etjax/pruning/selection.py's
+        `select_blocks` signature (the pruning settings as one argument), on the C++ kernel
+        on `cpu`, else the XLA one (pallas_kernels/block_selection)."""
         from etjax.pruning.selection import select_blocks
 
+        if self.name == "cpu":
+            from pallas_kernels.block_selection.cpu import select_blocks_cpu
+
+            return functools.partial(select_blocks, kernel=select_blocks_cpu)
         return select_blocks
 
 

@@ -1,17 +1,15 @@
-"""Choose the kept blocks of each (sequence, KV head) from scores and a budget."""
+"""Choose the kept blocks of each (sequence, KV head) from scores and a budget, by the
+pruning settings: the settings unpacked for a selection kernel (pallas_kernels/block_selection,
+whose docstring states the rule)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
-import jax.numpy as jnp
 
 from etjax.pruning.config import PruningConfig, PruningThresholds
-
-# Added to the score of a block that drew at least `mass_threshold` when last read, so such
-# blocks rank after the forced ones and before the rest. Scaled attention logits (and their
-# bounds) of a working model are orders of magnitude smaller; float32 still orders bounds that
-# differ by more than 0.06 among the hot blocks.
-_RECENTLY_HOT = 1e6
+from pallas_kernels.block_selection import select_blocks_xla
 
 
 def select_blocks(
@@ -21,10 +19,12 @@ def select_blocks(
     cfg: PruningConfig | PruningThresholds,
     max_kept: int,
     last_mass: jax.Array | None = None,
+    kernel: Callable = select_blocks_xla,
 ) -> tuple[jax.Array, jax.Array]:
     """Pick the kept blocks: sinks and the recent window always, then recently hot blocks
     (those whose `last_mass` reached `cfg.mass_threshold`; None ranks by the scores alone),
-    then the highest scores.
+    then the highest scores, on `kernel` (the XLA one, or the C++ one of the `cpu` backend:
+    etjax/attention/backend.py's `block_selection`).
 
     scores: [B, S, P] float32 with S = KVH (per-head selection) or 1 (shared by the heads);
     num_blocks: [B] blocks holding the sequence; budget: [B] blocks to keep (from
@@ -32,19 +32,13 @@ def select_blocks(
     block drew when last read. Returns kept_blocks [B, S, max_kept] int32 (logical block ids,
     the first kept_counts valid, the rest repeat valid ids) and kept_counts [B, S] int32.
     """
-    b, kvh, p = scores.shape
-    block = jnp.arange(p)[None, None, :]
-    n = num_blocks[:, None, None]
-    forced = (block < cfg.sink_blocks) | ((block >= n - cfg.recent_blocks) & (block < n))
-    if last_mass is not None:
-        scores = jnp.where(last_mass >= cfg.mass_threshold, scores + _RECENTLY_HOT, scores)
-    ranked = jnp.where(forced, jnp.inf, jnp.where(block < n, scores, -jnp.inf))
-    _, order = jax.lax.top_k(ranked, min(max_kept, p))
-    counts = jnp.minimum(jnp.minimum(budget, num_blocks), max_kept)
-    counts = jnp.broadcast_to(counts[:, None], (b, kvh)).astype(jnp.int32)
-    if order.shape[-1] < max_kept:
-        order = jnp.pad(order, ((0, 0), (0, 0), (0, max_kept - order.shape[-1])))
-    # Entries past the count repeat a kept id so every entry is a valid column.
-    slot = jnp.arange(max_kept)[None, None, :]
-    order = jnp.where(slot < counts[..., None], order, order[..., :1])
-    return order.astype(jnp.int32), counts
+    return kernel(
+        scores,
+        num_blocks,
+        budget,
+        cfg.sink_blocks,
+        cfg.recent_blocks,
+        cfg.mass_threshold,
+        max_kept,
+        last_mass,
+    )

@@ -1,8 +1,6 @@
-"""Pruned decode on the CPU kernels (cpp_kernels, XLA FFI calls), the `cpu` attention
-backend's pruned steps (etjax/attention/backend.py): `block_sparse_attention_cpu`, where each
-(row, KV head) reads its kept pages where they lie (same signature and results as the other
-backends, the package docstring), and `page_bounds_cpu`, the pages' Quest bounds the
-selection ranks them by, read in place."""
+"""Block-sparse decode attention on the C++ kernel (cpp_kernels/block_sparse.cc, an XLA FFI
+call), the `cpu` attention backend's pruned steps: each (row, KV head) reads its kept pages
+where they lie (same signature and results as the other backends, the package docstring)."""
 
 from __future__ import annotations
 
@@ -11,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cpp_kernels import call_cpu_kernel
-from cpp_kernels.targets import BLOCK_SPARSE, PAGE_BOUNDS, SELECT_BLOCKS
+from cpp_kernels.targets import BLOCK_SPARSE
 from pallas_kernels.block_sparse.validation import check_inputs
 
 
@@ -56,55 +54,3 @@ def block_sparse_attention_cpu(
         scale=np.float32(hd**-0.5),
     )
     return out.astype(q.dtype), mass
-
-
-def page_bounds_cpu(
-    q: jax.Array,
-    k_min: jax.Array,
-    k_max: jax.Array,
-    page_table: jax.Array,
-    num_blocks: jax.Array,
-    shared: bool,
-) -> jax.Array:
-    """The Quest bound of each row's pages on the CPU kernel (cpp_kernels/page_bounds.cc):
-    q [B, H, hd]; k_min, k_max [N, KVH, hd]; page_table [B, P]; num_blocks [B] the pages
-    each row holds. Returns scores [B, 1 if shared else KVH, P] float32: the
-    largest scaled q.k each page's key bounds allow (etjax/pruning/block_scores.py's
-    `block_upper_bounds`, the maximum over KV heads when shared), -inf past num_blocks."""
-    b, _, hd = q.shape
-    heads = 1 if shared else k_min.shape[1]
-    return call_cpu_kernel(
-        PAGE_BOUNDS,
-        jax.ShapeDtypeStruct((b, heads, page_table.shape[1]), jnp.float32),
-        q.astype(jnp.float32),
-        k_min.astype(jnp.float32),
-        k_max.astype(jnp.float32),
-        page_table,
-        num_blocks,
-        scale=np.float32(hd**-0.5),
-        shared=np.int32(shared),
-    )
-
-
-def select_blocks_cpu(scores, num_blocks, budget, cfg, max_kept: int, last_mass=None):
-    """etjax/pruning/selection.py's `select_blocks` on the CPU kernel (cpp_kernels/
-    select_blocks.cc): the same arguments and the same kept blocks and counts, ties to the
-    lower block as `lax.top_k` breaks them."""
-    b, heads, _ = scores.shape
-    mass = jnp.zeros((1, 1, 1), jnp.float32) if last_mass is None else last_mass
-    return call_cpu_kernel(
-        SELECT_BLOCKS,
-        (
-            jax.ShapeDtypeStruct((b, heads, max_kept), jnp.int32),
-            jax.ShapeDtypeStruct((b, heads), jnp.int32),
-        ),
-        scores.astype(jnp.float32),
-        num_blocks,
-        budget,
-        cfg.sink_blocks,
-        cfg.recent_blocks,
-        jnp.asarray(cfg.mass_threshold, jnp.float32),
-        mass.astype(jnp.float32),
-        ranks_by_mass=np.int32(last_mass is not None),
-        max_kept=np.int32(max_kept),
-    )
