@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -104,12 +105,21 @@ def run_serve(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     where = f"[{host}]" if ":" in host else host
     log.info("listening on http://%s:%d (loading the model)", where, port)
+    if api_key is None and not _loopback(host):
+        log.warning("%s is reachable from other machines and no API key is set", where)
     state = ServerState(config, limits, model_arg=args.model, api_key=api_key)
     server = _Server(state, limits.grace_period)
     app = make_app(state, on_failure=server.stop)
     server.configure(app)
     server.run(sockets=[sock])
     return 2 if state.phase == FAILED else 0
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _bind(host: str, port: int) -> socket.socket:
