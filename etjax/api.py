@@ -26,13 +26,13 @@ from etjax.request_checks import (
     tokenize_prompt,
 )
 from etjax.request_fields import DECODE, FIELDS, build_request, open_at, read_fields
-from etjax.runtime.options import TRACE_FIELDS
+from etjax.runtime.options import TRACE_FIELDS, Trace
 
 __all__ = ["Result", "decode", "load_model"]
 
 
 @dataclass
-class Result:
+class Result(Trace):
     """The outcome of one prompt.
 
     Per generated token i (the trace): `entropy[i]` is the next-token entropy in nats at
@@ -69,16 +69,6 @@ class Result:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
-    entropy: list[float] = field(default_factory=list)
-    raw_entropy: list[float] = field(default_factory=list)
-    calibrated_entropy: list[float] = field(default_factory=list)
-    logprob: list[float] = field(default_factory=list)
-    sampled_entropy: list[float] = field(default_factory=list)
-    temperature: list[float] = field(default_factory=list)
-    tau: list[float] = field(default_factory=list)
-    cost_flops: list[float] = field(default_factory=list)
-    cost_bytes: list[float] = field(default_factory=list)
-    kept_blocks: list[int] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[float | None] | None = None
     finish_reason: str | None = None

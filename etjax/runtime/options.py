@@ -3,7 +3,7 @@ described with every request field in etjax/request_fields.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from etjax.attention.backend import BACKENDS as ATTENTION_BACKENDS
 from etjax.calibration.file import Calibration
@@ -183,41 +183,44 @@ class RuntimeOptions:
 # needs the text, is the host's.
 FINISH_REASONS = ("", "eos", "length")  # "": the row goes on
 
-# The per-token trace: each list of SequenceOutput (and of etjax.Result), and the StepOutputs
-# field the engine reads it from. Code that moves the trace loops over this, so a new field is
-# declared where it is computed and stored, and named here once.
-TRACE_FIELDS: dict[str, str] = {
-    "entropy": "model_entropy",
-    "raw_entropy": "raw_entropy",
-    "calibrated_entropy": "calibrated_entropy",
-    "logprob": "logprob",
-    "sampled_entropy": "sampled_entropy",
-    "temperature": "temperature",
-    "tau": "tau",
-    "cost_flops": "cost_flops",
-    "cost_bytes": "cost_bytes",
-    "kept_blocks": "kept_blocks",
-}
+
+def _traced(step_output: str):
+    # A trace list, filled from the StepOutputs field `step_output` (etjax/runtime/state.py).
+    return field(default_factory=list, metadata={"step_output": step_output})
 
 
 @dataclass
-class SequenceOutput:
-    """What one prompt produced, with the per-token trace of the entropy signal."""
+class Trace:
+    """The per-token trace of the entropy signal: each list holds one value per generated
+    token. `SequenceOutput` and `etjax.Result` both carry it, and whatever moves a trace
+    (the engine, `decode()`, the server) loops over its fields: a new trace field is one line
+    here, naming the `StepOutputs` field the engine reads it from, plus where the step
+    computes it."""
 
-    token_ids: list[int] = field(default_factory=list)
     # entropy at T = 1 (nats) of the distribution drawn from: the model's, or for a
     # constrained request the model's renormalised over the tokens its grammar allowed
-    entropy: list[float] = field(default_factory=list)
-    raw_entropy: list[float] = field(default_factory=list)  # the model's, whole vocabulary
+    entropy: list[float] = _traced("model_entropy")
+    raw_entropy: list[float] = _traced("raw_entropy")  # the model's, whole vocabulary
     # the signal the engine read: the calibrated entropy (= entropy without a calibration)
-    calibrated_entropy: list[float] = field(default_factory=list)
-    logprob: list[float] = field(default_factory=list)  # of the token under the model, T = 1
-    sampled_entropy: list[float] = field(default_factory=list)  # of the distribution sampled
-    temperature: list[float] = field(default_factory=list)  # 0 = greedy
-    tau: list[float] = field(default_factory=list)  # entropic time after each token
-    cost_flops: list[float] = field(default_factory=list)  # cumulative, prefill included
-    cost_bytes: list[float] = field(default_factory=list)  # cumulative, prefill included
-    kept_blocks: list[int] = field(default_factory=list)  # blocks read per layer and KV head
+    calibrated_entropy: list[float] = _traced("calibrated_entropy")
+    logprob: list[float] = _traced("logprob")  # of the token under the model, T = 1
+    sampled_entropy: list[float] = _traced("sampled_entropy")  # of the distribution sampled
+    temperature: list[float] = _traced("temperature")  # 0 = greedy
+    tau: list[float] = _traced("tau")  # entropic time after each token
+    cost_flops: list[float] = _traced("cost_flops")  # cumulative, prefill included
+    cost_bytes: list[float] = _traced("cost_bytes")  # cumulative, prefill included
+    kept_blocks: list[int] = _traced("kept_blocks")  # blocks read per layer and KV head
+
+
+# Each trace field and the StepOutputs field the engine reads it from.
+TRACE_FIELDS: dict[str, str] = {f.name: f.metadata["step_output"] for f in fields(Trace)}
+
+
+@dataclass
+class SequenceOutput(Trace):
+    """What one prompt produced, with the per-token trace of the entropy signal (`Trace`)."""
+
+    token_ids: list[int] = field(default_factory=list)
     # Of those, per token, the blocks read once for the rows sharing the prefix, less this
     # row's share (etjax/attention/cascade.py `blocks_read_for_others`): 0 unless shared.
     shared_blocks: list[float] = field(default_factory=list)
