@@ -44,8 +44,6 @@ from etjax.attention import (
     plan_segments,
     resolve_backend,
 )
-from etjax.attention.cascade import MIN_SHARED_ROWS
-from etjax.attention.plan import DECODE_KV_TILE
 from etjax.bench.workloads import LONG_QUESTIONS
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.calibration.signal import identity_params
@@ -58,6 +56,7 @@ from etjax.runtime.steps import StepStatics, decode_steps, prefill_chunk
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import SamplerSettings, pack_sampler_params
 from pallas_kernels.ragged_attention import Segment
+from pallas_kernels.ragged_attention.tiles import DECODE_KV_TILE, MIN_SHARED_ROWS
 
 BATCH, PAGE, CHUNK, STEPS, ROUNDS = 8, 16, 512, 8, 5
 COMPILES = [0]

@@ -22,16 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pallas_kernels.ragged_attention.tiles import MIN_SHARED_ROWS, SHARED_Q_TILE
 from pallas_kernels.ragged_attention.work_items import Segment, SharedPrefix
-
-# Rows a shared tile stacks, and the fewest worth one. Timed on one layer's decode pass over
-# a 2K-token shared prefix, SmolLM2's shapes, on a 2-core Xeon (benchmarks/cascade.py,
-# docs/PERF.md "cascade"; cascade / plain): tiles of 8: 2 rows 0.96x, 3 rows 0.66x, 8 rows
-# 0.38x, 16 rows 0.34x, 32 rows 0.34x; tiles of 16: 2 rows 1.02x, 3 rows 0.84x, 8 rows
-# 0.43x, 16 rows 0.30x, 32 rows 0.27x. Two rows gain nothing (the stacked product's padding
-# costs what the saved read saves); 16 wins where most is to win, the large groups.
-SHARED_Q_TILE = 16
-MIN_SHARED_ROWS = 3
 
 
 def shared_prefixes(

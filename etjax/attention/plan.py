@@ -7,7 +7,8 @@ lists (query tile, key tile) work items over the sequence's own pages only, up t
 last position (pallas_kernels/ragged_attention/work_items.py).
 
 Shapes come from `PlanSizes`, fixed by the engine's sizes and the step's token bucket, never by
-context lengths: a new mix of lengths reuses the compiled step.
+context lengths: a new mix of lengths reuses the compiled step. The tile sizes are the
+kernel's, timed beside it (pallas_kernels/ragged_attention/tiles.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,19 @@ import flax.struct
 import numpy as np
 
 from etjax.attention.backend import XLA, AttentionBackend
-from etjax.attention.cascade import SHARED_Q_TILE, shared_prefixes
+from etjax.attention.cascade import shared_prefixes
+from pallas_kernels.ragged_attention.tiles import (
+    CHUNK,
+    DECODE_KV_TILE,
+    LONG_PREFILL_KV_TILE,
+    LONG_PREFILL_MIN_TOKENS,
+    LONG_PREFILL_Q_TILE,
+    PREFILL_KV_TILE,
+    PREFILL_Q_TILE,
+    SHARED_Q_TILE,
+    SHORT_PREFILL_KV_TILE,
+    SHORT_PREFILL_Q_TILE,
+)
 from pallas_kernels.ragged_attention.work_items import (
     Segment,
     SharedPrefix,
@@ -29,32 +42,6 @@ from pallas_kernels.ragged_attention.work_items import (
     build_shared_pass,
     items_capacity,
 )
-
-# Tiling, chosen by timing the XLA backend on this 2-core CPU (SmolLM2's 9 heads, 3 KV heads,
-# head_dim 64, pages of 16; medians of warm calls, per layer).
-# - Decode: 16 items per loop trip, one-token tiles against key tiles of 4 pages. 8 rows of
-#   8 pages took 0.32 ms (the padded gather it replaced: 0.30 ms), 32 rows of 128 pages 22 ms
-#   (57 ms); larger trips waste more of the last one on short rows (chunk 64: 0.69 ms for
-#   8 x 8). (2026-11-30)
-# - Prefill, run by the tile loop (pallas_kernels/ragged_attention/xla.py): the eight 512-token
-#   chunks of a 4K document took 164-172 ms in all with tiles of 64 queries x 4 pages, 152-155
-#   ms with 128 x 8, 124-126 ms with 128 x 16 and 113 ms with 256 x 16 (the chunked item loop
-#   before it: 63 ms for the last chunk alone). Wide tiles waste work on short chunks: eight
-#   60-token prompts took 1.0-1.3 ms with 64 x 4, 4.0-4.2 ms with 128 x 16, 6.8-6.9 ms with
-#   256 x 16. So chunks of up to 64 tokens (short prompts, a document's tail) get a pass of
-#   their own. (2026-12-01)
-# - Long chunks (over 256 tokens) get wider tiles still: on a 2-core Xeon with AMX, one
-#   512-token chunk after 4K cached tokens (the whole forward pass) took 2,165 ms with tiles
-#   of 128 x 16, 1,649 with 256 x 32 and 1,506 with 512 x 32 (fewer items, larger products,
-#   each key tile gathered once per chunk), the same 630 ms at context 0; but a 100-token
-#   chunk took 143 ms with 128 x 16 against 261 with 512 x 32 (the padded queries' work), and
-#   a 250-token chunk 291 against 406: so chunks of 65 to 256 tokens keep 128 x 16. (2026-12-03)
-CHUNK = 16
-DECODE_KV_TILE = 4
-SHORT_PREFILL_Q_TILE, SHORT_PREFILL_KV_TILE = 64, 4
-PREFILL_Q_TILE, PREFILL_KV_TILE = 128, 16
-LONG_PREFILL_MIN_TOKENS = 257
-LONG_PREFILL_Q_TILE, LONG_PREFILL_KV_TILE = 512, 32
 
 
 @dataclass(frozen=True)
