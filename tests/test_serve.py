@@ -471,3 +471,28 @@ def test_a_bad_flag_fails_before_the_socket_and_the_model(capsys):
 
     assert main(["serve", "--max-tokens", "0", "--port", "0"]) == 2
     assert "--max-tokens=0; must be a positive integer" in capsys.readouterr().err
+
+
+def test_a_failing_engine_thread_fails_its_requests_and_refuses_new_ones():
+    engine, _ = mock_engine(batch=2, resident=2)
+    bridge = EngineBridge(engine, Metrics(), max_waiting=4, request_timeout=60)
+
+    def bug() -> None:
+        raise RuntimeError("a bug in the loop")
+
+    bridge._publish_gauges = bug  # the first round's end raises
+    bridge.start()
+
+    async def run() -> None:
+        ticket = bridge.open(_mock_request(1, 40))
+        event = None
+        while not isinstance(event, Failure):
+            event = await asyncio.wait_for(ticket.events.get(), 10)
+        assert event.error.status == 500
+        with pytest.raises(ApiError) as refused:
+            bridge.open(_mock_request(2, 4))
+        assert refused.value.status == 503
+
+    asyncio.run(run())
+    bridge.stop()
+    assert bridge.broken

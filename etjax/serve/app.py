@@ -234,8 +234,8 @@ async def _models(request: Request) -> Response:
 
 async def _health(request: Request) -> Response:
     state = _state(request)
-    status = 200 if state.phase == READY else 503
-    return json_response({"status": state.phase}, status)
+    phase = "failed" if state.bridge is not None and state.bridge.broken else state.phase
+    return json_response({"status": phase}, 200 if phase == READY else 503)
 
 
 async def _metrics(request: Request) -> Response:

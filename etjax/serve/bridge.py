@@ -98,6 +98,7 @@ class EngineBridge:
         self._in_flight = 0  # samples opened and not yet finished or cancelled
         self._tickets: list[Ticket] = []  # the engine thread's own
         self._stopping = False
+        self.broken = False  # the engine thread died of a bug: nothing is answered any more
         self._thread = threading.Thread(target=self._run, name="etjax-engine", daemon=True)
 
     # The server's side ---------------------------------------------------------------------
@@ -112,6 +113,8 @@ class EngineBridge:
         with self._lock:
             if self._stopping:
                 raise ApiError(503, "the server is shutting down", code="server_shutting_down")
+            if self.broken:
+                raise ApiError(503, "the engine thread failed; see the server's log")
             if self._in_flight + n > self.capacity:
                 self.metrics.outcome("rejected")
                 raise ApiError(
@@ -154,15 +157,23 @@ class EngineBridge:
     # The engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
-            if not self._take_commands(wait=not self._tickets):
-                break
-            if self.engine.live:
-                self._step()
-            now = time.monotonic()
+        try:
+            while True:
+                if not self._take_commands(wait=not self._tickets):
+                    break
+                if self.engine.live:
+                    self._step()
+                now = time.monotonic()
+                for ticket in list(self._tickets):
+                    self._deliver(ticket, now)
+                self._publish_gauges()
+        except Exception:  # a bug in this loop: nothing would answer again, so say so
+            log.exception("the engine thread failed; the server answers 503 from now on")
+            with self._lock:
+                self.broken = True
             for ticket in list(self._tickets):
-                self._deliver(ticket, now)
-            self._publish_gauges()
+                self._fail(ticket, ApiError(500, "the engine thread failed"), "error")
+            return
         for ticket in list(self._tickets):
             self._fail(ticket, ApiError(503, "the server is shutting down"), "error")
         if self.engine.live:  # release the cancelled requests' pages
@@ -194,11 +205,14 @@ class EngineBridge:
                 ticket.handles.append(
                     self.engine.submit(request.prompt_ids, settings, request.priority)
                 )
-        except RequestError as e:
+        except Exception as e:  # a refusal (RequestError), or a failure of this request alone
+            if not isinstance(e, RequestError):
+                log.exception("a request could not be submitted")
+            error = ApiError(400, str(e)) if isinstance(e, RequestError) else ApiError(500, str(e))
             for handle in ticket.handles:
                 handle.cancel()
             self._release(ticket)
-            self._send(ticket, Failure(ApiError(400, str(e))))
+            self._send(ticket, Failure(error))
             self.metrics.outcome("error")
             return
         n = ticket.samples
