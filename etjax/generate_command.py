@@ -133,7 +133,11 @@ def run_generate(args: argparse.Namespace) -> int:
             print(result.text, end="")
         print()
         _report(result, elapsed, model.tokenizer, args.show_entropy)
-    return 0
+    # A constrained request the grammar engine failed on is a failure, whatever it printed.
+    failed = [r for r in results if r.finish_reason == "error"]
+    for r in failed:
+        log.error("generation failed (seed %d): %s", r.seed, r.error)
+    return 1 if failed else 0
 
 
 def _report(result, elapsed: float, tokenizer, show_entropy: bool) -> None:

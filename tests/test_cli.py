@@ -179,3 +179,19 @@ def test_generate_help_names_each_default_once(capsys):
     assert "(default: None)" not in text
     assert "(default 128)" in text  # max_new_tokens, from the request-field table
     assert text.count("(default 128)") == 1
+
+
+def test_generate_reports_a_failed_generation_and_exits_non_zero(tiny_hf_dir, capsys, monkeypatch):
+    # A constrained request the grammar engine failed on (finish "error") must not look like a
+    # success: the reason is logged and the exit status is 1. decode() is replaced by one whose
+    # result is such a failure (the CLI opens no constraint flag to cause one for real).
+    import etjax.api
+    from etjax.api import Result
+
+    failed = Result(text="c", finish_reason="error", error="choices: llguidance failed", seed=7)
+    monkeypatch.setattr(etjax.api, "decode", lambda *args, **kwargs: [failed])
+    code = main(["generate", "Pick one:", "--model", str(tiny_hf_dir("llama"))])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "finish: error" in captured.err
+    assert "choices: llguidance failed" in captured.err
