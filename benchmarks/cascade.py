@@ -121,8 +121,8 @@ def _markdown(raw: dict, args) -> str:
         f"B rows share a C-token prefix and hold {TAIL} tokens each after it; one layer's "
         "decode pass (9 query heads, 3 KV heads, head_dim 64, pages of 16, float32) with "
         "each row reading its whole context (plain) and with the shared pass (cascade) in "
-        "shared tiles of 8 or 16 rows, on the XLA loops and on the CPU kernel (pallas_kernels/"
-        "cpu, the `cpu` backend: its own passes and the shared one). Milliseconds, median "
+        "shared tiles of 8 or 16 rows, on the XLA loops and on the CPU kernel (cpp_kernels, "
+        "the `cpu` backend: its own passes and the shared one). Milliseconds, median "
         "(min-max), interleaved; the difference is the largest between any variant and the "
         "XLA plain pass.",
         "",
