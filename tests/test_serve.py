@@ -496,3 +496,17 @@ def test_a_failing_engine_thread_fails_its_requests_and_refuses_new_ones():
     asyncio.run(run())
     bridge.stop()
     assert bridge.broken
+
+
+def test_a_sample_the_engine_ended_with_an_error_is_no_success():
+    from etjax.runtime.options import SequenceOutput
+    from etjax.serve.responses import Shape
+
+    shape = Shape(_mock_request(1, 4), "m", str)
+    fine = SequenceOutput(token_ids=[5], logprob=[-0.1], text="a", finish_reason="eos")
+    failed = SequenceOutput(finish_reason="error", error="the grammar engine failed")
+    assert shape.whole([fine])["choices"][0]["finish_reason"] == "stop"
+    with pytest.raises(ApiError) as refused:
+        shape.whole([fine, failed])
+    assert refused.value.status == 500
+    assert "sample 1 failed in the engine: the grammar engine failed" in refused.value.message

@@ -32,10 +32,12 @@ def finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
-def check_finished(index: int, reason: str | None) -> None:
-    """ApiError 500 for a sample the engine ended with an error: never sent as a success."""
-    if reason == "error":
-        raise ApiError(500, f"sample {index} failed in the engine; see the server's log")
+def check_finished(index: int, out: SequenceOutput) -> None:
+    """ApiError 500 for a sample the engine ended with an error (its grammar engine failed
+    on a constrained request: `out.error` says why): never sent as a success."""
+    if out.finish_reason == "error":
+        why = out.error or "see the server's log"
+        raise ApiError(500, f"sample {index} failed in the engine: {why}", code="engine_error")
 
 
 class Shape:
@@ -55,7 +57,7 @@ class Shape:
         """The answer of a request that was not streamed."""
         choices = []
         for i, out in enumerate(outputs):
-            check_finished(i, out.finish_reason)
+            check_finished(i, out)
             choice = {"index": i}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
@@ -81,8 +83,8 @@ class Shape:
         """A stream chunk with the new output of one round (a choice per sample that moved)."""
         choices = []
         for d in deltas:
-            if d.finish_reason is not None:
-                check_finished(d.index, d.finish_reason)
+            if d.output is not None:
+                check_finished(d.index, d.output)
             choice = {"index": d.index}
             if self.chat:
                 choice["delta"] = {"content": d.text}
