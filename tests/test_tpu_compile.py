@@ -1,0 +1,132 @@
+"""The engine's step programs built by the TPU compiler, from this CPU (etjax/plan/programs.py).
+
+`jax.export` (tests/test_export.py) proves the lowering rules; these compile: XLA:TPU and
+Mosaic build the programs for a v5e or v6e chip described by libtpu, which also says what each
+chip would hold (`memory_analysis`). They need libtpu (`pip install etjax[tpu]`; `make test`
+installs it) and skip without it.
+
+The model is SmolLM2-135M's real config cut to two layers and a 4,096-token vocabulary: the
+attention kernels see SmolLM2's heads, head size and pages, and a compile costs 10-30 s on two
+cores instead of 60 (the LM head and the sampling over 49,152 tokens dominate it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import SingleDeviceSharding
+
+from etjax.loaders.gguf_weights import gguf_model_config, open_gguf
+from etjax.plan.programs import (
+    burst_call,
+    compile_only_backend,
+    compile_program,
+    mosaic_kernels,
+    ragged_call,
+)
+from etjax.plan.topology import Topology
+from etjax.pruning.config import PruningConfig
+from etjax.runtime.options import RuntimeOptions
+from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
+
+pytestmark = [
+    pytest.mark.tpu_compile,
+    pytest.mark.skipif(
+        importlib.util.find_spec("libtpu") is None, reason="needs libtpu: pip install etjax[tpu]"
+    ),
+]
+
+NUM_PAGES = 64
+BLOCK_SPARSE = "block_sparse_attention_tpu"
+
+
+@pytest.fixture(scope="module")
+def cfg(smollm2_path):
+    full = gguf_model_config(open_gguf(smollm2_path), "bfloat16")
+    return dataclasses.replace(full, num_layers=2, vocab_size=4096)
+
+
+def _options(pruning: bool, kv_dtype: str = "model") -> RuntimeOptions:
+    chosen = PruningConfig(enabled=pruning)
+    return RuntimeOptions(pruning=chosen, max_batch_size=4, max_prefill_rows=2, kv_dtype=kv_dtype)
+
+
+def _weight_bytes(cfg) -> int:
+    # SmolLM2's parameters by hand: tied embedding, per layer q|k|v and o projections, gate,
+    # up and down, two norms; the final norm. bfloat16: 2 bytes each.
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
+    layer = d * (q + 2 * kv) + q * d + 3 * d * f + 2 * d
+    return 2 * (cfg.vocab_size * d + cfg.num_layers * layer + d)
+
+
+def _pool_bytes(cfg, itemsize: int = 2) -> int:
+    # Keys and values [layers, pages, kv heads, page size, head dim], 16-token pages, and the
+    # float32 key bounds (min and max) [layers, pages, kv heads, head dim].
+    kv = 2 * cfg.num_layers * NUM_PAGES * cfg.num_kv_heads * 16 * cfg.head_dim * itemsize
+    return kv + 2 * cfg.num_layers * NUM_PAGES * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+def _check_memory(report, cfg) -> None:
+    # The arguments are the weights, the pool, the row store (three [rows, vocab] arrays, 9
+    # bytes a token: 9 rows of an engine of 4) and the call's small inputs; the chip's tiled
+    # layouts pad some of them (a head of 64 values in 128 lanes), hence the upper bound.
+    floor = _weight_bytes(cfg) + _pool_bytes(cfg)
+    store = 9 * cfg.vocab_size * 9
+    assert floor <= report.argument_bytes <= 1.25 * floor + 2 * store
+    # The pool and the store are donated: the step writes them in place.
+    assert report.alias_bytes >= _pool_bytes(cfg) // 2
+    assert report.temp_bytes > 0 and report.compile_s > 0
+
+
+def test_pruned_ragged_step_compiles_for_v5e_with_its_mosaic_kernel(cfg):
+    topology = Topology.parse("v5e-1")
+    backend = compile_only_backend(cfg, _options(pruning=True), NUM_PAGES, topology)
+    report = compile_program("ragged step", backend, ragged_call(backend, 1, 20, 40), topology)
+    assert BLOCK_SPARSE in report.kernels  # built by Mosaic for the chip, not interpreted
+    _check_memory(report, cfg)
+
+
+def test_pruned_decode_burst_compiles_for_v6e(cfg):
+    topology = Topology.parse("v6e-1")
+    backend = compile_only_backend(cfg, _options(pruning=True), NUM_PAGES, topology)
+    report = compile_program("decode burst", backend, burst_call(backend, 2, 40), topology)
+    assert BLOCK_SPARSE in report.kernels
+    _check_memory(report, cfg)
+
+
+def test_dense_decode_burst_compiles_for_v5e_on_the_xla_kernel(cfg):
+    # Dense steps on a TPU run the XLA gather kernel (etjax/attention/seam.py): no Mosaic.
+    topology = Topology.parse("v5e-1")
+    backend = compile_only_backend(cfg, _options(pruning=False), NUM_PAGES, topology)
+    report = compile_program("decode burst", backend, burst_call(backend, 2, 40), topology)
+    assert BLOCK_SPARSE not in report.kernels
+    _check_memory(report, cfg)
+
+
+@pytest.mark.xfail(strict=True, reason="Mosaic: 'Invalid vector type for load' of float16 tiles")
+@pytest.mark.parametrize("chip", ["v5e-1", "v6e-1"])
+def test_block_sparse_kernel_compiles_at_float16_kv(chip):
+    # The kernel alone at SmolLM2's heads (9 query, 3 KV, 64 wide) and 16-token pages, the
+    # KV pool in float16 (kv_dtype="float16"); about a second to compile.
+    device = Topology.parse(chip).devices()[0]
+    on_chip = SingleDeviceSharding(device)
+
+    def shape(dims, dtype):
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=on_chip)
+
+    pages = shape((64, 3, 16, 64), jnp.float16)
+    table, kept = shape((4, 8), jnp.int32), shape((4, 1, 4), jnp.int32)
+    counts, lengths = shape((4, 1), jnp.int32), shape((4,), jnp.int32)
+    q = shape((4, 9, 64), jnp.bfloat16)
+    with jax.default_device(device):
+        compiled = (
+            jax.jit(block_sparse_attention_tpu)
+            .lower(q, pages, pages, table, kept, counts, lengths)
+            .compile()
+        )
+    assert BLOCK_SPARSE in mosaic_kernels(compiled.as_text())
