@@ -149,6 +149,29 @@ def test_dense_is_sparse_with_every_block_and_equals_paged_attention():
     np.testing.assert_allclose(np.asarray(sparse), np.asarray(paged), atol=2e-6)
 
 
+def test_tpu_kernel_reads_float16_pages_exactly():
+    # Mosaic takes no float16 operand, so the TPU kernel reads float16 pages as 32-bit words of
+    # two rows and widens them by hand (pallas_kernels/block_sparse/pallas_tpu.py): against the
+    # reference over the same values in float32 (the widening is exact), with each row's last
+    # position odd or even, a zero, a subnormal and a value at float16's largest exponent.
+    rng = np.random.default_rng(3)
+    b, kvh, group, hd, ps, width = 3, 2, 2, 16, 8, 3
+    pages = rng.normal(size=(2, 1 + b * width, kvh, ps, hd)).astype(np.float16)
+    pages[1, 1, 0, 0, :3] = [0.0, np.float16(6e-8), np.float16(-3e4)]  # values
+    k16, v16 = jnp.asarray(pages[0]), jnp.asarray(pages[1])
+    q = jnp.asarray(rng.normal(size=(b, kvh * group, hd)), jnp.float32)
+    table = jnp.asarray((1 + np.arange(b * width)).reshape(b, width), jnp.int32)
+    kept = jnp.asarray(np.tile([[[2, 0, 1]]], (b, kvh, 1)), jnp.int32)
+    counts = jnp.asarray([[3, 2], [1, 3], [2, 2]], jnp.int32)
+    lengths = jnp.asarray([23, 24, 17], jnp.int32)
+    args = (q, k16, v16, table, kept, counts, lengths)
+    out, mass = block_sparse_attention_tpu(*args, interpret=True)
+    f32 = (q, k16.astype(jnp.float32), v16.astype(jnp.float32), *args[3:])
+    ref_out, ref_mass = block_sparse_attention_reference(*f32)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=1e-5, rtol=0)
+
+
 def test_bad_shapes_are_named():
     q = jnp.zeros((2, 4, 16))
     kp = jnp.zeros((5, 2, 8, 16))

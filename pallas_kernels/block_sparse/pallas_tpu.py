@@ -5,7 +5,8 @@ Grid (batch, kv_head, kept block). The page ids reach the index maps through sca
 of K and of V; steps past a row's kept count re-name the last kept page (no new DMA) and skip
 their compute. An online softmax accumulates in VMEM scratch across the block axis; each
 block's log-sum-exp is kept so the wrapper can turn them into per-block attention mass.
-Runs on CPU with `interpret=True` (the tests do).
+Runs on CPU with `interpret=True` (the tests do). Float16 pages, which Mosaic does not load,
+arrive as bfloat16 bits and are widened in the kernel, two rows a 32-bit word (`_float16_rows`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def _kernel(
     scale: float,
     page_size: int,
     num_kept: int,
+    packed_float16: bool,
 ):
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
@@ -50,25 +52,32 @@ def _kernel(
     @pl.when(j < counts_ref[b, h])
     def _accumulate():
         q = q_ref[...].astype(jnp.float32)
-        k = k_ref[...].astype(jnp.float32)
-        v = v_ref[...].astype(jnp.float32)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ()))) * scale  # [G, ps]
         first = kept_ref[b, h, j] * page_size
-        positions = first + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
-        s = jnp.where(positions < lengths_ref[b], s, -jnp.inf)
-        block_max = jnp.max(s, axis=1, keepdims=True)
+        # The tile's keys and values in parts, each with the positions of its rows: the whole
+        # tile, or a float16 tile's even and odd rows (`_float16_rows`).
+        parts = _tile_parts(k_ref, v_ref, first, page_size, packed_float16)
+        scores = []
+        for k, _, positions in parts:
+            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ()))) * scale  # [G, rows]
+            scores.append(jnp.where(positions[None, :] < lengths_ref[b], s, -jnp.inf))
+        block_max = functools.reduce(
+            jnp.maximum, [jnp.max(s, axis=1, keepdims=True) for s in scores]
+        )
         safe_block_max = jnp.where(jnp.isfinite(block_max), block_max, 0.0)
-        block_sum = jnp.sum(jnp.exp(s - safe_block_max), axis=1, keepdims=True)
+        block_sum = sum(jnp.sum(jnp.exp(s - safe_block_max), axis=1, keepdims=True) for s in scores)
         lse_ref[pl.ds(j, 1), :] = (safe_block_max + jnp.log(block_sum)).reshape(1, -1)
 
         m_prev = m_scratch[...]
         m_new = jnp.maximum(m_prev, block_max)
         safe_m = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         alpha = jnp.exp(m_prev - safe_m)
-        p = jnp.exp(s - safe_m)
-        l_scratch[...] = alpha * l_scratch[...] + jnp.sum(p, axis=1, keepdims=True)
-        acc_scratch[...] = alpha * acc_scratch[...] + jax.lax.dot_general(
-            p, v, (((1,), (0,)), ((), ()))
+        probs = [jnp.exp(s - safe_m) for s in scores]
+        l_scratch[...] = alpha * l_scratch[...] + sum(
+            jnp.sum(p, axis=1, keepdims=True) for p in probs
+        )
+        acc_scratch[...] = alpha * acc_scratch[...] + sum(
+            jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())))
+            for p, (_, v, _) in zip(probs, parts, strict=True)
         )
         m_scratch[...] = m_new
 
@@ -120,7 +129,19 @@ def block_sparse_attention_tpu(
             pltpu.VMEM((group, hd), jnp.float32),
         ],
     )
-    kernel = functools.partial(_kernel, scale=hd**-0.5, page_size=ps, num_kept=num_kept)
+    packed_float16 = k_pages.dtype == jnp.float16
+    if packed_float16:  # the same bits as bfloat16, which Mosaic takes (`_float16_rows`)
+        if ps % 2:
+            raise ValueError(f"float16 pages need an even page size, got {ps}")
+        k_pages = jax.lax.bitcast_convert_type(k_pages, jnp.bfloat16)
+        v_pages = jax.lax.bitcast_convert_type(v_pages, jnp.bfloat16)
+    kernel = functools.partial(
+        _kernel,
+        scale=hd**-0.5,
+        page_size=ps,
+        num_kept=num_kept,
+        packed_float16=packed_float16,
+    )
     out, block_lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
@@ -142,6 +163,42 @@ def block_sparse_attention_tpu(
         v_pages,
     )
     return out.reshape(b, h, hd), block_mass_from_lse(block_lse)
+
+
+def _tile_parts(k_ref, v_ref, first, page_size: int, packed_float16: bool) -> list:
+    # [(keys [rows, hd], values [rows, hd], positions [rows])] float32, covering the tile.
+    rows = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)[0]
+    if not packed_float16:
+        k, v = k_ref[...].astype(jnp.float32), v_ref[...].astype(jnp.float32)
+        return [(k, v, first + rows)]
+    k_even, k_odd = _float16_rows(k_ref)
+    v_even, v_odd = _float16_rows(v_ref)
+    pairs = first + 2 * rows[: page_size // 2]
+    return [(k_even, v_even, pairs), (k_odd, v_odd, pairs + 1)]
+
+
+def _float16_rows(ref) -> tuple[jax.Array, jax.Array]:
+    # Mosaic takes no float16 operand ("Invalid vector type for load"; kernel arguments must
+    # be bfloat16 or 32-bit), so a float16 tile arrives as the same bits typed bfloat16 and is
+    # read here as 32-bit words, each holding two rows of the tile (row 2i in its low half,
+    # 2i+1 in its high half, as a 16-bit tile packs its rows), then widened to float32 by hand:
+    # exact, zeros, subnormals, infinities and NaNs included. [ps, hd] -> two [ps / 2, hd].
+    words = pltpu.bitcast(ref[...], jnp.uint32)
+    return _widen_float16(words & 0xFFFF), _widen_float16(words >> 16)
+
+
+def _widen_float16(bits: jax.Array) -> jax.Array:
+    # float16 bits (in uint32) -> float32: rebias the exponent (15 -> 127), widen the mantissa
+    # (10 -> 23 bits); exponent 0 is zero or subnormal (mantissa x 2^-24), 31 infinity or NaN.
+    sign = (bits & 0x8000) << 16
+    exponent = (bits >> 10) & 0x1F
+    mantissa = bits & 0x3FF
+    normal = sign | ((exponent + 112) << 23) | (mantissa << 13)
+    special = sign | 0x7F800000 | (mantissa << 13)
+    widened = jax.lax.bitcast_convert_type(jnp.where(exponent == 31, special, normal), jnp.float32)
+    small = mantissa.astype(jnp.float32) * 2.0**-24
+    small = jnp.where(sign != 0, -small, small)
+    return jnp.where(exponent == 0, small, widened)
 
 
 def block_mass_from_lse(block_lse: jax.Array) -> jax.Array:
