@@ -26,7 +26,7 @@ from etjax.request_checks import (
     tokenize_prompt,
 )
 from etjax.request_fields import DECODE, FIELDS, build_request, open_at, read_fields
-from etjax.runtime.options import TRACE_FIELDS, Trace
+from etjax.runtime.options import DRAFT_COUNTS, TRACE_FIELDS, Trace
 
 __all__ = ["Result", "decode", "load_model"]
 
@@ -64,6 +64,14 @@ class Result(Trace):
     on a constrained request while generating (`error` names the constraint and llguidance's
     reason; the text need not match), or None when the prompt was rejected, in which case
     `error` says why and nothing was generated.
+
+    What drafting did (speculation, or a constraint's forced tokens), per request:
+    `model_passes` the decode passes of the model that gave it tokens (a burst step or a
+    ragged step each, verifying or not; its prompt's prefill not counted), so
+    `len(token_ids)` without drafts; `drafted_tokens` the tokens it drafted,
+    `accepted_tokens` how many of them verification accepted (each one a token without a
+    pass of its own: `len(token_ids) == model_passes + accepted_tokens` unless a stop string
+    cut a pass's tokens), and `verify_steps` the passes that verified its drafts.
     """
 
     text: str = ""
@@ -75,6 +83,10 @@ class Result(Trace):
     error: str | None = None
     seed: int = 0  # the sampling seed it used: `decode(..., seed=[r.seed])` replays it
     cached_tokens: int = 0  # prompt tokens it found in the prefix cache (not prefilled again)
+    model_passes: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
     @property
     def ok(self) -> bool:
@@ -258,7 +270,8 @@ def decode(
         for name in TRACE_FIELDS:
             setattr(r, name, getattr(out, name))
         r.top_logprobs, r.prompt_logprobs = out.top_logprobs, out.prompt_logprobs
-        r.cached_tokens = int(out.metrics.get("cached_tokens", 0))
+        for name in ("cached_tokens", *DRAFT_COUNTS):
+            setattr(r, name, int(out.metrics.get(name, 0)))
     return results
 
 

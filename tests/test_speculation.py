@@ -32,7 +32,7 @@ from etjax.sampling import SamplerSettings
 # Verifying as an accelerator would (a pass's fixed cost large against a few tokens' compute):
 # every round that can draft does, so these tests exercise verification whatever this CPU's
 # cost gate would decide (test_draft_lengths_follow_entropy_acceptance_and_budget has it).
-EAGER = dict(pass_fixed_tokens=1000.0)
+EAGER = dict(pass_fixed_tokens=1000.0, measured_costs=False)
 SPEC = SpeculationConfig(enabled=True, **EAGER)
 
 

@@ -187,8 +187,15 @@ def summarise(run: dict) -> dict:
     tokens = sum(r["generated_tokens"] for r in reqs)
     steps = sum(r["decode_steps"] for r in reqs)
     drafted = [r.get("drafted_tokens", 0.0) for r in reqs]
-    passes = sum(r.get("passes_per_token", 1.0) * r["generated_tokens"] for r in reqs)
-    accepted = sum(r.get("acceptance_rate", 0.0) * d for r, d in zip(reqs, drafted, strict=True))
+    # The counts of what drafting did (engine metrics; a record from before them has ratios).
+    passes = sum(
+        r.get("model_passes", r.get("passes_per_token", 1.0) * r["generated_tokens"]) for r in reqs
+    )
+    accepted = sum(
+        r.get("accepted_tokens", r.get("acceptance_rate", 0.0) * d)
+        for r, d in zip(reqs, drafted, strict=True)
+    )
+    verify_steps = sum(r.get("verify_steps", 0.0) for r in reqs)
     return {
         "throughput_tok_s": run["throughput_tok_s"],
         "latency_mean_s": float(latency.mean()),
@@ -211,7 +218,12 @@ def summarise(run: dict) -> dict:
         "passes_per_token": passes / max(tokens, 1),
         "acceptance_rate": accepted / max(sum(drafted), 1.0),
         # Drafted tokens accepted per pass that verified drafts.
-        "mean_accepted_length": accepted / max(sum(r.get("verify_steps", 0.0) for r in reqs), 1.0),
+        "mean_accepted_length": accepted / max(verify_steps, 1.0),
+        # The run's totals: tokens drafted and accepted, verifying passes, decode passes.
+        "drafted_tokens": float(sum(drafted)),
+        "accepted_tokens": float(accepted),
+        "verify_steps": float(verify_steps),
+        "model_passes": float(passes),
     } | _cost_per_token(run, tokens, sum(drafted))
 
 

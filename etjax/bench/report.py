@@ -37,7 +37,7 @@ def absolute_table(raw: dict) -> str:
     meds, quality = medians(raw), raw.get("quality", {}).get("rows", {})
     head = [title for title, _, _ in TIMED.values()]
     head += ["ROUGE-L", "BLEU", "ppl ratio", "passkey", "kept", "KV MB / token"]
-    head += ["passes / token", "compile s"]
+    head += ["passes / token", "drafted / accepted / verifying passes", "compile s"]
     lines = ["| config | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for name, reps in raw["summary"].items():
         cells = []
@@ -60,6 +60,7 @@ def absolute_table(raw: dict) -> str:
             f"{meds[name]['kept_fraction']:.0%}",
             f"{meds[name]['kv_mb_per_token']:.1f}",
             f"{meds[name].get('passes_per_token', 1.0):.2f}",
+            draft_counts(meds[name]),
             f"{max(s['compile_s'] for s in reps):.1f}",
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -83,6 +84,7 @@ def absolute_table(raw: dict) -> str:
             "-",
             "1.00",
             "-",
+            "-",
         ]
         lines.append(
             f"| transformers generate (greedy, batch {ref['batch_size']}) | "
@@ -90,6 +92,17 @@ def absolute_table(raw: dict) -> str:
             + " |"
         )
     return "\n".join(lines)
+
+
+def draft_counts(summary: dict[str, float]) -> str:
+    """What drafting did over a run: "drafted / accepted / verifying passes" ("-" for a
+    record from before the counts)."""
+    if "accepted_tokens" not in summary:
+        return "-"
+    return (
+        f"{summary['drafted_tokens']:.0f} / {summary['accepted_tokens']:.0f} / "
+        f"{summary['verify_steps']:.0f}"
+    )
 
 
 def relative_table(raw: dict) -> str:

@@ -36,14 +36,19 @@ class SpeculationConfig:
       be rejected cost real compute, so a full batch (32 rows, more than the budget) drafts
       nothing and runs as it would without speculation.
     pass_fixed_tokens, verify_row_tokens: the cost model that decides whether a round
-      verifies at all (rule.py, `verification_pays`), in units of one token's compute. A
-      model pass of n padded tokens costs pass_fixed_tokens + n (reading the weights, the
-      call); a verifying step costs verify_row_tokens more per padded row (re-sampling its
-      drafted positions: a sampler and an LM-head row each). The defaults fit the timings
-      on the 2-core CPU of docs/PERF.md ("what a verifying step costs"). An accelerator
-      reads its weights for far longer than it computes a few tokens, so pass_fixed_tokens
-      is larger there (about twice its peak FLOP/s over its memory bandwidth in bytes, for
-      float32 weights), and more rounds verify.
+      verifies at all (rule.py, `verification_pays`) until the engine has timed both a
+      verifying step and a burst step of the batch's size on the machine it runs on
+      (etjax/drafting/costs.py); from then on the measured ratio decides. In units of one
+      token's compute: a model pass of n padded tokens costs pass_fixed_tokens + n (reading
+      the weights, the call); a verifying step costs verify_row_tokens more per padded row
+      (re-sampling its drafted positions: a sampler and an LM-head row each). The defaults
+      fit the timings on the 2-core CPU of docs/PERF.md ("what a verifying step costs"). An
+      accelerator reads its weights for far longer than it computes a few tokens, so
+      pass_fixed_tokens is larger there (about twice its peak FLOP/s over its memory
+      bandwidth in bytes, for float32 weights), and more rounds verify.
+    measured_costs: let the step costs measured on this machine decide once there are
+      some (above); false: the cost model's constants always decide (a test, or a
+      `pass_fixed_tokens` of 1000 that verifies every round that can draft).
     forced_tokens: a constrained row drafts the tokens its grammar forces (a run of them
       costs one pass; etjax/drafting/forced.py), up to max_draft (and steps_per_sync - 1)
       per round. On by default and independent of `enabled`: forced drafts need no entropy
@@ -63,10 +68,11 @@ class SpeculationConfig:
     draft_budget: int = 16
     pass_fixed_tokens: float = 5.0
     verify_row_tokens: float = 0.5
+    measured_costs: bool = True
     forced_tokens: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("enabled", "forced_tokens"):
+        for name in ("enabled", "measured_costs", "forced_tokens"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise FieldError(name, value, "true or false")

@@ -27,10 +27,11 @@ where the grammar forces a run, the run replaces the lookup.
 
 from __future__ import annotations
 
+from etjax.buckets import ragged_token_bucket
 from etjax.constraints.matcher import forced_tokens, valid_prefix
 from etjax.drafting.config import SpeculationConfig
+from etjax.drafting.costs import StepCosts
 from etjax.drafting.rule import verification_pays
-from etjax.buckets import ragged_token_bucket
 
 
 def forced_draft_limit(spec: SpeculationConfig, steps_per_sync: int) -> int:
@@ -73,6 +74,7 @@ def with_forced_drafts(
     spec: SpeculationConfig,
     steps_per_sync: int,
     budget: int,
+    costs: StepCosts | None = None,
 ) -> tuple[list[list[int]], list[bool]]:
     """A batch's drafts with each constrained row's forced run in place of its lookup draft,
     if verifying them pays.
@@ -80,7 +82,8 @@ def with_forced_drafts(
     drafts: speculation's drafts per row (a constrained row's cut to its grammar, or none
     with speculation off); grammars: each row's matcher id (-1 unconstrained); tokens_left:
     what each row may still generate; acceptance: each row's running acceptance estimate
-    (its lookup drafts'); budget: the drafted tokens the step's token budget leaves. Returns
+    (its lookup drafts'); budget: the drafted tokens the step's token budget leaves; costs:
+    the step costs measured on this machine, for the cost gate (None: the cost model). Returns
     the drafts and which rows' are forced runs (certain to be accepted unless the row ends);
     `drafts` itself and no forced row when no row has a forced run or the cost gate turns
     them down."""
@@ -99,7 +102,7 @@ def with_forced_drafts(
     if not any(forced):
         return drafts, forced
     certain = [1.0 if f else a for f, a in zip(forced, acceptance, strict=True)]
-    if verification_pays([len(d) for d in out], certain, spec):
+    if verification_pays([len(d) for d in out], certain, spec, costs):
         return out, forced
     # Turned down: the runs cut to the padding the step's token bucket has anyway (a
     # drained batch of 20 rows runs 32 tokens), which may pay where the whole runs did not.
@@ -110,6 +113,6 @@ def with_forced_drafts(
             out[j] = out[j][: max(room, 0)]
             room -= len(out[j])
             forced[j] = bool(out[j])
-    if any(forced) and verification_pays([len(d) for d in out], certain, spec):
+    if any(forced) and verification_pays([len(d) for d in out], certain, spec, costs):
         return out, forced
     return drafts, [False] * len(drafts)

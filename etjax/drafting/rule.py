@@ -34,22 +34,26 @@ of more rows than that drafts nothing.
 
 Drafting has a price beyond the drafted tokens: a round that verifies is one ragged step,
 where a round without drafts runs `steps_per_sync` decode steps in one burst. So the batch
-drafts only when a verifying step commits more tokens per unit of compute than a burst step
-(`verification_pays`). The model: a pass of n padded tokens costs `pass_fixed_tokens` + n
-token computes, a verifying step `verify_row_tokens` more per padded row, and each drafted
-token is accepted with the probability its row's acceptance estimate gives it. Before this
-gate, on the 2-core CPU of docs/PERF.md ("what a verifying step costs"), a round drained to
-15 rows verified one drafted token in a step that cost 1.7 burst steps, and speculation cost
-the full loop a fifth of its throughput.
+drafts only when a verifying step commits more tokens per unit of cost than a burst step
+(`verification_pays`), each drafted token accepted with the probability its row's
+acceptance estimate gives it. The price of a verifying step against a burst step is measured
+on the machine the engine runs on (etjax/drafting/costs.py: the engine times its own steps);
+until both are measured there, a cost model decides: a pass of n padded tokens costs
+`pass_fixed_tokens` + n token computes, a verifying step `verify_row_tokens` more per padded
+row. Before this gate, on the 2-core CPU of docs/PERF.md ("what a verifying step costs"), a
+round drained to 15 rows verified one drafted token in a step that cost 1.7 burst steps,
+and speculation cost the full loop a fifth of its throughput.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
-from etjax.drafting.config import SpeculationConfig
 from etjax.buckets import batch_bucket, ragged_token_bucket
+from etjax.drafting.config import SpeculationConfig
+from etjax.drafting.costs import StepCosts
 
 # The pooled estimate's step towards the prior per round in which sure rows drafted nothing
 # (a row's own step is `acceptance_memory`, 0.7). From a pool at 0.1 and a row at 0.2 (with
@@ -58,6 +62,8 @@ from etjax.buckets import batch_bucket, ragged_token_bucket
 # workload rows retried every other round while 0-33% of their drafts were accepted
 # (docs/PERF.md).
 POOL_REST_MEMORY = 0.95
+
+log = logging.getLogger("etjax")
 
 
 @dataclass
@@ -142,11 +148,14 @@ def draft_lengths(
     cfg: SpeculationConfig,
     budget: int,
     pool: DraftHistory | None = None,
+    costs: StepCosts | None = None,
 ) -> list[int]:
     """Each sequence's draft length this step: `wanted_length`, granted lowest entropy first
     while the step stays within `draft_budget` tokens (one per row plus drafts) and `budget`
-    drafted tokens. `pool`: the engine's pooled estimate, which resting rows relax towards
-    and which itself rests once in a round where a sure row drafted nothing."""
+    drafted tokens, if verifying them pays (`verification_pays`, with the step costs
+    measured on this machine in `costs`). `pool`: the engine's pooled estimate, which resting
+    rows relax towards and which itself rests once in a round where a sure row drafted
+    nothing."""
     wanted = [wanted_length(h, d, cfg, pool) for h, d in zip(entropies, histories, strict=True)]
     sure = [h is not None and h <= cfg.entropy_max for h in entropies]
     # A sure row that wants nothing has rested (`wanted_length`).
@@ -156,7 +165,7 @@ def draft_lengths(
     for i in sorted(range(len(wanted)), key=lambda i: entropies[i] or 0.0):
         granted[i] = max(min(wanted[i], left), 0)
         left -= granted[i]
-    pays = verification_pays(granted, [d.acceptance for d in histories], cfg)
+    pays = verification_pays(granted, [d.acceptance for d in histories], cfg, costs)
     if not pays:
         # Turned down by the cost: confident rows rest, as when their own estimate stops
         # them, so a batch that drains to where verifying pays tries again.
@@ -175,21 +184,61 @@ def expected_accepted(length: int, acceptance: float) -> float:
     return sum(acceptance**i for i in range(1, length + 1))
 
 
-def verification_pays(lengths: list[int], acceptance: list[float], cfg: SpeculationConfig) -> bool:
+def verification_pays(
+    lengths: list[int],
+    acceptance: list[float],
+    cfg: SpeculationConfig,
+    costs: StepCosts | None = None,
+) -> bool:
     """Whether one verifying step over a batch whose rows draft `lengths` tokens (running
-    acceptance estimates `acceptance`) commits more tokens per unit of compute than a step
-    of a decode burst over the same rows.
+    acceptance estimates `acceptance`) commits more tokens per unit of cost than a step of a
+    decode burst over the same rows.
 
-    A burst step runs the rows padded to their bucket and commits a token each; a verifying
-    step runs them and their drafts padded to the ragged step's token bucket (at least 8),
-    plus the re-sampling of drafted positions over its padded rows, and commits each row's
-    token and its accepted drafts. A pass of n padded tokens costs `pass_fixed_tokens` + n."""
+    A burst step runs the rows and commits a token each; a verifying step runs them and their
+    drafts and commits each row's token and its accepted drafts. So it pays when its cost
+    over a burst step's (`step_cost_ratio`: measured on this machine where `costs` has it,
+    else the cost model) is below (rows + expected accepted drafts) / rows. The decision and
+    its inputs are logged at debug level (logger "etjax")."""
     drafted, rows = sum(lengths), len(lengths)
     if not drafted:
         return False
     gained = sum(expected_accepted(k, a) for k, a in zip(lengths, acceptance, strict=True))
-    burst = burst_step_cost(rows, cfg) / rows
-    return verify_step_cost(rows, drafted, cfg) / (rows + gained) < burst
+    ratio, source = step_cost_ratio(rows, drafted, cfg, costs)
+    pays = ratio < (rows + gained) / rows
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug(
+            "speculation gate: %d rows draft %d tokens, %.2f expected accepted; a verifying "
+            "step costs %.2fx a burst step (%s), pays below %.2fx: %s",
+            rows,
+            drafted,
+            gained,
+            ratio,
+            source,
+            (rows + gained) / rows,
+            "verify" if pays else "burst",
+        )
+    return pays
+
+
+def step_cost_ratio(
+    rows: int, drafted: int, cfg: SpeculationConfig, costs: StepCosts | None = None
+) -> tuple[float, str]:
+    """A verifying step of `rows` rows and `drafted` drafts against a burst step over the
+    same rows, and where the figure comes from: the seconds measured on this machine
+    (`costs`, etjax/drafting/costs.py) once it holds both shapes and `cfg.measured_costs` is
+    on, else the cost model (`verify_step_cost` over `burst_step_cost`)."""
+    if costs is not None and cfg.measured_costs:
+        burst = costs.burst_seconds(rows)
+        verify = costs.verify_seconds(
+            rows, drafted, lambda r, tokens: verify_step_cost(r, tokens - r, cfg)
+        )
+        if burst is not None and verify is not None:
+            return verify / burst, f"measured: {verify * 1e3:.1f} ms against {burst * 1e3:.1f} ms"
+    model = verify_step_cost(rows, drafted, cfg) / burst_step_cost(rows, cfg)
+    return model, (
+        f"cost model: pass_fixed_tokens={cfg.pass_fixed_tokens}, "
+        f"verify_row_tokens={cfg.verify_row_tokens}"
+    )
 
 
 def burst_step_cost(rows: int, cfg: SpeculationConfig) -> float:

@@ -16,14 +16,15 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterable, Sequence
 
+from etjax.buckets import pages_bucket
 from etjax.cache.page_allocator import pages_needed
 from etjax.compilation_cache import use_persistent_cache
+from etjax.drafting import measured_costs
 from etjax.engine.device import DeviceBackend
 from etjax.engine.engine import Engine
 from etjax.engine.policies import make_policy
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
-from etjax.buckets import pages_bucket
 from etjax.runtime.options import RequestSettings, RuntimeOptions, SequenceOutput
 from etjax.tokenizer import Tokenizer
 
@@ -58,7 +59,11 @@ def build_engine(
         options.page_size,
     )
     kwargs = {} if clock is None else {"clock": clock}
-    return Engine(backend, tokenizer, options, policy, **kwargs)
+    # What the engine's steps cost on this machine, measured by the engines of this process
+    # that run the same programs (etjax/drafting/costs.py); the cost gate reads it.
+    shape = (cfg, backend.attention_backend, backend.kv_dtype, options.pruning, options.mesh)
+    costs = measured_costs(repr((*shape, options.experts, backend.max_draft)))
+    return Engine(backend, tokenizer, options, policy, step_costs=costs, **kwargs)
 
 
 def request_pages(prompt_tokens: int, settings: RequestSettings, options: RuntimeOptions) -> int:

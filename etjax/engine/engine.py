@@ -45,6 +45,8 @@ from etjax.constraints.matcher import register as register_grammar
 from etjax.constraints.matcher import release as release_grammar
 from etjax.drafting import (
     DraftHistory,
+    StepCosts,
+    compile_events,
     draft_lengths,
     lookup_draft,
     lookup_within_grammar,
@@ -125,7 +127,12 @@ class Engine:
         options: RuntimeOptions,
         policy: Policy,
         clock: Callable[[], float] = time.perf_counter,
+        step_costs: StepCosts | None = None,
     ) -> None:
+        """`step_costs`: where the engine records what its burst and verifying steps take
+        and the cost gate reads it (etjax/drafting/costs.py; `build_engine` passes the
+        process's table for the model); None: the gate's cost model alone (a mock device,
+        whose timings mean nothing)."""
         scheduler.check_starvation_bound(
             options.resident_rows, options.max_batch_size, options.min_advance_rounds
         )
@@ -149,6 +156,7 @@ class Engine:
         # How the engine's lookup drafts fared so far, all sequences pooled: where a new
         # sequence's own estimate starts (etjax/drafting/rule.py, "Where an estimate starts").
         self.draft_pool = DraftHistory(options.speculation.acceptance_prior)
+        self.step_costs = step_costs
 
     # Submission -------------------------------------------------------------------------
 
@@ -381,6 +389,7 @@ class Engine:
             spec,
             self.options.steps_per_sync,
             budget,
+            self.step_costs,
         )
         for seq, draft in zip(batch, drafts, strict=True):
             if draft and seq.drafts is None:  # a forced run, speculation off
@@ -399,7 +408,9 @@ class Engine:
         signal = [s.output.calibrated_entropy for s in batch]
         entropies = [h[-1] if h else None for h in signal]
         histories = [s.drafts for s in batch]
-        lengths = draft_lengths(entropies, histories, spec, budget, self.draft_pool)
+        lengths = draft_lengths(
+            entropies, histories, spec, budget, self.draft_pool, costs=self.step_costs
+        )
         # The lookup continues the committed text, so its first token predicts the one the
         # device samples this step; the drafts are what follows that prediction. A
         # constrained row's are cut where its grammar would refuse them.
@@ -433,6 +444,7 @@ class Engine:
         order = sorted(range(len(batch)), key=lambda i: batch[i].row)
         batch, drafts = [batch[i] for i in order], [drafts[i] for i in order]
         forced = [forced[i] for i in order]
+        compiled = self._compiles()
         started = time.perf_counter()
         out, budgets, costs, prompt_logprobs = self.backend.mixed(
             [s.row for s in batch],
@@ -443,6 +455,10 @@ class Engine:
             drafts if any(drafts) else None,
         )
         elapsed = time.perf_counter() - started
+        if batch and not jobs and any(drafts) and self._measured(compiled):
+            # A verifying step alone (the host arrays it returns are on the host: the
+            # device is done), for the cost gate.
+            self.step_costs.record_verify(len(batch), sum(map(len, drafts)), elapsed)
         if batch:
             self.decode_rounds += 1
             self.decode_bursts += 1
@@ -606,6 +622,7 @@ class Engine:
         return sum(self._decode_burst(sorted(g, key=lambda s: s.row)) for g in groups)
 
     def _decode_burst(self, batch: list[Sequence]) -> float:
+        compiled = self._compiles()
         started = time.perf_counter()
         out, budgets, spared = self.backend.decode(
             [s.row for s in batch],
@@ -616,9 +633,22 @@ class Engine:
         )
         elapsed = time.perf_counter() - started
         self.decode_bursts += 1
-        self.model_passes += int(np.any(out.emitted, axis=1).sum())  # steps that ran
+        ran = int(np.any(out.emitted, axis=1).sum())  # steps in which a row ran
+        self.model_passes += ran
+        steps = self.options.steps_per_sync
+        if ran == steps and self._measured(compiled):  # a whole burst
+            self.step_costs.record_burst(len(batch), elapsed / steps)
         self._collect(batch, out, budgets, spared=spared)
         return elapsed
+
+    def _compiles(self) -> int | None:
+        # JAX's compile events so far, while the engine measures its steps (None when not).
+        return None if self.step_costs is None else compile_events()
+
+    def _measured(self, compiled_before: int | None) -> bool:
+        # Whether the device call just made is a sample of its step's cost: the engine
+        # measures, and nothing was traced or compiled during it.
+        return compiled_before is not None and compile_events() == compiled_before
 
     def _collect(
         self, batch: list[Sequence], out, budgets, one_pass: bool = False, spared=None
@@ -683,16 +713,21 @@ class Engine:
             "prompt_tokens": float(len(seq.prompt)),
             "cached_tokens": float(seq.cached_tokens),  # of them, served by the prefix cache
             "preemptions": float(seq.preemptions),
-            # Drafts (speculation's lookups, a grammar's forced runs): model passes per
-            # generated token (1 without drafts), drafted tokens,
-            # the fraction of them accepted, the passes that verified drafts and the drafted
-            # tokens each of those accepted on average.
-            "passes_per_token": seq.decode_passes / n if n else 0.0,
+            # Drafts (speculation's lookups, a grammar's forced runs), counted: the decode
+            # passes that gave it tokens (burst steps and ragged steps, verifying or not;
+            # prefill not counted), tokens drafted, drafts accepted, and the passes that
+            # verified drafts. Without a stop string cutting a pass's tokens,
+            # generated_tokens = model_passes + accepted_tokens. Then as ratios: passes per
+            # generated token (1 without drafts), the fraction of drafts accepted, and the
+            # drafts a verifying pass accepted on average.
+            "model_passes": float(seq.decode_passes),
             "drafted_tokens": float(seq.drafts.drafted) if seq.drafts else 0.0,
+            "accepted_tokens": float(seq.drafts.accepted) if seq.drafts else 0.0,
+            "verify_steps": float(seq.drafts.verify_steps) if seq.drafts else 0.0,
+            "passes_per_token": seq.decode_passes / n if n else 0.0,
             "acceptance_rate": seq.drafts.accepted / seq.drafts.drafted
             if seq.drafts and seq.drafts.drafted
             else 0.0,
-            "verify_steps": float(seq.drafts.verify_steps) if seq.drafts else 0.0,
             "mean_accepted_length": seq.drafts.accepted / seq.drafts.verify_steps
             if seq.drafts and seq.drafts.verify_steps
             else 0.0,

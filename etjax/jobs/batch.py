@@ -45,7 +45,7 @@ from etjax.jobs.stop_signals import StopSignals
 from etjax.loaders.loaded_model import Model
 from etjax.progress import Progress
 from etjax.run_config import RunConfig
-from etjax.runtime.options import SequenceOutput
+from etjax.runtime.options import DRAFT_COUNTS, SequenceOutput
 
 log = logging.getLogger("etjax")
 
@@ -318,7 +318,10 @@ def _sample(out: SequenceOutput, seed: int) -> dict:
         "text": out.text,
         "finish_reason": out.finish_reason,
         "token_ids": out.token_ids,
-        "metrics": out.metrics | {"mean_entropy": float(np.mean(out.entropy)) if n else 0.0},
+        # Counts as integers (what drafting did: DRAFT_COUNTS).
+        "metrics": out.metrics
+        | {"mean_entropy": float(np.mean(out.entropy)) if n else 0.0}
+        | {name: int(out.metrics[name]) for name in DRAFT_COUNTS if name in out.metrics},
         "seed": seed,
     } | {
         name: getattr(out, name)

@@ -235,4 +235,12 @@ class SequenceOutput(Trace):
     # failed on a constrained request (`error` says why; the text need not match)
     finish_reason: str = ""
     error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)  # latencies (s), see engine.py
+    # Latencies (s) and counts, see engine.py `_stamp_finish`; among them what drafting did
+    # (DRAFT_COUNTS): model_passes (the decode passes that gave it tokens), drafted_tokens,
+    # accepted_tokens (of those drafted) and verify_steps (the passes that verified drafts).
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# The per-request counts of what drafting did (speculation's lookups, a grammar's forced
+# runs), as `SequenceOutput.metrics` names them; `etjax.Result` has each as a field.
+DRAFT_COUNTS = ("model_passes", "drafted_tokens", "accepted_tokens", "verify_steps")

@@ -1,0 +1,153 @@
+"""`StepCosts`: what a verifying step and a burst step cost on the machine the engine runs on.
+
+The cost gate (rule.py, `verification_pays`) needs one number: how much a verifying ragged
+step of a batch costs against one step of a decode burst over the same rows. The constants of
+`SpeculationConfig` (`pass_fixed_tokens`, `verify_row_tokens`) were fitted on one CPU; on
+another the ratio differs (docs/PERF.md, "What a verifying step costs against a burst step":
+a one-row ragged step cost 2.05-2.22x a burst step on an AMD EPYC). So the engine times its
+own steps and the gate reads the ratio measured here where it has one:
+
+- a burst: its seconds over its steps, keyed by its row bucket (only bursts whose every step
+  ran a row: a step after every row finished skips the model);
+- a ragged step with drafts and no prefill chunk: its seconds, keyed by its row bucket and
+  its token bucket (what the cost model prices it by).
+
+A call during which JAX traced or compiled anything is not a sample (the compiler, not the
+step; `compile_events`). Each key keeps its last `WINDOW` samples and is read as their median
+once it has `MIN_SAMPLES`, so one slow call (another process on the machine) moves nothing.
+A verifying shape not measured yet is priced from one measured at the same row bucket, scaled
+by the cost model's ratio of the two token buckets; with no burst or no verifying step
+measured at a row bucket, the constants decide.
+
+One table per process and model shape (`measured_costs`): engines built one after another in
+a process (each `decode()` call builds one) start from what earlier ones measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable, Hashable, Mapping
+
+from etjax.buckets import batch_bucket, ragged_token_bucket
+
+WINDOW = 16  # samples kept per shape: the recent ones (the context grows, the cost with it)
+MIN_SAMPLES = 2  # samples a shape needs before the gate reads it
+
+
+class StepCosts:
+    """Measured seconds of burst steps and verifying steps, by shape.
+
+    burst, verify: a fixed table to start from (tests, or a table measured elsewhere), in
+    seconds: `{row bucket: s}` per burst step and `{(row bucket, token bucket): s}` per
+    verifying step. frozen: `record_*` are ignored, so the table stays as given (a gate whose
+    decisions a test can work out by hand).
+    """
+
+    def __init__(
+        self,
+        burst: Mapping[int, float] | None = None,
+        verify: Mapping[tuple[int, int], float] | None = None,
+        frozen: bool = False,
+    ) -> None:
+        self.frozen = frozen
+        self._burst: dict[int, deque[float]] = {}
+        self._verify: dict[tuple[int, int], deque[float]] = {}
+        for rows, seconds in (burst or {}).items():
+            self._burst[rows] = deque([seconds] * MIN_SAMPLES, WINDOW)
+        for shape, seconds in (verify or {}).items():
+            self._verify[shape] = deque([seconds] * MIN_SAMPLES, WINDOW)
+
+    def record_burst(self, rows: int, seconds_per_step: float) -> None:
+        """One burst over `rows` rows took `seconds_per_step` per step."""
+        if not self.frozen:
+            self._burst.setdefault(batch_bucket(rows), deque(maxlen=WINDOW)).append(
+                seconds_per_step
+            )
+
+    def record_verify(self, rows: int, drafted: int, seconds: float) -> None:
+        """One ragged step of `rows` rows verifying `drafted` tokens (no prefill) took
+        `seconds`."""
+        if not self.frozen:
+            shape = (batch_bucket(rows), ragged_token_bucket(rows + drafted))
+            self._verify.setdefault(shape, deque(maxlen=WINDOW)).append(seconds)
+
+    def burst_seconds(self, rows: int) -> float | None:
+        """A burst step over `rows` rows, in seconds; None until measured."""
+        return _median(self._burst.get(batch_bucket(rows)))
+
+    def verify_seconds(self, rows: int, drafted: int, model: Callable) -> float | None:
+        """A verifying step of `rows` rows and `drafted` drafts, in seconds: measured at its
+        shape, else at the nearest measured token bucket of its row bucket scaled by
+        `model(rows, tokens)` (the cost model's price of a step of that many tokens); None
+        when no verifying step of its row bucket is measured."""
+        bucket, tokens = batch_bucket(rows), ragged_token_bucket(rows + drafted)
+        exact = _median(self._verify.get((bucket, tokens)))
+        if exact is not None:
+            return exact
+        measured = [
+            (t, s)
+            for (b, t), samples in self._verify.items()
+            if b == bucket and (s := _median(samples)) is not None
+        ]
+        if not measured:
+            return None
+        near, seconds = min(measured, key=lambda m: abs(m[0] - tokens))
+        return seconds * model(rows, tokens) / model(rows, near)
+
+    def medians(self) -> dict[str, float]:
+        """The seconds the gate reads for each shape measured enough (what a report shows)."""
+        shapes = {f"burst step rows={b}": s for b, s in self._burst.items()}
+        shapes |= {f"verify rows={b} tokens={t}": s for (b, t), s in self._verify.items()}
+        return {name: m for name, s in shapes.items() if (m := _median(s)) is not None}
+
+    def samples(self) -> dict[str, int]:
+        """How many samples each shape holds (what a report or a test can count)."""
+        burst = {f"burst rows={b}": len(s) for b, s in self._burst.items()}
+        verify = {f"verify rows={b} tokens={t}": len(s) for (b, t), s in self._verify.items()}
+        return burst | verify
+
+
+def _median(samples: deque[float] | None) -> float | None:
+    if not samples or len(samples) < MIN_SAMPLES:
+        return None
+    return statistics.median(samples)
+
+
+_TABLES: dict[Hashable, StepCosts] = {}
+
+
+def measured_tables() -> dict[Hashable, StepCosts]:
+    """Every table this process measured, by its key (`measured_costs`)."""
+    return dict(_TABLES)
+
+
+def measured_costs(key: Hashable) -> StepCosts:
+    """This process's table for the engines of one model shape and backend (`key`: whatever
+    changes what a step costs: the model config, attention backend, KV dtype, pruning,
+    mesh, draft width)."""
+    return _TABLES.setdefault(key, StepCosts())
+
+
+class _CompileEvents:
+    # A count of JAX's tracing, lowering and compiling events in this process (monitoring
+    # listeners, registered once): a device call during which it moved compiled something.
+    count = 0
+    listening = False
+
+    @classmethod
+    def on_event(cls, event: str, *_, **__) -> None:
+        if event.startswith(("/jax/core/compile/", "/jax/compilation_cache/")):
+            cls.count += 1
+
+
+def compile_events() -> int:
+    """JAX trace, lowering, compile and compilation-cache events in this process so far (a
+    call that moved this count compiled, and its time is no step's cost)."""
+    if not _CompileEvents.listening:
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(_CompileEvents.on_event)
+        jax.monitoring.register_event_listener(_CompileEvents.on_event)
+        _CompileEvents.listening = True
+    return _CompileEvents.count
