@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
+from etjax.errors import ConfigError
 from etjax.loaders.gguf_weights import gguf_model_config, open_gguf
 from etjax.plan.programs import (
     burst_call,
@@ -131,3 +132,12 @@ def test_block_sparse_kernel_compiles_at_float16_kv(chip):
             .compile()
         )
     assert BLOCK_SPARSE in mosaic_kernels(compiled.as_text())
+
+
+def test_float16_kv_is_refused_on_a_tpu_by_name(cfg):
+    # The kernel reads float16 tiles (above), but Mosaic takes no float16 operand: the pool
+    # would reach it through a conversion XLA makes a copy of the whole pool at every layer
+    # (a 2-layer burst's temporaries grew by 2.25x the pool: docs/TPU.md).
+    options = _options(pruning=True, kv_dtype="float16")
+    with pytest.raises(ConfigError, match=r"kv_dtype='float16' on a TPU.*bfloat16"):
+        compile_only_backend(cfg, options, NUM_PAGES, Topology.parse("v5e-1"))

@@ -47,6 +47,7 @@ from etjax.engine.step_inputs import (
     mixed_inputs,
 )
 from etjax.entropy.cost import CostModel
+from etjax.errors import ConfigError
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
@@ -102,6 +103,7 @@ class DeviceBackend:
         self.attention_backend = resolve_backend(
             options.attention_backend, platform, devices=shape.size
         )
+        _check_tpu_kv_dtype(self.attention_backend, self.kv_dtype)
         # The most tokens a row drafts: speculation's, or a constrained row's forced run.
         self.max_draft = forced_draft_limit(options.speculation, options.steps_per_sync)
         # What a step's layout follows (etjax/engine/step_inputs.py).
@@ -406,3 +408,16 @@ def _sharded(tree, shardings):
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
+
+
+def _check_tpu_kv_dtype(backend, kv_dtype: str | None) -> None:
+    # Mosaic takes no float16 operand (kernel arguments are bfloat16 or 32-bit), so a float16
+    # pool reaches the TPU kernel only through a conversion, which XLA makes a copy of the
+    # whole pool at every layer of every step (tests/test_tpu_compile.py). bfloat16 stores the
+    # same 16 bits a value.
+    if backend.name == "pallas_tpu" and not backend.interpret and kv_dtype == "float16":
+        raise ConfigError(
+            "kv_dtype='float16' on a TPU: its attention kernel cannot read float16 pages in "
+            "place (Mosaic takes no float16 operand; converting them would copy the KV pool "
+            "at every layer); use kv_dtype='bfloat16' or 'model'"
+        )
