@@ -8,7 +8,10 @@
   once, stacked (cascade attention); `blocks_read_for_others`, what that spares each row.
 - `backend.py`: `AttentionBackend`, the kernels a step runs, and `resolve_backend`, which
   picks them by platform.
-- `seam.py`: `attend`, which runs a plan.
+- `seam.py`: `attend`, which runs a plan's dense passes.
+- `layer.py`: `attend_layer`, the model's one attention call per layer, which decides whether
+  the layer's tokens attend densely, through their window or to their pruned blocks;
+  `SparsePlan`, the pruned rows' part of a step's plans; `check_plans`.
 - `pruned.py`: `pruned_decode_attention`, block selection by Quest bounds and the
   block-sparse kernel of the chosen backend; `kept_table_width`, the kept table's static
   width per backend.
@@ -18,6 +21,7 @@ the engine and the device programs (etjax/runtime/, etjax/engine/) above.
 """
 
 from etjax.attention.backend import BACKENDS, XLA, AttentionBackend, resolve_backend
+from etjax.attention.layer import SparsePlan, attend_layer, check_plans
 from etjax.attention.plan import (
     AttentionPlan,
     PlanSizes,
@@ -36,7 +40,10 @@ __all__ = [
     "AttentionBackend",
     "AttentionPlan",
     "PlanSizes",
+    "SparsePlan",
     "attend",
+    "attend_layer",
+    "check_plans",
     "decode_sharing",
     "kept_table_width",
     "padded_batch_plan",

@@ -23,11 +23,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from etjax.attention import XLA, PlanSizes, kept_table_width, padded_batch_plan, plan_segments
+from etjax.attention import (
+    XLA,
+    PlanSizes,
+    SparsePlan,
+    kept_table_width,
+    padded_batch_plan,
+    plan_segments,
+)
 from etjax.cache.kv_cache import KVCache, init_kv_cache, token_pages
 from etjax.entropy.cost import CostModel
 from etjax.entropy.estimators import exact_entropy
-from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
+from etjax.model.transformer import forward, logits_from_hidden
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.steps import prefill_chunk

@@ -19,20 +19,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-from etjax.attention import XLA, AttentionBackend, AttentionPlan, attend, pruned_decode_attention
-from etjax.cache.kv_cache import NULL_PAGE, KVCache, PagePool, cache_from_pool, page_pool, write_kv
+from etjax.attention import AttentionPlan, SparsePlan, attend_layer, check_plans
+from etjax.cache.kv_cache import KVCache, cache_from_pool, page_pool, write_kv
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
 from etjax.model.layers import rms_norm
 from etjax.model.products import project
 from etjax.model.rope import apply_rope, rope_attention_factor, rope_inverse_frequencies
 from etjax.model.weights import Weights
-from etjax.pruning.config import PruningShape, PruningThresholds
-from etjax.pruning.groups import PrunedGroups
 
 
 def forward(
@@ -68,24 +65,9 @@ def forward(
     Returns:
       hidden: [T, D] final-normed hidden states in the model dtype, and the updated cache.
     """
-    if plan is None and (sparse is None or sparse.slots is not None):
-        raise ValueError("forward needs an attention plan for tokens that are not pruned rows")
-    if plan is not None and plan.window != cfg.attention_window:
-        raise ValueError(
-            f"an attention plan for a window of {plan.window} positions; the model's local "
-            f"layers have {cfg.attention_window} (plan_passes(window=cfg.attention_window))"
-        )
-    if sparse is not None and cfg.attn_logit_softcapping:
-        raise ValueError(
-            "pruned attention does not soft-cap attention scores "
-            f"(attn_logit_softcapping={cfg.attn_logit_softcapping}, Gemma 2): decode without "
-            "pruning"
-        )
-    if sparse is not None and cfg.local_layers and plan is None:
-        raise ValueError(
-            "pruned attention on a model with sliding-window layers needs a plan: its local "
-            "layers read each row's window densely (plan_passes(local_groups=...))"
-        )
+    check_plans(
+        plan, sparse, cfg.attention_window, cfg.attn_logit_softcapping, bool(cfg.local_layers)
+    )
     if active_k is not None and not cfg.num_experts:
         raise ValueError(f"active_k given for a model without routed experts ({cfg.architecture})")
     # What a layer computes around attention is its family's (etjax/model/families/).
@@ -133,10 +115,10 @@ def forward(
         )
         v = qkv[:, q_width + kv_width :].reshape(t, cfg.num_kv_heads, hd)
         first_page = index * pool.pages_per_layer
-        heads, pool = _attention(
+        pool = write_kv(pool, k, v, write_pages, positions, first_page)
+        # The layer's one attention call: dense, windowed or pruned is decided there.
+        heads, pool = attend_layer(
             q,
-            k,
-            v,
             pool,
             first_page,
             positions,
@@ -155,31 +137,6 @@ def forward(
     return hidden, cache_from_pool(pool)
 
 
-@flax.struct.dataclass
-class SparsePlan:
-    """How a decode step prunes attention: per-row block budgets, the static settings and the
-    traced thresholds."""
-
-    budget_blocks: jax.Array  # [B] int32 blocks each row may read (all layers and KV heads)
-    page_table: jax.Array  # [B, P] int32 pages of each row's sequence
-    thresholds: PruningThresholds
-    pruning: PruningShape = flax.struct.field(pytree_node=False)
-    max_kept: int = flax.struct.field(pytree_node=False)  # static width of the kept table
-    backend: AttentionBackend = flax.struct.field(pytree_node=False, default=XLA)
-    # [B] int32 flat index of each row's token in a ragged step (out of range for padding
-    # rows); None: the step's tokens are exactly the rows'.
-    slots: jax.Array | None = None
-    # [B] int32 each row's row of the cache's block mass (the engine's store rows); None: row
-    # b is row b.
-    rows: jax.Array | None = None
-    # [B] float32 the kept fraction the budgets come from, for a row whose tokens reach past
-    # its first token's page (a verifying row's drafts: runtime/steps.py `_per_token`).
-    fraction: jax.Array | None = None
-    # Rows sharing a prefix that select and read it together (etjax/pruning/groups.py);
-    # None: each row alone. Only for a step whose tokens are exactly the rows'.
-    groups: PrunedGroups | None = None
-
-
 def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
     """Project hidden states [..., D] to float32 logits [..., V] (tied or untied head, both
     [V, D]), soft-capped where the model caps them (`Weights.logit_softcap`, Gemma 2)."""
@@ -187,82 +144,3 @@ def logits_from_hidden(weights: Weights, hidden: jax.Array) -> jax.Array:
     logits = project(hidden, table, jnp.float32)
     cap = weights.logit_softcap
     return logits if not cap else cap * jnp.tanh(logits / cap)
-
-
-def _attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    pool: PagePool,
-    first_page: jax.Array,
-    positions: jax.Array,
-    write_pages: jax.Array,
-    plan: AttentionPlan | None,
-    sparse: SparsePlan | None,
-    local: jax.Array | bool = False,
-    softcap: float = 0.0,
-) -> tuple[jax.Array, PagePool]:
-    # q: [T, H, hd], k, v: [T, KVH, hd] (RoPE applied) -> attention heads [T, H, hd] and the
-    # pool with this layer's pages updated; first_page: the pool page of this layer's page 0;
-    # local: a sliding-window layer (the plan's local passes); softcap: Gemma 2's cap on
-    # scores (dense attention only: forward refuses pruning with one).
-    pool = write_kv(pool, k, v, write_pages, positions, first_page)
-    if sparse is None:
-        return attend(q, pool.k, pool.v, positions, plan, first_page, local, softcap), pool
-    if plan is None or plan.window == 0:
-        return _pruned_attention(q, pool, first_page, positions, write_pages, plan, sparse)
-
-    # A model with sliding-window layers: only its global layers prune; a local layer reads
-    # every token's window through the plan's local passes (the block mass stays as it was).
-    def windowed():
-        return attend(q, pool.k, pool.v, positions, plan, first_page, True), pool.block_mass
-
-    def pruned():
-        heads, pruned_pool = _pruned_attention(
-            q, pool, first_page, positions, write_pages, plan, sparse
-        )
-        return heads, pruned_pool.block_mass
-
-    heads, mass = jax.lax.cond(local, windowed, pruned)
-    return heads, pool.replace(block_mass=mass)
-
-
-def _pruned_attention(
-    q: jax.Array,
-    pool: PagePool,
-    first_page: jax.Array,
-    positions: jax.Array,
-    write_pages: jax.Array,
-    plan: AttentionPlan | None,
-    sparse: SparsePlan,
-) -> tuple[jax.Array, PagePool]:
-    # The rows' tokens (a verifying row's drafts each as a row: runtime/steps.py) read the
-    # blocks their budgets keep; in a ragged step, the plan's tokens (chunks) attend densely.
-    slots = sparse.slots
-
-    def rows_of(x):  # the rows' entries of a flat array (zeros for padding rows)
-        return x if slots is None else x.at[slots].get(mode="fill", fill_value=0)
-
-    rows = sparse.rows
-    if rows is None:
-        rows = jnp.arange(sparse.page_table.shape[0], dtype=jnp.int32)
-    layer = first_page // pool.pages_per_layer
-    heads, pool = pruned_decode_attention(
-        rows_of(q),
-        pool,
-        rows_of(positions),
-        rows_of(write_pages) != NULL_PAGE,
-        sparse.page_table + first_page,
-        sparse.budget_blocks,
-        sparse.pruning,
-        sparse.thresholds,
-        sparse.max_kept,
-        sparse.backend,
-        mass_rows=rows + layer * pool.mass_rows_per_layer,
-        groups=sparse.groups,
-        fraction=sparse.fraction,
-    )
-    if slots is None:
-        return heads, pool
-    dense = attend(q, pool.k, pool.v, positions, plan, first_page)
-    return dense.at[slots].set(heads, mode="drop"), pool

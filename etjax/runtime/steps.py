@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.lax import with_sharding_constraint as constrain
 
-from etjax.attention import XLA, AttentionBackend, AttentionPlan
+from etjax.attention import XLA, AttentionBackend, AttentionPlan, SparsePlan
 from etjax.cache.kv_cache import KVCache
 from etjax.distributed.mesh import DATA, MODEL
 from etjax.distributed.placement import Placement
@@ -35,7 +35,7 @@ from etjax.entropy.cost import CostModel
 from etjax.experts.config import ExpertConfig
 from etjax.model.config import ModelConfig
 from etjax.model.products import row_products
-from etjax.model.transformer import SparsePlan, forward, logits_from_hidden
+from etjax.model.transformer import forward, logits_from_hidden
 from etjax.model.weights import Weights
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig, PruningShape, PruningThresholds
