@@ -1,0 +1,191 @@
+"""Speculation as a latency user meets it on this machine: batch 1, greedy, `decode()` with and
+without `speculation=True`, on copy-heavy and free-form prompts (SmolLM2-135M-Instruct).
+
+- copy-heavy: a passage of a Lee corpus article, then "Repeat the passage above word for
+  word." (prompt lookup should draft long runs and have them accepted); target: latency with
+  speculation at most 0.6x of without;
+- free-form: an instruction with little to copy; target: at least 0.98x the speed without
+  (the cost gate, on the step costs measured here, keeps speculation from costing).
+
+Each prompt runs alone (one `decode()` call: batch 1, `max_new_tokens` new tokens, end of
+sequence ignored so every call does the same work), once per setting as a warm-up
+(compilation, and the gate's step costs measured: etjax/drafting/costs.py), then
+`--repeats` interleaved repetitions (the settings' order alternating per repetition).
+Reports, per prompt and per kind, the median latency and its spread with and without, the
+median of the paired ratios, and beside them what speculation did (tokens drafted and
+accepted, verifying passes, model passes, from `Result`); checks that the outputs are
+identical. Writes the "speculation_gate" section of docs/PERF.md.
+
+    .venv/bin/python benchmarks/speculation_gate.py [--prompts 4] [--repeats 5]
+    .venv/bin/python benchmarks/speculation_gate.py --prompts 1 --repeats 1 --no-write  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.perf_report import machine_line, write_section
+from etjax.bench.perf_doc import cpu_name
+from etjax.drafting.costs import measured_tables
+from etjax.runtime.options import DRAFT_COUNTS
+
+SETTINGS = ("off", "on")
+# Held-out articles of the Lee corpus for the passages (none of them is in the mixed
+# workload's first requests), and how many tokens of each.
+ARTICLES = (17, 58, 121, 203)
+PASSAGE_TOKENS = 96
+FREE_FORM = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain to a child why the sky is blue.",
+    "Give three tips for someone learning to cook, with a reason for each.",
+    "Describe a busy market early in the morning.",
+)
+
+
+def prompts(tokenizer, articles: list[str], count: int) -> dict[str, list[str]]:
+    """`count` prompts of each kind: copy-heavy and free-form."""
+    copy = []
+    for index in ARTICLES[:count]:
+        passage = tokenizer.decode(tokenizer.encode(articles[index])[:PASSAGE_TOKENS])
+        copy.append(f"{passage.strip()}\n\nRepeat the passage above word for word.")
+    return {"copy-heavy": copy, "free-form": list(FREE_FORM[:count])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4, help="prompts of each kind (<= 4)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--no-write", action="store_true", help="print, do not write PERF.md")
+    args = parser.parse_args()
+    import etjax
+    from etjax.bench.corpus import lee_articles
+
+    model = etjax.load_model()
+    kinds = prompts(model.tokenizer, lee_articles(), min(args.prompts, len(ARTICLES)))
+    cases = [(kind, i, text) for kind, texts in kinds.items() for i, text in enumerate(texts)]
+
+    def run(text: str, setting: str):
+        started = time.perf_counter()
+        (result,) = etjax.decode(
+            text,
+            model=model,
+            chat=True,
+            max_new_tokens=args.max_new_tokens,
+            ignore_eos=True,
+            max_batch_size=1,
+            speculation=setting == "on",
+        )
+        return time.perf_counter() - started, result
+
+    first = {}
+    for kind, i, text in cases:  # warm-up: compiles, and the gate's costs are measured
+        for setting in SETTINGS:
+            first[(kind, i, setting)] = run(text, setting)[1]
+    seconds = {(kind, i, s): [] for kind, i, _ in cases for s in SETTINGS}
+    counts, identical = {}, {}
+    for rep in range(args.repeats):
+        order = SETTINGS if rep % 2 == 0 else SETTINGS[::-1]
+        for kind, i, text in cases:
+            for setting in order:
+                elapsed, result = run(text, setting)
+                seconds[(kind, i, setting)].append(elapsed)
+                counts[(kind, i, setting)] = {name: getattr(result, name) for name in DRAFT_COUNTS}
+                same = result.token_ids == first[(kind, i, "off")].token_ids
+                identical[(kind, i)] = identical.get((kind, i), True) and same
+            print(kind, i, {s: f"{seconds[(kind, i, s)][-1]:.2f} s" for s in SETTINGS}, flush=True)
+    raw = _raw(args, cases, seconds, counts, identical)
+    markdown = _markdown(raw)
+    print(markdown)
+    if not args.no_write:
+        write_section("speculation_gate", markdown, raw)
+
+
+def _raw(args, cases, seconds, counts, identical) -> dict:
+    rows = []
+    for kind, i, text in cases:
+        off, on = seconds[(kind, i, "off")], seconds[(kind, i, "on")]
+        rows.append(
+            {
+                "kind": kind,
+                "prompt": i,
+                "text": text,
+                "off_s": off,
+                "on_s": on,
+                # Paired: each repetition's two runs were next to each other.
+                "ratio": statistics.median(b / a for a, b in zip(off, on, strict=True)),
+                "counts": counts[(kind, i, "on")],
+                "identical": identical[(kind, i)],
+            }
+        )
+    costs = {key: table.medians() for key, table in measured_tables().items()}
+    return {
+        "machine": machine_line(),
+        "date": str(datetime.date.today()),
+        "command": shlex.join(sys.argv[1:]),
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats,
+        "rows": rows,
+        "step_costs": costs,  # the gate's measured inputs (seconds), per model shape
+    }
+
+
+def _markdown(raw: dict) -> str:
+    lines = [
+        "## Speculation at batch 1 on this machine: copy-heavy and free-form text "
+        f"(SmolLM2-135M-Instruct, float32, greedy, {cpu_name(raw['machine'])})",
+        "",
+        f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
+        f"benchmarks/speculation_gate.py {raw['command']}`. Each prompt alone through "
+        f"`decode(..., chat=True, max_new_tokens={raw['max_new_tokens']}, ignore_eos=True)` "
+        "with `speculation` off and on; a warm-up call of each, then "
+        f"{raw['repeats']} interleaved repetitions (the settings' order alternating), median "
+        "(min-max) seconds and the median of the paired on/off ratios. Copy-heavy: a "
+        '96-token passage of a Lee corpus article, then "Repeat the passage above word for '
+        'word."; free-form: an instruction with little to copy. Counts: what speculation did '
+        "in the last repetition (`Result` fields).",
+        "",
+        "| kind | prompt | off s | on s | on / off | drafted | accepted | verifying passes | "
+        "model passes | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in raw["rows"]:
+        c = row["counts"]
+        lines.append(
+            f"| {row['kind']} | {row['prompt']} | {_spread(row['off_s'])} | "
+            f"{_spread(row['on_s'])} | {row['ratio']:.2f}x | {c['drafted_tokens']} | "
+            f"{c['accepted_tokens']} | {c['verify_steps']} | {c['model_passes']} | "
+            f"{'yes' if row['identical'] else 'NO'} |"
+        )
+    lines += ["", "| kind | on / off (median of prompts) | target | identical |"]
+    lines.append("|---|---|---|---|")
+    targets = {"copy-heavy": "<= 0.60x", "free-form": "<= 1.02x (>= 0.98x the speed)"}
+    for kind, target in targets.items():
+        rows = [r for r in raw["rows"] if r["kind"] == kind]
+        if rows:
+            ratio = statistics.median(r["ratio"] for r in rows)
+            same = all(r["identical"] for r in rows)
+            lines.append(f"| {kind} | {ratio:.2f}x | {target} | {'yes' if same else 'NO'} |")
+    for medians in raw["step_costs"].values():
+        if medians:
+            shown = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in medians.items())
+            lines += ["", f"The gate's measured step costs (median): {shown}."]
+    return "\n".join(lines)
+
+
+def _spread(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.2f}"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+
+
+if __name__ == "__main__":
+    main()
