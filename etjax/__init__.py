@@ -8,6 +8,7 @@ from etjax.api import Result, decode, load_model
 from etjax.calibrate.fit import calibrate
 from etjax.errors import EtjaxError, ModelLoadError, RequestError, TokenizerError
 from etjax.loaders.loaded_model import Model
+from etjax.planning.plan import plan
 
 __all__ = [
     "EtjaxError",
@@ -19,5 +20,6 @@ __all__ = [
     "calibrate",
     "decode",
     "load_model",
+    "plan",
 ]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ from etjax.calibrate.command import add_calibrate
 from etjax.compilation_cache import use_persistent_cache
 from etjax.errors import EtjaxError, JobInterrupted
 from etjax.generate_command import add_generate
+from etjax.planning.command import add_plan
 from etjax.serve.command import add_serve
 
 log = logging.getLogger("etjax")
@@ -179,6 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_bench(commands)
     add_calibrate(commands)
     add_serve(commands)
+    add_plan(commands)
 
     conv = commands.add_parser("convert", help="convert a model to an etjax (orbax) checkpoint")
     conv.add_argument("source", help="a .gguf file, a Hugging Face directory or a model name")

@@ -1,4 +1,4 @@
-"""The engine's step programs built by the TPU compiler, from this CPU (etjax/plan/programs.py).
+"""The engine's step programs built by the TPU compiler, from this CPU (etjax/planning/programs.py).
 
 `jax.export` (tests/test_export.py) proves the lowering rules; these compile: XLA:TPU and
 Mosaic build the programs for a v5e or v6e chip described by libtpu, which also says what each
@@ -22,14 +22,14 @@ from jax.sharding import SingleDeviceSharding
 
 from etjax.errors import ConfigError
 from etjax.loaders.gguf_weights import gguf_model_config, open_gguf
-from etjax.plan.programs import (
+from etjax.planning.programs import (
     burst_call,
     compile_only_backend,
     compile_program,
     mosaic_kernels,
     ragged_call,
 )
-from etjax.plan.topology import Topology
+from etjax.planning.topology import Topology
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RuntimeOptions
 from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu

@@ -79,7 +79,7 @@ class DeviceBackend:
         compile_only: bool = False,
     ) -> None:
         """`devices`: those the engine runs on (default: this process's). `compile_only`: the
-        programs are lowered and compiled for `devices`, never run (etjax/plan: devices of a
+        programs are lowered and compiled for `devices`, never run (etjax/planning: devices of a
         TPU topology this host does not have); the weights are shapes, and so are the KV pool
         and the row store: nothing is allocated, nor checked against this host's memory."""
         self.cfg, self.options = cfg, options
@@ -216,7 +216,7 @@ class DeviceBackend:
         drafts: list[list[int]] | None = None,
     ) -> tuple[MixedInputs, dict]:
         """The layout of `mixed`'s step and the keyword arguments it calls `mixed_step` with
-        (what etjax/plan lowers)."""
+        (what etjax/planning lowers)."""
         drafts = drafts or [[] for _ in rows]
         step = mixed_inputs(
             self.geometry,
@@ -370,7 +370,7 @@ class DeviceBackend:
         num: int,
     ) -> tuple[BurstInputs, dict]:
         """The layout of a burst over `rows` padded to `num` rows and the keyword arguments
-        `decode` calls `decode_steps` with (what etjax/plan lowers)."""
+        `decode` calls `decode_steps` with (what etjax/planning lowers)."""
         burst = burst_inputs(self.geometry, rows, pages, lengths, budgets, num)
         groups = burst.groups and PrunedGroups(*(jnp.asarray(x) for x in burst.groups))
         return burst, dict(

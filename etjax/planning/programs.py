@@ -24,7 +24,7 @@ from etjax.engine.backend import PrefillJob
 from etjax.engine.device import DeviceBackend
 from etjax.model.config import ModelConfig
 from etjax.model.weights import abstract_weights
-from etjax.plan.topology import Topology
+from etjax.planning.topology import Topology
 from etjax.runtime.options import RuntimeOptions
 from etjax.runtime.steps import decode_steps, mixed_step
 

@@ -1,0 +1,393 @@
+"""`etjax plan`: whether a model fits a TPU topology with an engine's settings, what each chip
+holds, the largest pool, batch and context that fit, and a modelled decode speed.
+
+The weights, the KV pool and the row store are counted from their shapes and the shardings the
+engine gives them (etjax/distributed/placement.py), per chip; the programs' temporaries come
+from the TPU compiler, which builds the engine's own step programs for the topology
+(programs.py). The programs are compiled at a reduced depth (`layers`, default 2): their
+weights and pool at full depth are counted, not compiled, and a step's scratch does not grow
+with its depth (one layer's buffers are reused by the next). The decode speed is a roofline
+model, not a measurement: a step reads the weights once and each row's KV (the cost model's
+bytes and FLOPs, etjax/entropy/cost.py), at the chip's published HBM bandwidth and peak FLOPs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from etjax.cache.kv_cache import init_kv_cache
+from etjax.cache.page_allocator import pages_needed
+from etjax.distributed.mesh import MeshShape, make_mesh
+from etjax.distributed.placement import Placement
+from etjax.engine.row_store import empty_store
+from etjax.entropy.cost import CostModel
+from etjax.errors import ConfigError, ModelLoadError
+from etjax.model.config import ModelConfig
+from etjax.model.weights import abstract_weights
+from etjax.planning.programs import (
+    ProgramReport,
+    burst_call,
+    compile_only_backend,
+    compile_program,
+    ragged_call,
+)
+from etjax.planning.topology import Topology
+from etjax.pruning.budget import kept_block_count
+from etjax.run_config import load_run_config
+from etjax.runtime.options import RuntimeOptions
+
+# The share of a chip's HBM a plan fills by default; the rest is left to the runtime's own
+# buffers and fragmentation (as other engines' memory-utilisation settings do).
+HBM_FRACTION = 0.95
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `plan` found; `as_dict` is `etjax plan --json`."""
+
+    model: str
+    topology: Topology
+    mesh: str
+    dtype: str
+    kv_dtype: str
+    batch: int
+    context: int
+    page_size: int
+    max_position: int  # the model's longest context
+    pruning: bool
+    weights_bytes: int  # all chips, each weight once
+    weights_bytes_per_chip: int
+    kv_bytes_per_page_per_chip: int
+    kv_pool_pages: int  # the pool the batch and context ask for, null page included
+    state_bytes_per_chip: int
+    programs: tuple[ProgramReport, ...]
+    compiled_layers: int
+    hbm_fraction: float
+    modelled: dict  # "dense" and, under pruning, "pruned": step seconds and tokens/s
+
+    @property
+    def chips(self) -> int:
+        return self.topology.chips
+
+    @property
+    def hbm_bytes_per_chip(self) -> int:
+        return self.topology.chip.hbm_bytes
+
+    @property
+    def kv_pool_bytes_per_chip(self) -> int:
+        return self.kv_pool_pages * self.kv_bytes_per_page_per_chip
+
+    @property
+    def program_bytes_per_chip(self) -> int:
+        """The largest program's scratch and code (0 when none was compiled)."""
+        return max((p.temp_bytes + p.code_bytes for p in self.programs), default=0)
+
+    @property
+    def usable_bytes_per_chip(self) -> int:
+        return int(self.hbm_bytes_per_chip * self.hbm_fraction)
+
+    @property
+    def fixed_bytes_per_chip(self) -> int:
+        """Everything but the pool: weights, row store, the programs' scratch and code."""
+        return self.weights_bytes_per_chip + self.state_bytes_per_chip + self.program_bytes_per_chip
+
+    @property
+    def total_bytes_per_chip(self) -> int:
+        return self.fixed_bytes_per_chip + self.kv_pool_bytes_per_chip
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes_per_chip <= self.usable_bytes_per_chip
+
+    @property
+    def max_pool_pages(self) -> int:
+        """The largest pool (pages, null page included) beside everything else."""
+        room = self.usable_bytes_per_chip - self.fixed_bytes_per_chip
+        return max(room // self.kv_bytes_per_page_per_chip, 0)
+
+    def max_batch(self, context: int) -> int:
+        """The most rows of `context` tokens the largest pool holds."""
+        return max(self.max_pool_pages - 1, 0) // pages_needed(context, self.page_size)
+
+    @property
+    def max_context(self) -> int:
+        """The longest context each of `batch` rows can have in the largest pool."""
+        pages = max(self.max_pool_pages - 1, 0) // self.batch
+        return min(pages * self.page_size, self.max_position)
+
+    def suggestions(self) -> list[str]:
+        """What would fit, when this does not."""
+        if self.fits:
+            return []
+        out = []
+        if self.weights_bytes_per_chip > self.usable_bytes_per_chip:
+            per_chip = self.weights_bytes / self.usable_bytes_per_chip
+            chips = next((n for n in (1, 4, 8) if n > per_chip * 1.1), None)
+            if chips and chips > self.chips:
+                out.append(f"more chips: {self.topology.chip.name}-{chips} (weights split)")
+            elif self.topology.chip.name == "v5e":
+                out.append("a chip with more HBM: v6e (32 GiB a chip)")
+            if self.dtype == "float32":
+                out.append("a smaller dtype: --dtype bfloat16 (half the weights)")
+            if not out:
+                out.append("more than one host's chips (not planned here)")
+            return out
+        if self.max_batch(self.context) >= 1:
+            out.append(f"a smaller batch: {self.max_batch(self.context)} at {self.context} tokens")
+        if self.max_context >= self.page_size:
+            out.append(f"a shorter context: {self.max_context} tokens at batch {self.batch}")
+        out.append(f"more chips than {self.chips} (the KV pool split by head)")
+        return out
+
+    def as_dict(self) -> dict:
+        """The plan as `etjax plan --json` prints it."""
+        return {
+            "model": self.model,
+            "topology": self.topology.name,
+            "mesh": self.mesh,
+            "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
+            "fits": self.fits,
+            "chips": self.chips,
+            "hbm_bytes_per_chip": self.hbm_bytes_per_chip,
+            "weights_bytes": self.weights_bytes,
+            "weights_bytes_per_chip": self.weights_bytes_per_chip,
+            "kv_pool_bytes_per_chip": self.kv_pool_bytes_per_chip,
+            "state_bytes_per_chip": self.state_bytes_per_chip,
+            "program_bytes_per_chip": self.program_bytes_per_chip,
+            "batch": self.batch,
+            "context": self.context,
+            "page_size": self.page_size,
+            "max_kv_pool_bytes_per_chip": self.max_pool_pages * self.kv_bytes_per_page_per_chip,
+            "max_batch_at_context": self.max_batch(self.context),
+            "max_context_at_batch": self.max_context,
+            "hbm_fraction": self.hbm_fraction,
+            "compiled_layers": self.compiled_layers,
+            "programs": [
+                {
+                    "name": p.name,
+                    "compile_s": round(p.compile_s, 2),
+                    "temp_bytes": p.temp_bytes,
+                    "code_bytes": p.code_bytes,
+                    "argument_bytes": p.argument_bytes,
+                    "kernels": list(p.kernels),
+                }
+                for p in self.programs
+            ],
+            "modelled_decode_tokens_per_s": self.modelled["dense"]["tokens_per_s"],
+            "modelled": self.modelled,
+            "suggestions": self.suggestions(),
+        }
+
+
+def plan(
+    model: str | Path,
+    topology: str = "v5e-1",
+    dtype: str = "bfloat16",
+    config: str | Path | None = None,
+    *,
+    batch: int | None = None,
+    context: int | None = None,
+    kv_dtype: str | None = None,
+    pruning: bool | None = None,
+    mesh: str | None = None,
+    layers: int = 2,
+    compile_programs: bool = True,
+    hbm_fraction: float = HBM_FRACTION,
+) -> Plan:
+    """Plan `model` (a GGUF file, or an HF folder or config.json; only the config is read) on
+    `topology` ("v5e-1", "v6e-8", ...) at `dtype`, with the engine options of `config` (a
+    config name or .toml path; default "default") and these overrides: `batch` rows of
+    `context` tokens (default the config's `max_batch_size`, and 4096 or the model's context),
+    `kv_dtype`, `pruning`, `mesh` ("DATAxMODEL"; default all chips on `model`). The step
+    programs are compiled with `layers` layers (0: all) unless `compile_programs` is False or
+    the weights alone overflow the chips; `hbm_fraction` of each chip's HBM is planned.
+    Needs libtpu (`pip install etjax[tpu]`)."""
+    if not 0 < hbm_fraction <= 1:
+        raise ConfigError(f"hbm_fraction={hbm_fraction}; must be in (0, 1]")
+    topo = Topology.parse(topology)
+    cfg = model_config(model, dtype)
+    options = _options(config, topo, batch, kv_dtype, pruning, mesh)
+    context = context or min(cfg.max_position_embeddings, 4096)
+    if context <= 0:
+        raise ConfigError(f"context={context}; must be a positive number of tokens")
+    k, ps = options.steps_per_sync, options.page_size
+    num_pages = options.max_batch_size * pages_needed(context + k, ps) + 1
+    shape = options.mesh_shape
+    # One chip places nothing; a mesh needs the topology's devices (libtpu).
+    placement = None if shape.size == 1 else Placement(make_mesh(shape, topo.devices()))
+    kv_dtype_name = options.kv_cache_dtype(cfg.dtype, "tpu")
+    weights = abstract_weights(cfg)
+    weights_pc = _bytes_per_chip(weights, placement and placement.weights(weights))
+    pool = jax.eval_shape(lambda: init_kv_cache(cfg, 2, ps, 1, 1, kv_dtype_name))
+    pool = pool.replace(block_mass=None)  # per row, not per page: in the state
+    page_pc = _bytes_per_chip(pool, placement and placement.cache(pool)) // 2
+    store = jax.eval_shape(lambda: empty_store(cfg, options.resident_rows + 1, (0,)))
+    store_sharding = placement and placement.state(store, cfg.vocab_size)
+    state_pc = _bytes_per_chip(store, store_sharding)
+    weights_all = sum(_nbytes(leaf) for leaf in jax.tree.leaves(weights))
+    usable = topo.chip.hbm_bytes * hbm_fraction
+    programs: tuple[ProgramReport, ...] = ()
+    compiled = 0
+    if compile_programs and weights_pc + state_pc < usable:
+        compiled = layers if 0 < layers < cfg.num_layers else cfg.num_layers
+        programs = _compile(_cut(cfg, compiled), options, num_pages, topo, context)
+    return Plan(
+        model=str(model),
+        topology=topo,
+        mesh=str(shape),
+        dtype=cfg.dtype,
+        kv_dtype=kv_dtype_name or cfg.dtype,
+        batch=options.max_batch_size,
+        context=context,
+        page_size=ps,
+        max_position=cfg.max_position_embeddings,
+        pruning=options.pruning.enabled,
+        weights_bytes=weights_all,
+        weights_bytes_per_chip=weights_pc,
+        kv_bytes_per_page_per_chip=page_pc,
+        kv_pool_pages=num_pages,
+        state_bytes_per_chip=state_pc,
+        programs=programs,
+        compiled_layers=compiled,
+        hbm_fraction=hbm_fraction,
+        modelled=modelled_decode(cfg, options, kv_dtype_name, topo, context),
+    )
+
+
+def model_config(model: str | Path, dtype: str) -> ModelConfig:
+    """The config of a GGUF file, an HF folder or its config.json (weights are not read)."""
+    path = Path(model)
+    if path.suffix == ".gguf":
+        from etjax.loaders.gguf_weights import gguf_model_config, open_gguf
+
+        return gguf_model_config(open_gguf(path), dtype)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix != ".json" or not path.is_file():
+        raise ModelLoadError(
+            f"{model}: expected a .gguf file, a Hugging Face folder with config.json, or a "
+            "config.json"
+        )
+    from etjax.loaders.hf_config import read_hf_config
+
+    return read_hf_config(path, dtype)
+
+
+def modelled_decode(
+    cfg: ModelConfig,
+    options: RuntimeOptions,
+    kv_dtype: str | None,
+    topology: Topology,
+    context: int,
+) -> dict:
+    """A decode step of `max_batch_size` rows of `context` tokens on the topology's chips, by
+    the roofline: max(bytes / bandwidth, FLOPs / peak) per chip, each chip reading its share of
+    the weights (once per step, however many rows) and of each row's KV; dense, and under
+    pruning at the floor of its budget (`min_fraction`: the most it saves)."""
+    cost = CostModel.for_model(cfg, options.page_size, kv_dtype)
+    rows, chip = options.max_batch_size, topology.chip
+    # A step of many rows reads the union of their experts (between k and all of them per
+    # layer), not one row's k (etjax/entropy/cost.py).
+    experts = cfg.num_experts_per_tok
+    extra_experts = min(cfg.num_experts - experts, (rows - 1) * experts) if experts else 0
+    weight_bytes = cost.weight_bytes + extra_experts * cost.expert_bytes
+    out = {}
+    blocks = pages_needed(context, options.page_size)
+    kept = {"dense": blocks}
+    if options.pruning.enabled:
+        floor = np.float32(options.pruning.min_fraction)
+        kept["pruned"] = int(kept_block_count(floor, blocks, options.pruning, xp=np))
+    for name, read in kept.items():
+        keys = float(cost.layer_keys(np.float32(read * options.page_size), np.float32(context)))
+        nbytes = weight_bytes + rows * cost.kv_bytes_per_key * keys
+        flops = rows * (cost.matmul_flops_per_token + cost.attention_flops_per_key * keys)
+        n = topology.chips
+        seconds = max(nbytes / n / chip.bandwidth, flops / n / chip.flops)
+        out[name] = {
+            "rows": rows,
+            "blocks_read": read,
+            "step_bytes": nbytes,
+            "step_flops": flops,
+            "step_s": seconds,
+            "tokens_per_s": rows / seconds,
+            "tokens_per_s_per_chip": rows / seconds / n,
+            "bound": "memory" if nbytes / chip.bandwidth >= flops / chip.flops else "compute",
+        }
+    return out
+
+
+def _options(
+    config: str | Path | None,
+    topo: Topology,
+    batch: int | None,
+    kv_dtype: str | None,
+    pruning: bool | None,
+    mesh: str | None,
+) -> RuntimeOptions:
+    options = load_run_config(config or "default").options
+    changes: dict = {"mesh": mesh or f"1x{topo.chips}"}
+    if batch is not None:
+        changes["max_batch_size"] = batch
+    if kv_dtype is not None:
+        changes["kv_dtype"] = kv_dtype
+    if pruning is not None:
+        changes["pruning"] = dataclasses.replace(options.pruning, enabled=pruning)
+    options = dataclasses.replace(options, **changes)
+    if options.max_resident is not None and options.max_resident < options.max_batch_size:
+        options = dataclasses.replace(options, max_resident=None)
+    if options.token_budget <= options.max_batch_size:
+        options = dataclasses.replace(options, token_budget=2 * options.max_batch_size)
+    if MeshShape.parse(options.mesh).size != topo.chips:
+        raise ConfigError(f"mesh {options.mesh} does not use the {topo.chips} chips of {topo.name}")
+    return options
+
+
+def _cut(cfg: ModelConfig, layers: int) -> ModelConfig:
+    # The first `layers` layers: a program of the same kinds of layer (local and global,
+    # dense and sparse), compiled in a fraction of the time.
+    if layers >= cfg.num_layers:
+        return cfg
+    return dataclasses.replace(
+        cfg,
+        num_layers=layers,
+        local_layers=tuple(i for i in cfg.local_layers if i < layers),
+        dense_mlp_layers=tuple(i for i in cfg.dense_mlp_layers if i < layers),
+    )
+
+
+def _compile(
+    cfg: ModelConfig, options: RuntimeOptions, num_pages: int, topo: Topology, context: int
+) -> tuple[ProgramReport, ...]:
+    # The engine's largest programs of this batch and context: a burst of every row, and a
+    # ragged step of every row beside a chunk filling the token budget.
+    backend = compile_only_backend(cfg, options, num_pages, topo)
+    rows = options.max_batch_size
+    chunk = max(options.token_budget - rows, 1)
+    burst = burst_call(backend, rows, context)
+    report = [compile_program("decode burst", backend, burst, topo)]
+    ragged = ragged_call(backend, rows, context, min(chunk, options.prefill_chunk))
+    report.append(compile_program("ragged step", backend, ragged, topo))
+    return tuple(report)
+
+
+def _nbytes(leaf) -> int:
+    return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+
+
+def _bytes_per_chip(tree, shardings) -> int:
+    # Bytes of `tree`'s arrays on one chip: each array's shard under its sharding.
+    leaves = jax.tree.leaves(tree)
+    if shardings is None:
+        return sum(_nbytes(leaf) for leaf in leaves)
+    total = 0
+    for leaf, sharding in zip(leaves, jax.tree.leaves(shardings), strict=True):
+        shard = sharding.shard_shape(leaf.shape)
+        total += math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    return total

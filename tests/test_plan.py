@@ -1,0 +1,106 @@
+"""`etjax plan` counted by hand (etjax/planning/plan.py): the bytes a chip holds, the pool and
+batch that remain, the modelled decode step, the JSON the command prints.
+
+These plans compile nothing (`compile_programs=False`): the TPU compiler's side is
+tests/test_tpu_compile.py. Sharded plans name a topology's devices and need libtpu.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from etjax.cli import main
+from etjax.planning.plan import plan
+
+CONFIGS = Path(__file__).parent.parent / "configs" / "models" / "plan"
+LLAMA_8B = CONFIGS / "llama-3.1-8b.json"
+GIB = 2**30
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None, reason="needs libtpu: pip install etjax[tpu]"
+)
+
+# Llama-3.1-8B's published sizes (configs/models/plan/llama-3.1-8b.json).
+D, F, LAYERS, HEADS, KV_HEADS, HD, VOCAB = 4096, 14336, 32, 32, 8, 128, 128256
+
+
+def _llama_8b_weight_bytes() -> int:
+    # Untied embedding and LM head; per layer q, k, v, o, gate, up and down in bfloat16 (2
+    # bytes a parameter), two norms in float32 (etjax keeps norms at 4); the final norm.
+    layer = D * (HEADS * HD + 2 * KV_HEADS * HD) + HEADS * HD * D + 3 * D * F
+    norms = LAYERS * 2 * D + D
+    return 2 * (2 * VOCAB * D + LAYERS * layer) + 4 * norms
+
+
+def _page_bytes(kv_heads: int) -> int:
+    # One 16-token page of keys and values (bfloat16) and its float32 key bounds (min, max).
+    return 2 * LAYERS * kv_heads * 16 * HD * 2 + 2 * LAYERS * kv_heads * HD * 4
+
+
+def _state_bytes(rows: int) -> int:
+    # The row store: logits (float32), token counts (int32) and prompt mask (bool) per row
+    # over the vocabulary, for 2 x batch resident rows and the pad row.
+    return (2 * rows + 1) * VOCAB * 9
+
+
+def test_llama_8b_on_one_v5e_leaves_about_a_gigabyte_beside_its_weights():
+    p = plan(LLAMA_8B, "v5e-1", batch=8, context=4096, compile_programs=False)
+    assert p.weights_bytes == p.weights_bytes_per_chip == _llama_8b_weight_bytes()
+    assert 0.9e9 < 16 * GIB - p.weights_bytes < 1.2e9  # 1.12 GB
+    # 8 rows of 4K tokens ask for 4.8 GB of pool: it does not fit, and the plan says what
+    # does: the pool left in 95% of the HBM beside the weights and the row state.
+    assert not p.fits
+    room = 0.95 * 16 * GIB - _llama_8b_weight_bytes() - _state_bytes(8)
+    pages = room / _page_bytes(KV_HEADS)
+    assert p.max_pool_pages == pytest.approx(pages, rel=0.05)
+    assert p.max_batch(4096) == 0
+    assert p.max_context == pytest.approx((pages - 1) // 8 * 16, rel=0.05)
+    assert any("shorter context" in s for s in p.suggestions())
+
+
+@needs_libtpu
+def test_llama_8b_on_eight_v5e_chips_fits_with_the_pool_split_by_kv_head():
+    p = plan(LLAMA_8B, "v5e-8", batch=64, context=4096, compile_programs=False)
+    assert p.mesh == "1x8" and p.fits
+    # Every weight but the norms splits eight ways; each chip holds one of the 8 KV heads.
+    assert p.weights_bytes_per_chip == pytest.approx(_llama_8b_weight_bytes() / 8, rel=0.001)
+    pool_pages = 64 * -(-(4096 + 8) // 16) + 1  # each row's pages, a burst ahead, null page
+    assert p.kv_pool_bytes_per_chip == pytest.approx(pool_pages * _page_bytes(1), rel=0.05)
+    room = 0.95 * 16 * GIB - _llama_8b_weight_bytes() / 8 - _state_bytes(64) / 8
+    assert p.max_pool_pages == pytest.approx(room / _page_bytes(1), rel=0.05)
+
+
+def test_modelled_decode_reads_the_weights_once_and_each_rows_kv():
+    # Llama-3.1-8B, 64 rows of 2K tokens on a v6e: HBM-bound; a step reads the weights once
+    # (the cost model counts 8,030,261,248 parameters at 2 bytes) and every row's 128 pages
+    # (the roofline at 1.64 TB/s).
+    p = plan(LLAMA_8B, "v6e-1", batch=64, context=2048, compile_programs=False)
+    dense = p.modelled["dense"]
+    step_bytes = 2 * 8_030_261_248 + 64 * 2048 * 2 * LAYERS * KV_HEADS * HD * 2
+    assert dense["bound"] == "memory"
+    assert dense["step_bytes"] == pytest.approx(step_bytes, rel=1e-6)
+    assert dense["tokens_per_s"] == pytest.approx(64 / (step_bytes / 1640e9), rel=1e-6)
+
+
+def test_the_command_prints_one_json_object_and_says_what_would_fit(capsys):
+    code = main(["plan", str(CONFIGS / "llama-3.1-70b.json"), "--topology", "v5e-1",
+                 "--no-compile", "--json"])  # fmt: skip
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("fits", "chips", "hbm_bytes_per_chip", "weights_bytes",
+                "weights_bytes_per_chip", "kv_pool_bytes_per_chip", "programs",
+                "modelled_decode_tokens_per_s"):  # fmt: skip
+        assert key in out
+    assert out["fits"] is False and out["chips"] == 1 and out["programs"] == []
+    assert out["hbm_bytes_per_chip"] == 16 * GIB
+    # 141 GB of weights: no one-host v5e slice holds them.
+    assert out["weights_bytes"] > 8 * 16 * GIB
+    assert any("v6e" in s for s in out["suggestions"])
+
+
+def test_a_bad_topology_is_named(capsys):
+    assert main(["plan", str(LLAMA_8B), "--topology", "v4-3", "--no-compile"]) == 2
+    assert "topology 'v4-3'" in capsys.readouterr().err
