@@ -39,6 +39,14 @@ from etjax.runtime.commit import commit_tokens, sample_rows
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.token_mask import collect_masks, mask_rows, start_masks
 
+# The most drafted positions (padded rows x max_draft) whose logits are computed in one
+# product before the checks. Per position, each check's LM-head product reads the whole head
+# (49,152 x 576 float32 for SmolLM2: 113 MB) for a few rows, so at batch 1 a verifying step
+# whose 7 drafts were all accepted read it 8 times and cost about 3 burst steps on a 2-core
+# CPU (benchmarks/speculation_gate.py); in one product it is read once, at the price of the
+# positions no row reaches. Past this many positions that compute outgrows the reads saved.
+PRECOMPUTED_POSITIONS = 16
+
 
 def accept_drafts(
     weights: Weights,
@@ -64,9 +72,13 @@ def accept_drafts(
 
     Draft i is checked only while some row is still accepting (a `lax.cond`): the i-th
     distribution (an LM-head product over the batch) and sample cost nothing once every row
-    has stopped.
+    has stopped. With few positions in all (`PRECOMPUTED_POSITIONS`, unconstrained), every
+    position's distribution comes from one product before the checks instead.
     """
     ran = state.active & (draft_len > 0)  # rows whose drafts went through the model
+    batched = not constrained and drafts.shape[0] * drafts.shape[1] <= PRECOMPUTED_POSITIONS
+    # [B, k, V]: the distribution after each draft, the LM head read once.
+    all_logits = logits_from_hidden(weights, draft_hidden) if batched else None
 
     def check(carry, i):
         state, accepting, accepted = carry
@@ -101,7 +113,10 @@ def accept_drafts(
                 only_committed=True,
                 overlap=hidden,
             )
-        next_logits = logits_from_hidden(weights, hidden)
+        if batched:
+            next_logits = jax.lax.dynamic_index_in_dim(all_logits, i, axis=1, keepdims=False)
+        else:
+            next_logits = logits_from_hidden(weights, hidden)
         if constrained:
             allowed = collect_masks(ticket, next_logits, *state.allowed.shape)
         state, out = commit_tokens(
