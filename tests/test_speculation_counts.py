@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from etjax.drafting import SpeculationConfig, StepCosts, compile_events
-from etjax.drafting.rule import step_cost_ratio, verification_pays
+from etjax.drafting.rule import expected_positions, step_cost_ratio, verification_pays
 from etjax.engine.engine import Engine
 from etjax.engine.policies import make_policy
 from etjax.runtime.options import TRACE_FIELDS, RequestSettings, RuntimeOptions
@@ -131,20 +131,44 @@ def test_step_costs_read_medians_and_scale_unmeasured_shapes_by_the_model():
         costs.record_burst(1, seconds)
     assert costs.burst_seconds(1) == pytest.approx(0.044)  # median of 40, 50, 44 ms
     for seconds in (0.090, 0.500, 0.092):  # one slow call moves nothing
-        costs.record_verify(1, 3, seconds)
-    assert costs.verify_seconds(1, 7, None) == pytest.approx(0.092)  # same bucket: 8 tokens
-    ratio, source = step_cost_ratio(1, 3, cfg, costs)
+        costs.record_verify(1, 3, 1, seconds)  # one drafted position checked
+    assert costs.verify_seconds(1, 7, None, 1) == pytest.approx(0.092)  # same bucket: 8 tokens
+    ratio, source = step_cost_ratio(1, 3, cfg, costs, 1.0)
     assert ratio == pytest.approx(0.092 / 0.044) and source.startswith("measured")
     # 1 row and 12 drafts: 16 tokens, not measured; from the 8-token step by the model's
     # ratio, (5 + 16 + 0.5) / (5 + 8 + 0.5).
-    ratio, _ = step_cost_ratio(1, 12, cfg, costs)
+    ratio, _ = step_cost_ratio(1, 12, cfg, costs, 1.0)
     assert ratio == pytest.approx(0.092 * 21.5 / 13.5 / 0.044)
+    # Steps that checked all 7 positions: 158 and 160 ms. At 2.5 positions, a quarter of the
+    # way from 1 to 7: 92 + 0.25 * (159 - 92) = 108.75 ms; past 7 (or below 1), the nearest.
+    costs.record_verify(1, 7, 7, 0.158)
+    costs.record_verify(1, 7, 7, 0.160)
+    assert costs.verify_seconds(1, 7, None, 2.5) == pytest.approx(0.10875)
+    assert costs.verify_seconds(1, 7, None, 9.0) == pytest.approx(0.159)
+    assert costs.verify_seconds(1, 7, None, 0.0) == pytest.approx(0.092)
+    assert costs.medians()["verify rows=1 tokens=8 checked=7"] == pytest.approx(0.159)
     # 2 rows: nothing measured at that bucket, so the model: (5 + 8 + 0.5 * 2) / (5 + 2).
     ratio, source = step_cost_ratio(2, 3, cfg, costs)
     assert ratio == pytest.approx(14 / 7) and source.startswith("cost model")
     frozen = StepCosts(burst={1: 1.0}, frozen=True)
     frozen.record_burst(1, 9.0)
     assert frozen.burst_seconds(1) == 1.0
+
+
+def test_the_gate_prices_the_positions_it_expects_to_check():
+    # Measured at batch 1: a burst step 40 ms; a verifying step 80 ms when one position was
+    # checked, 160 ms when all 7 were. 4 drafts at 0.72 check 1 + 0.72 + 0.72**2 + 0.72**3
+    # = 2.61 positions: 80 + 1.61 / 6 * 80 = 101.5 ms, 2.54x, below 1 + 1.88 = 2.88: verify.
+    # Priced at the 7-position step (4.0x) it would not.
+    cfg = SpeculationConfig(enabled=True)
+    costs = StepCosts(burst={1: 0.040})
+    for checked, seconds in ((1, 0.080), (1, 0.080), (7, 0.160), (7, 0.160)):
+        costs.record_verify(1, 7, checked, seconds)
+    assert expected_positions(4, 0.72) == pytest.approx(2.611648)
+    ratio, _ = step_cost_ratio(1, 4, cfg, costs, expected_positions(4, 0.72))
+    assert ratio == pytest.approx((0.080 + 1.611648 / 6 * 0.080) / 0.040)
+    assert verification_pays([4], [0.72], cfg, costs)
+    assert not verification_pays([4], [0.72], cfg, StepCosts({1: 0.04}, {(1, 8): 0.16}))
 
 
 def test_the_gate_on_measured_costs_both_ways_and_its_debug_line(caplog):

@@ -10,7 +10,12 @@ own steps and the gate reads the ratio measured here where it has one:
 - a burst: its seconds over its steps, keyed by its row bucket (only bursts whose every step
   ran a row: a step after every row finished skips the model);
 - a ragged step with drafts and no prefill chunk: its seconds, keyed by its row bucket and
-  its token bucket (what the cost model prices it by).
+  its token bucket (what the cost model prices it by), with the drafted positions it
+  checked: a position is checked while some row still accepts (etjax/runtime/verify.py), and
+  each costs a sampling and a commit, so at batch 1 on a 2-core CPU a step whose 7 drafts
+  were all accepted cost 3.7 burst steps where one rejected at once cost about 2. The gate
+  asks for the positions it expects (rule.py, `expected_positions`), read off the measured
+  ones by linear interpolation (clamped to the range measured).
 
 A call during which JAX traced or compiled anything is not a sample (the compiler, not the
 step; `compile_events`). Each key keeps its last `WINDOW` samples and is read as their median
@@ -52,11 +57,13 @@ class StepCosts:
     ) -> None:
         self.frozen = frozen
         self._burst: dict[int, deque[float]] = {}
-        self._verify: dict[tuple[int, int], deque[float]] = {}
+        # (row bucket, token bucket) -> (positions checked, seconds) samples; a given table's
+        # have no position count (0), and one count alone stands for every count.
+        self._verify: dict[tuple[int, int], deque[tuple[int, float]]] = {}
         for rows, seconds in (burst or {}).items():
             self._burst[rows] = deque([seconds] * MIN_SAMPLES, WINDOW)
         for shape, seconds in (verify or {}).items():
-            self._verify[shape] = deque([seconds] * MIN_SAMPLES, WINDOW)
+            self._verify[shape] = deque([(0, seconds)] * MIN_SAMPLES, WINDOW)
 
     def record_burst(self, rows: int, seconds_per_step: float) -> None:
         """One burst over `rows` rows took `seconds_per_step` per step."""
@@ -65,30 +72,33 @@ class StepCosts:
                 seconds_per_step
             )
 
-    def record_verify(self, rows: int, drafted: int, seconds: float) -> None:
-        """One ragged step of `rows` rows verifying `drafted` tokens (no prefill) took
-        `seconds`."""
+    def record_verify(self, rows: int, drafted: int, checked: int, seconds: float) -> None:
+        """One ragged step of `rows` rows verifying `drafted` tokens (no prefill), which
+        checked `checked` drafted positions, took `seconds`."""
         if not self.frozen:
             shape = (batch_bucket(rows), ragged_token_bucket(rows + drafted))
-            self._verify.setdefault(shape, deque(maxlen=WINDOW)).append(seconds)
+            self._verify.setdefault(shape, deque(maxlen=WINDOW)).append((checked, seconds))
 
     def burst_seconds(self, rows: int) -> float | None:
         """A burst step over `rows` rows, in seconds; None until measured."""
         return _median(self._burst.get(batch_bucket(rows)))
 
-    def verify_seconds(self, rows: int, drafted: int, model: Callable) -> float | None:
-        """A verifying step of `rows` rows and `drafted` drafts, in seconds: measured at its
-        shape, else at the nearest measured token bucket of its row bucket scaled by
-        `model(rows, tokens)` (the cost model's price of a step of that many tokens); None
-        when no verifying step of its row bucket is measured."""
+    def verify_seconds(
+        self, rows: int, drafted: int, model: Callable, checked: float = 0.0
+    ) -> float | None:
+        """A verifying step of `rows` rows and `drafted` drafts that checks `checked`
+        drafted positions, in seconds: measured at its shape, else at the nearest measured
+        token bucket of its row bucket scaled by `model(rows, tokens)` (the cost model's
+        price of a step of that many tokens); None when no verifying step of its row bucket
+        is measured."""
         bucket, tokens = batch_bucket(rows), ragged_token_bucket(rows + drafted)
-        exact = _median(self._verify.get((bucket, tokens)))
+        exact = _at_positions(self._verify.get((bucket, tokens)), checked)
         if exact is not None:
             return exact
         measured = [
             (t, s)
             for (b, t), samples in self._verify.items()
-            if b == bucket and (s := _median(samples)) is not None
+            if b == bucket and (s := _at_positions(samples, checked)) is not None
         ]
         if not measured:
             return None
@@ -98,8 +108,11 @@ class StepCosts:
     def medians(self) -> dict[str, float]:
         """The seconds the gate reads for each shape measured enough (what a report shows)."""
         shapes = {f"burst step rows={b}": s for b, s in self._burst.items()}
-        shapes |= {f"verify rows={b} tokens={t}": s for (b, t), s in self._verify.items()}
-        return {name: m for name, s in shapes.items() if (m := _median(s)) is not None}
+        medians = {name: m for name, s in shapes.items() if (m := _median(s)) is not None}
+        for (b, t), samples in self._verify.items():
+            for checked, seconds in _by_positions(samples).items():
+                medians[f"verify rows={b} tokens={t} checked={checked}"] = seconds
+        return medians
 
     def samples(self) -> dict[str, int]:
         """How many samples each shape holds (what a report or a test can count)."""
@@ -112,6 +125,31 @@ def _median(samples: deque[float] | None) -> float | None:
     if not samples or len(samples) < MIN_SAMPLES:
         return None
     return statistics.median(samples)
+
+
+def _by_positions(samples: deque[tuple[int, float]] | None) -> dict[int, float]:
+    # The median seconds at each count of positions checked (none before MIN_SAMPLES).
+    if not samples or len(samples) < MIN_SAMPLES:
+        return {}
+    counts = sorted({checked for checked, _ in samples})
+    return {c: statistics.median(s for k, s in samples if k == c) for c in counts}
+
+
+def _at_positions(samples: deque[tuple[int, float]] | None, checked: float) -> float | None:
+    # The seconds at `checked` positions: interpolated between the nearest measured counts,
+    # the nearest one's outside their range.
+    by = _by_positions(samples)
+    if not by:
+        return None
+    counts = list(by)
+    below = [c for c in counts if c <= checked]
+    above = [c for c in counts if c >= checked]
+    if not below or not above:
+        return by[counts[0] if not below else counts[-1]]
+    lo, hi = below[-1], above[0]
+    if lo == hi:
+        return by[lo]
+    return by[lo] + (checked - lo) / (hi - lo) * (by[hi] - by[lo])
 
 
 _TABLES: dict[Hashable, StepCosts] = {}

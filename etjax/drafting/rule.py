@@ -203,7 +203,8 @@ def verification_pays(
     if not drafted:
         return False
     gained = sum(expected_accepted(k, a) for k, a in zip(lengths, acceptance, strict=True))
-    ratio, source = step_cost_ratio(rows, drafted, cfg, costs)
+    checked = max(expected_positions(k, a) for k, a in zip(lengths, acceptance, strict=True))
+    ratio, source = step_cost_ratio(rows, drafted, cfg, costs, checked)
     pays = ratio < (rows + gained) / rows
     if log.isEnabledFor(logging.DEBUG):
         log.debug(
@@ -220,17 +221,29 @@ def verification_pays(
     return pays
 
 
+def expected_positions(length: int, acceptance: float) -> float:
+    """Drafted positions a row's verification checks in expectation: position i (from 0)
+    while its i drafts before are all accepted, about acceptance ** i."""
+    return sum(acceptance**i for i in range(length))
+
+
 def step_cost_ratio(
-    rows: int, drafted: int, cfg: SpeculationConfig, costs: StepCosts | None = None
+    rows: int,
+    drafted: int,
+    cfg: SpeculationConfig,
+    costs: StepCosts | None = None,
+    checked: float = 0.0,
 ) -> tuple[float, str]:
-    """A verifying step of `rows` rows and `drafted` drafts against a burst step over the
-    same rows, and where the figure comes from: the seconds measured on this machine
+    """A verifying step of `rows` rows and `drafted` drafts (checking about `checked`
+    drafted positions: the most any row is expected to reach, `expected_positions`) against
+    a burst step over the same rows, and where the figure comes from: the seconds measured
+    on this machine
     (`costs`, etjax/drafting/costs.py) once it holds both shapes and `cfg.measured_costs` is
     on, else the cost model (`verify_step_cost` over `burst_step_cost`)."""
     if costs is not None and cfg.measured_costs:
         burst = costs.burst_seconds(rows)
         verify = costs.verify_seconds(
-            rows, drafted, lambda r, tokens: verify_step_cost(r, tokens - r, cfg)
+            rows, drafted, lambda r, tokens: verify_step_cost(r, tokens - r, cfg), checked
         )
         if burst is not None and verify is not None:
             return verify / burst, f"measured: {verify * 1e3:.1f} ms against {burst * 1e3:.1f} ms"

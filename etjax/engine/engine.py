@@ -455,16 +455,18 @@ class Engine:
             drafts if any(drafts) else None,
         )
         elapsed = time.perf_counter() - started
+        committed = np.asarray(out.emitted).sum(axis=0) if batch else None
         if batch and not jobs and any(drafts) and self._measured(compiled):
             # A verifying step alone (the host arrays it returns are on the host: the
-            # device is done), for the cost gate.
-            self.step_costs.record_verify(len(batch), sum(map(len, drafts)), elapsed)
+            # device is done), for the cost gate, with the drafted positions it checked:
+            # while some row still accepted (etjax/runtime/verify.py).
+            checked = max(min(int(c), len(d)) for c, d in zip(committed, drafts, strict=True) if d)
+            self.step_costs.record_verify(len(batch), sum(map(len, drafts)), checked, elapsed)
         if batch:
             self.decode_rounds += 1
             self.decode_bursts += 1
             self.model_passes += 1
             if any(drafts):
-                committed = np.asarray(out.emitted).sum(axis=0)
                 self._record_drafts(batch, drafts, forced, committed)
             self._collect(batch, out, budgets, one_pass=True)
         for (seq, job), (flops, nbytes), values in zip(jobs, costs, prompt_logprobs, strict=True):
