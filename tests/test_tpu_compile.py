@@ -100,6 +100,7 @@ def test_pruned_decode_burst_compiles_for_v6e(cfg):
     _check_memory(report, cfg)
 
 
+@pytest.mark.slow
 def test_dense_decode_burst_compiles_for_v5e_on_the_xla_kernel(cfg):
     # Dense steps on a TPU run the XLA gather kernel (etjax/attention/seam.py): no Mosaic.
     topology = Topology.parse("v5e-1")
@@ -141,3 +142,20 @@ def test_float16_kv_is_refused_on_a_tpu_by_name(cfg):
     options = _options(pruning=True, kv_dtype="float16")
     with pytest.raises(ConfigError, match=r"kv_dtype='float16' on a TPU.*bfloat16"):
         compile_only_backend(cfg, options, NUM_PAGES, Topology.parse("v5e-1"))
+
+
+@pytest.mark.parametrize(
+    "pruning", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["dense", "pruned"]
+)
+def test_burst_compiles_for_a_2x2_v5e_mesh(cfg, pruning):
+    # Four chips, weights and pool split over the model axis as the engine splits them. The
+    # block-sparse Pallas kernel is one custom call the SPMD partitioner cannot split
+    # ("Mosaic kernels cannot be automatically partitioned"), so a mesh runs the XLA loop.
+    topology = Topology.parse("v5e:2x2")
+    options = dataclasses.replace(_options(pruning=pruning), mesh="1x4")
+    backend = compile_only_backend(cfg, options, NUM_PAGES, topology)
+    assert backend.attention_backend.name == "xla"
+    report = compile_program("decode burst", backend, burst_call(backend, 2, 40), topology)
+    assert report.kernels == ()
+    # Each chip holds a quarter of the split weights (the norms whole), far under all of them.
+    assert report.argument_bytes < 0.5 * (_weight_bytes(cfg) + _pool_bytes(cfg))

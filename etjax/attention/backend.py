@@ -137,14 +137,16 @@ XLA = AttentionBackend()
 
 def resolve_backend(name: str, platform: str | None = None, devices: int = 1) -> AttentionBackend:
     """The kernels `name` selects on `platform` (default: JAX's default backend) for an engine
-    on `devices` devices: "auto" is "pallas_tpu" on a TPU, "pallas_gpu" on a GPU, and on a CPU
-    "cpu" when its kernel builds and one device runs the engine (a mesh keeps the XLA loop,
-    which the SPMD partitioner splits by KV head), else "xla"."""
+    on `devices` devices: on one device "auto" is "pallas_tpu" on a TPU, "pallas_gpu" on a
+    GPU, and on a CPU "cpu" when its kernel builds, else "xla"; a mesh keeps the XLA loop,
+    which the SPMD partitioner splits by KV head (a Pallas or C++ kernel is one custom call
+    it cannot split: "Mosaic kernels cannot be automatically partitioned", compiling a
+    v5e:2x2 step, tests/test_tpu_compile.py)."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend={name!r}; must be one of {BACKENDS}")
     platform = platform or jax.default_backend()
     if name == "auto":
-        chosen = _BY_PLATFORM.get(platform)
+        chosen = _BY_PLATFORM.get(platform) if devices == 1 else None
         if chosen is None:
             chosen = "cpu" if devices == 1 and _cpu_kernel_builds() else "xla"
     else:

@@ -42,6 +42,10 @@ from etjax.pruning.budget import kept_block_count
 from etjax.run_config import load_run_config
 from etjax.runtime.options import RuntimeOptions
 
+# The dense XLA kernel on a TPU moves a row's KV three times a layer: it reads the pages to
+# gather them, writes the contiguous copy and reads that (etjax/attention/seam.py).
+XLA_GATHER_TRAFFIC = 3
+
 # The share of a chip's HBM a plan fills by default; the rest is left to the runtime's own
 # buffers and fragmentation (as other engines' memory-utilisation settings do).
 HBM_FRACTION = 0.95
@@ -289,31 +293,45 @@ def modelled_decode(
 ) -> dict:
     """A decode step of `max_batch_size` rows of `context` tokens on the topology's chips, by
     the roofline: max(bytes / bandwidth, FLOPs / peak) per chip, each chip reading its share of
-    the weights (once per step, however many rows) and of each row's KV; dense, and under
-    pruning at the floor of its budget (`min_fraction`: the most it saves)."""
+    the weights (once per step, however many rows) and of each row's KV, three ways:
+
+    - "dense": as the engine runs a dense step on a TPU today, on the XLA kernel, which
+      gathers each row's pages into a contiguous copy every layer: the KV is read twice and
+      written once (`XLA_GATHER_TRAFFIC`);
+    - "dense_in_place": a kernel reading the pages where they are (the Pallas kernels do);
+    - "pruned": the block-sparse Pallas kernel at the pruning's floor (`min_fraction` of the
+      blocks, with its sink and recent blocks: the most pruning saves), plus the float32 key
+      bounds of every page that block selection scores."""
     cost = CostModel.for_model(cfg, options.page_size, kv_dtype)
-    rows, chip = options.max_batch_size, topology.chip
+    rows, chip, n = options.max_batch_size, topology.chip, topology.chips
     # A step of many rows reads the union of their experts (between k and all of them per
     # layer), not one row's k (etjax/entropy/cost.py).
     experts = cfg.num_experts_per_tok
     extra_experts = min(cfg.num_experts - experts, (rows - 1) * experts) if experts else 0
     weight_bytes = cost.weight_bytes + extra_experts * cost.expert_bytes
+    ps = options.page_size
+    blocks = pages_needed(context, ps)
+    floor = np.float32(options.pruning.min_fraction)
+    pruned = int(kept_block_count(floor, blocks, options.pruning, xp=np))
+    bounds = blocks * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    ways = {  # blocks read, times the KV is moved, bytes besides
+        "dense": (blocks, XLA_GATHER_TRAFFIC, 0.0),
+        "dense_in_place": (blocks, 1, 0.0),
+        "pruned": (pruned, 1, bounds),
+    }
     out = {}
-    blocks = pages_needed(context, options.page_size)
-    kept = {"dense": blocks}
-    if options.pruning.enabled:
-        floor = np.float32(options.pruning.min_fraction)
-        kept["pruned"] = int(kept_block_count(floor, blocks, options.pruning, xp=np))
-    for name, read in kept.items():
-        keys = float(cost.layer_keys(np.float32(read * options.page_size), np.float32(context)))
-        nbytes = weight_bytes + rows * cost.kv_bytes_per_key * keys
+    for name, (read, traffic, extra) in ways.items():
+        keys = float(cost.layer_keys(np.float32(read * ps), np.float32(context)))
+        kv = rows * (traffic * cost.kv_bytes_per_key * keys + extra)
+        nbytes = weight_bytes + kv
         flops = rows * (cost.matmul_flops_per_token + cost.attention_flops_per_key * keys)
-        n = topology.chips
         seconds = max(nbytes / n / chip.bandwidth, flops / n / chip.flops)
         out[name] = {
             "rows": rows,
             "blocks_read": read,
             "step_bytes": nbytes,
+            "weight_bytes": weight_bytes,
+            "kv_bytes": kv,
             "step_flops": flops,
             "step_s": seconds,
             "tokens_per_s": rows / seconds,

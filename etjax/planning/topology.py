@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import os
 from dataclasses import dataclass
 
 import jax
@@ -91,6 +92,11 @@ class Topology:
 @functools.cache
 def _topology(jax_name: str, x: int, y: int):
     check_libtpu()
+    # libtpu takes a lockfile so that one process owns a host's chips; a described topology
+    # touches no chip, so plans (and test runs) in several processes need not exclude each
+    # other. Without this the second fails: "Internal error when accessing libtpu
+    # multi-process lockfile".
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     return topologies.get_topology_desc(
