@@ -15,6 +15,7 @@ import pytest
 
 from etjax.cli import main
 from etjax.planning.plan import plan
+from etjax.planning.programs import collectives, mosaic_kernels
 
 CONFIGS = Path(__file__).parent.parent / "configs" / "models" / "plan"
 LLAMA_8B = CONFIGS / "llama-3.1-8b.json"
@@ -111,3 +112,20 @@ def test_the_command_prints_one_json_object_and_says_what_would_fit(capsys):
 def test_a_bad_topology_is_named(capsys):
     assert main(["plan", str(LLAMA_8B), "--topology", "v4-3", "--no-compile"]) == 2
     assert "topology 'v4-3'" in capsys.readouterr().err
+
+
+def test_compiled_modules_are_read_for_kernels_and_collectives():
+    # Lines in the form XLA:TPU prints them (tests/test_tpu_compile.py compiles real ones).
+    hlo = "\n".join(
+        [
+            "  %block_sparse_attention_tpu.16 = (bf16[4,3,3,64]{3,2,1,0}, f32[4,3,8,3]{3,2,1,0})"
+            ' custom-call(%a, %b), custom_call_target="tpu_custom_call", backend_config={}',
+            '  %custom-call.89 = s32[1024]{0} custom-call(%p), custom_call_target="Other"',
+            "  %all-reduce.42 = bf16[2,576]{1,0:T(2,128)(2,1)S(1)} all-reduce(%f), channel_id=93",
+            "  %cp = (f32[2,3]{1,0}, f32[2,3]{1,0}, u32[]{:S(2)}) collective-permute-start(%s)",
+            "  %all-reduce.9 = f32[2]{0:T(128)S(1)} all-reduce(%r), channel_id=13",
+        ]
+    )
+    assert mosaic_kernels(hlo) == ("block_sparse_attention_tpu",)
+    reduce, permute = ("all-reduce", 2, 2 * 576 * 2 + 2 * 4), ("collective-permute", 1, 2 * 3 * 4)
+    assert collectives(hlo) == (reduce, permute)

@@ -157,5 +157,9 @@ def test_burst_compiles_for_a_2x2_v5e_mesh(cfg, pruning):
     assert backend.attention_backend.name == "xla"
     report = compile_program("decode burst", backend, burst_call(backend, 2, 40), topology)
     assert report.kernels == ()
+    # The Megatron split sums each layer's attention and MLP outputs over the chips: an
+    # all-reduce of a [rows, hidden] bfloat16 block (2 x 576 x 2 bytes) among them.
+    kinds = {kind: size for kind, _, size in report.collectives}
+    assert kinds["all-reduce"] >= 2 * 576 * 2
     # Each chip holds a quarter of the split weights (the norms whole), far under all of them.
     assert report.argument_bytes < 0.5 * (_weight_bytes(cfg) + _pool_bytes(cfg))

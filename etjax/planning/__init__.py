@@ -6,4 +6,9 @@ TPU topology (libtpu, no TPU needed), what each chip would hold, and what a step
 - `programs.py`: the engine's own step programs (a compile-only `DeviceBackend`) lowered and
   compiled for those devices; per program the compile time, the bytes per chip and the Mosaic
   kernels built.
+- `plan.py`: `plan` (`etjax.plan`): weights, KV pool, row state and the programs' scratch per
+  chip against HBM, the largest pool, batch and context that fit, a modelled decode step.
+- `command.py`: `etjax plan`, the plan as text or JSON.
+
+docs/TPU.md says what is compiled, what is modelled and what has run on a device.
 """

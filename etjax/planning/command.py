@@ -89,6 +89,11 @@ def render(d: dict) -> str:
             f"  {p['name']}: compiled in {p['compile_s']:.1f} s, scratch {gib(p['temp_bytes'])}"
             f", Mosaic kernels: {kernels}"
         )
+        if p["collectives"]:
+            named = ", ".join(
+                f"{c['count']} {c['kind']} ({c['bytes'] / 1e3:.1f} kB)" for c in p["collectives"]
+            )
+            lines.append(f"    collectives, each once as written: {named}")
     for name, m in d["modelled"].items():
         lines.append(
             f"  modelled decode ({name}, {m['rows']} rows, {m['bound']}-bound): "

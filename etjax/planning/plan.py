@@ -181,6 +181,9 @@ class Plan:
                     "code_bytes": p.code_bytes,
                     "argument_bytes": p.argument_bytes,
                     "kernels": list(p.kernels),
+                    "collectives": [
+                        {"kind": kind, "count": n, "bytes": size} for kind, n, size in p.collectives
+                    ],
                 }
                 for p in self.programs
             ],

@@ -10,6 +10,7 @@ compiled module (the Pallas kernels built for the chip, not interpreted).
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ class ProgramReport:
     temp_bytes: int  # the program's scratch
     code_bytes: int
     kernels: tuple[str, ...]  # Mosaic kernels of the compiled module, by name
+    # On a mesh, the collectives in the compiled module by kind: (count, payload bytes a
+    # chip), each counted once as written (one inside a loop runs once an iteration).
+    collectives: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -129,6 +133,7 @@ def compile_program(
         compiled = program.lower(**shaped).compile()
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
+    hlo = compiled.as_text()
     return ProgramReport(
         name=name,
         compile_s=seconds,
@@ -137,7 +142,8 @@ def compile_program(
         alias_bytes=int(memory.alias_size_in_bytes),
         temp_bytes=int(memory.temp_size_in_bytes),
         code_bytes=int(memory.generated_code_size_in_bytes),
-        kernels=mosaic_kernels(compiled.as_text()),
+        kernels=mosaic_kernels(hlo),
+        collectives=collectives(hlo),
     )
 
 
@@ -150,6 +156,35 @@ def mosaic_kernels(hlo: str) -> tuple[str, ...]:
             match = _INSTRUCTION.match(line)
             names.add(match.group(1) if match else MOSAIC_CALL)
     return tuple(sorted(names))
+
+
+def collectives(hlo: str) -> tuple[tuple[str, int, int], ...]:
+    """(kind, count, payload bytes) of the collectives a compiled module holds, by kind
+    ("all-reduce", "all-gather", ...; an asynchronous "-start" counted as its kind), the
+    payload being the result's first array."""
+    found: dict[str, list[int]] = {}
+    for line in hlo.splitlines():
+        match = _COLLECTIVE.search(line)
+        if match is None:
+            continue
+        kind = match.group(3)
+        entry = found.setdefault(kind, [0, 0])
+        entry[0] += 1
+        entry[1] += _array_bytes(match.group(1), match.group(2))
+    return tuple((kind, n, size) for kind, (n, size) in sorted(found.items()))
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    sizes = [int(d) for d in dims.split(",") if d.strip()]
+    bits = int(re.sub(r"\D", "", dtype) or 8) if dtype != "pred" else 8
+    return math.prod(sizes) * max(bits // 8, 1)
+
+
+# "= bf16[2,576]{...} all-reduce(" or "= (f32[2,3]{...}, ...) collective-permute-start(".
+_COLLECTIVE = re.compile(
+    r"=\s*\(?([a-z]+\d*)\[([\d,]*)\][^=]*?\s"
+    r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
 
 
 # An HLO instruction's name without its numbering: "%block_sparse_attention_tpu.16 = ...".
