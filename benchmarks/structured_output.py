@@ -12,7 +12,8 @@ one warm-up pass that compiles their programs:
     verified in one pass (etjax/drafting/forced.py) in rounds where the cost gate says a
     verifying step pays over a burst;
   - `schema, forced drafted every round`: the gate of a device whose passes are bound by
-    reading the weights (`pass_fixed_tokens=1000`), so every forced run is drafted;
+    reading the weights (`pass_fixed_tokens=1000`, read as constants rather than measured
+    costs: `measured_costs=False`), so every forced run is drafted;
   - `schema, forced and lookup drafted every round`: the same device with speculation on,
     so where the next token is free a row drafts by prompt lookup (values copied from the
     article), cut to the schema; its passes hold up to 256 tokens (`draft_budget`; the
@@ -170,11 +171,13 @@ def extraction(model, repeats: int) -> tuple[list[str], dict]:
         "schema, forced drafted (default gate)": ({"json_schema": schema}, SpeculationConfig()),
         "schema, forced drafted every round": (
             {"json_schema": schema},
-            SpeculationConfig(pass_fixed_tokens=1000.0),
+            SpeculationConfig(pass_fixed_tokens=1000.0, measured_costs=False),
         ),
         "schema, forced and lookup drafted every round": (
             {"json_schema": schema},
-            SpeculationConfig(enabled=True, pass_fixed_tokens=1000.0, draft_budget=256),
+            SpeculationConfig(
+                enabled=True, pass_fixed_tokens=1000.0, draft_budget=256, measured_costs=False
+            ),
         ),
         # Its lengths are the schema answers' (known after the warm-up pass): runs last.
         EQUAL: ({"ignore_eos": True}, SpeculationConfig()),
