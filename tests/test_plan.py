@@ -129,3 +129,19 @@ def test_compiled_modules_are_read_for_kernels_and_collectives():
     assert mosaic_kernels(hlo) == ("block_sparse_attention_tpu",)
     reduce, permute = ("all-reduce", 2, 2 * 576 * 2 + 2 * 4), ("collective-permute", 1, 2 * 3 * 4)
     assert collectives(hlo) == (reduce, permute)
+
+
+def test_a_folder_with_config_json_alone_is_a_model(tmp_path):
+    (tmp_path / "config.json").write_text(LLAMA_8B.read_text())
+    p = plan(tmp_path, "v6e-1", batch=1, context=1024, compile_programs=False)
+    assert p.weights_bytes == _llama_8b_weight_bytes() and p.fits
+
+
+def test_a_libtpu_other_than_jaxs_is_refused_naming_the_one_to_install(monkeypatch):
+    from etjax.errors import ConfigError
+    from etjax.planning import topology
+
+    monkeypatch.setattr(topology.jax, "__version__", "0.10.2")
+    monkeypatch.setattr(topology.importlib.metadata, "version", lambda name: "0.0.40")
+    with pytest.raises(ConfigError, match=r'libtpu 0\.0\.40 .* pip install "libtpu==0\.0\.42\.\*"'):
+        topology.check_libtpu()
