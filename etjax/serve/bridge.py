@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from etjax.engine.engine import Engine, RequestHandle
 from etjax.engine.sequence import Status
 from etjax.errors import RequestError
-from etjax.runtime.options import TRACE_FIELDS, SequenceOutput
+from etjax.runtime.options import DRAFT_COUNTS, TRACE_FIELDS, SequenceOutput
 from etjax.serve.body import ServeRequest
 from etjax.serve.errors import ApiError
 from etjax.serve.metrics import Metrics
@@ -288,6 +288,7 @@ class EngineBridge:
             generation_tokens=len(out.token_ids),
             prefix_cache_queries=prompt,
             prefix_cache_hits=out.metrics.get("cached_tokens", 0.0),
+            **{name: out.metrics.get(name, 0.0) for name in DRAFT_COUNTS},
         )
         self.metrics.observe("token_entropy_nats", *out.entropy)
         # Blocks read after drawing token i over the blocks its context then spans; a token

@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 
 from etjax.jobs.openai_format import CHAT
-from etjax.runtime.options import TRACE_FIELDS, SequenceOutput
+from etjax.runtime.options import DRAFT_COUNTS, TRACE_FIELDS, SequenceOutput
 from etjax.serve.body import ServeRequest
 from etjax.serve.bridge import Delta
 from etjax.serve.errors import ApiError
@@ -163,4 +163,7 @@ class Shape:
             extra = {"seed": self.request.samples[index].sampler.seed, "trace": trace}
         if out is not None and out.prompt_logprobs is not None:
             extra["prompt_logprobs"] = out.prompt_logprobs
+        if self.request.trace and out is not None and out.finish_reason:
+            # What speculation did for the sample, once it is done (etjax.Result's counts).
+            extra |= {name: int(out.metrics.get(name, 0)) for name in DRAFT_COUNTS}
         return {"etjax": extra} if extra else {}
