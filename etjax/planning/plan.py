@@ -13,6 +13,7 @@ bytes and FLOPs, etjax/entropy/cost.py), at the chip's published HBM bandwidth a
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -390,12 +391,18 @@ def _compile(
     # ragged step of every row beside a chunk filling the token budget.
     backend = compile_only_backend(cfg, options, num_pages, topo)
     rows = options.max_batch_size
-    chunk = max(options.token_budget - rows, 1)
-    burst = burst_call(backend, rows, context)
-    report = [compile_program("decode burst", backend, burst, topo)]
-    ragged = ragged_call(backend, rows, context, min(chunk, options.prefill_chunk))
-    report.append(compile_program("ragged step", backend, ragged, topo))
-    return tuple(report)
+    chunk = min(max(options.token_budget - rows, 1), options.prefill_chunk)
+    calls = {
+        "decode burst": burst_call(backend, rows, context),
+        "ragged step": ragged_call(backend, rows, context, chunk),
+    }
+    # The TPU compiler runs on one core a program: two programs on two threads take the
+    # time of the longer one where the host has the cores (it releases the GIL).
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = [
+            pool.submit(compile_program, name, backend, call, topo) for name, call in calls.items()
+        ]
+        return tuple(f.result() for f in futures)
 
 
 def _nbytes(leaf) -> int:
