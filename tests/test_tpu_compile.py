@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jax.sharding import SingleDeviceSharding
 
 from etjax.errors import ConfigError
 from etjax.loaders.gguf_weights import gguf_model_config, open_gguf
+from etjax.planning.plan import plan
 from etjax.planning.programs import (
     burst_call,
     compile_only_backend,
@@ -165,3 +167,39 @@ def test_burst_compiles_for_a_2x2_v5e_mesh(cfg, pruning):
     assert kinds["all-reduce"] >= 2 * 576 * 2
     # Each chip holds a quarter of the split weights (the norms whole), far under all of them.
     assert report.argument_bytes < 0.5 * (_weight_bytes(cfg) + _pool_bytes(cfg))
+
+
+def test_a_plan_compiles_the_engines_programs_and_counts_what_the_compiler_reports(tmp_path):
+    # etjax plan end to end, pruned, on a tiny Llama config (a config.json alone; ~10 s): both
+    # programs are built with the block-sparse Mosaic kernel, and the compiler's arguments
+    # are the weights and pool the plan counted from shapes (the tiled layouts pad some).
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1024,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    p = plan(tmp_path, "v5e-1", batch=4, context=256, pruning=True)
+    assert p.fits and p.compiled_layers == 2
+    assert [r.name for r in p.programs] == ["decode burst", "ragged step"]
+    for report in p.programs:
+        assert BLOCK_SPARSE in report.kernels
+        # The weights, pool and store in the compiler's layouts are its arguments, but for
+        # the call's few small inputs.
+        laid_out = sum(size for _, size in report.laid_out)
+        assert laid_out <= report.argument_bytes <= laid_out + 64 * 1024
+    # XLA puts a pool's page axis minor-most, in 128-wide tiles: 69 pages (4 rows of 17,
+    # the null page) take the room of 128, and the plan counts the pool as laid out.
+    pages = 4 * 17 + 1
+    assert p.kv_pool_pages == pages
+    keys_values = 2 * 2 * 2 * 16 * 64 * 2  # per page: layers, KV heads, page, head, bfloat16
+    assert p.kv_pool_bytes_per_chip >= 128 * keys_values
+    assert p.program_bytes_per_chip == max(r.temp_bytes + r.code_bytes for r in p.programs)

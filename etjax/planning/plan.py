@@ -246,6 +246,12 @@ def plan(
     if compile_programs and weights_pc + state_pc < usable:
         compiled = layers if 0 < layers < cfg.num_layers else cfg.num_layers
         programs = _compile(_cut(cfg, compiled), options, num_pages, topo, context)
+        # The pool and the row store as the compiler lays them out (its tiles pad the
+        # minor dimensions), the pool scaled from the compiled layers to all of them.
+        laid_out = dict(programs[0].laid_out)
+        pool_pc = laid_out["cache"] * cfg.num_layers // compiled
+        page_pc = max(page_pc, -(-pool_pc // num_pages))
+        state_pc = max(state_pc, laid_out["store"])
     return Plan(
         model=str(model),
         topology=topo,

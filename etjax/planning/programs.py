@@ -51,6 +51,9 @@ class ProgramReport:
     # On a mesh, the collectives in the compiled module by kind: (count, payload bytes a
     # chip), each counted once as written (one inside a loop runs once an iteration).
     collectives: tuple[tuple[str, int, int], ...] = ()
+    # Bytes a chip holds of the weights, the KV pool and the row store as the compiler lays
+    # them out (its tiles pad the minor dimensions: a pool of 69 pages takes 128's room).
+    laid_out: tuple[tuple[str, int], ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -134,6 +137,10 @@ def compile_program(
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
+    formats = compiled.input_formats[1]  # the program is called by keyword
+    laid_out = tuple(
+        (key, _laid_out_bytes(shaped[key], formats[key])) for key in ("weights", "cache", "store")
+    )
     return ProgramReport(
         name=name,
         compile_s=seconds,
@@ -144,6 +151,7 @@ def compile_program(
         code_bytes=int(memory.generated_code_size_in_bytes),
         kernels=mosaic_kernels(hlo),
         collectives=collectives(hlo),
+        laid_out=laid_out,
     )
 
 
@@ -156,6 +164,30 @@ def mosaic_kernels(hlo: str) -> tuple[str, ...]:
             match = _INSTRUCTION.match(line)
             names.add(match.group(1) if match else MOSAIC_CALL)
     return tuple(sorted(names))
+
+
+def layout_bytes(shape: tuple[int, ...], itemsize: int, layout) -> int:
+    """Bytes of an array of `shape` in a compiled `layout` (its dimensions in
+    `major_to_minor` order, the minor ones padded to the first tile)."""
+    dims = [shape[i] for i in layout.major_to_minor]
+    tile = layout.tiling[0] if layout.tiling else ()
+    for offset, size in enumerate(reversed(tile), start=1):
+        if offset <= len(dims):
+            dims[-offset] = -(-dims[-offset] // size) * size
+    return math.prod(dims) * itemsize
+
+
+def _laid_out_bytes(tree, formats) -> int:
+    # One chip's bytes of `tree`'s arrays: each shard in the layout the compiler chose.
+    total = 0
+    for leaf, fmt in zip(jax.tree.leaves(tree), jax.tree.leaves(formats), strict=True):
+        shard = fmt.sharding.shard_shape(leaf.shape)
+        itemsize = np.dtype(leaf.dtype).itemsize
+        if fmt.layout is None or not hasattr(fmt.layout, "major_to_minor"):
+            total += math.prod(shard) * itemsize
+        else:
+            total += layout_bytes(shard, itemsize, fmt.layout)
+    return total
 
 
 def collectives(hlo: str) -> tuple[tuple[str, int, int], ...]:
