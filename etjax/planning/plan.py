@@ -14,6 +14,7 @@ bytes and FLOPs, etjax/entropy/cost.py), at the chip's published HBM bandwidth a
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -404,11 +405,24 @@ def _compile(
     }
     # The TPU compiler runs on one core a program: two programs on two threads take the
     # time of the longer one where the host has the cores (it releases the GIL).
-    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+    with _no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         futures = [
             pool.submit(compile_program, name, backend, call, topo) for name, call in calls.items()
         ]
         return tuple(f.result() for f in futures)
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+    # Programs compiled for a described topology cannot be loaded back from the persistent
+    # cache (no TPU client: "PjRtCompiler must be constructed with a Client"): a second plan
+    # warned and compiled again. They are kept out of it.
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
 
 
 def _nbytes(leaf) -> int:

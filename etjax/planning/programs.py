@@ -82,14 +82,12 @@ def compile_only_backend(
 def ragged_call(backend: DeviceBackend, rows: int, context: int, chunk: int) -> dict:
     """`mixed_step`'s arguments for `rows` decoding rows of `context` cached tokens each
     beside one prefill chunk of `chunk` tokens (its pages after theirs)."""
-    ps = backend.options.page_size
     tables = _tables(backend, [context + 1] * rows + [chunk])
     job = PrefillJob(row=rows, tokens=[3] * chunk, start=0, pages=tables[-1])
     budgets = [1.0] * rows
     _, arguments = backend.mixed_arguments(
         list(range(rows)), tables[:-1], [context] * rows, budgets, [job]
     )
-    del ps
     return arguments
 
 
