@@ -11,17 +11,20 @@ import importlib.util
 import json
 from pathlib import Path
 
+import jax
 import pytest
 
 from etjax.cli import main
 from etjax.planning.plan import plan
 from etjax.planning.programs import collectives, mosaic_kernels
+from etjax.planning.topology import LIBTPU_FOR_JAX
 
 CONFIGS = Path(__file__).parent.parent / "configs" / "models" / "plan"
 LLAMA_8B = CONFIGS / "llama-3.1-8b.json"
 GIB = 2**30
 needs_libtpu = pytest.mark.skipif(
-    importlib.util.find_spec("libtpu") is None, reason="needs libtpu: pip install etjax[tpu]"
+    importlib.util.find_spec("libtpu") is None or jax.__version__ not in LIBTPU_FOR_JAX,
+    reason="needs the libtpu of this jax: pip install etjax[tpu]",
 )
 
 # Llama-3.1-8B's published sizes (configs/models/plan/llama-3.1-8b.json).

@@ -31,15 +31,18 @@ from etjax.planning.programs import (
     mosaic_kernels,
     ragged_call,
 )
-from etjax.planning.topology import Topology
+from etjax.planning.topology import LIBTPU_FOR_JAX, Topology
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RuntimeOptions
 from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
 
 pytestmark = [
     pytest.mark.tpu_compile,
+    # The extra pins the libtpu of one jax release (LIBTPU_FOR_JAX); with another jax (the GPU
+    # machine's) that libtpu is not the one its compiler was built with, so nothing is compiled.
     pytest.mark.skipif(
-        importlib.util.find_spec("libtpu") is None, reason="needs libtpu: pip install etjax[tpu]"
+        importlib.util.find_spec("libtpu") is None or jax.__version__ not in LIBTPU_FOR_JAX,
+        reason="needs the libtpu of this jax: pip install etjax[tpu]",
     ),
 ]
 
