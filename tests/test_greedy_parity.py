@@ -1,4 +1,4 @@
-"""Greedy continuations of the real SmolLM2 equal transformers `generate` token for token."""
+"""Greedy continuations of the real SmolLM2 equal transformers' greedy search token for token."""
 
 from __future__ import annotations
 
@@ -19,15 +19,16 @@ def test_greedy_continuations_match_transformers(smollm2, hf_smollm2, lee):
     prompts = _prompts(lee)
     results = etjax.decode(prompts, model=smollm2, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     for prompt, result in zip(prompts, results, strict=True):
-        ids = torch.tensor([result.prompt_token_ids])
+        # transformers' greedy `generate` in one pass: each of etjax's 32 tokens must be the
+        # argmax of transformers' logits after the prompt and the tokens before it (so, by
+        # induction, the sequence `generate` makes). One teacher-forced pass per prompt
+        # instead of 32 steps of `generate`: 1.4 s for the six against 12.7 s.
+        ids = torch.tensor([result.prompt_token_ids + result.token_ids])
+        start = len(result.prompt_token_ids) - 1
         with torch.no_grad():
-            reference = hf_smollm2.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-            )[0, ids.shape[1] :].tolist()
+            logits = hf_smollm2(ids).logits[0, start:-1]
+        reference = logits.argmax(-1).tolist()
+        assert len(reference) == NEW_TOKENS
         assert result.token_ids == reference, prompt
         assert result.text == smollm2.tokenizer.decode(reference)
         assert result.finish_reason == "length"
