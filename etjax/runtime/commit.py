@@ -21,7 +21,7 @@ from etjax.entropy.state import advance_tau
 from etjax.request_fields import MAX_LOGPROBS
 from etjax.runtime.options import FINISH_REASONS
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.runtime.token_mask import MaskedRows
+from etjax.runtime.token_mask import MaskedRows, mask_rows
 from etjax.sampling.sampler import SampleInfo, SamplerState, sample_next
 
 
@@ -67,6 +67,24 @@ def sample_rows(
         calibration = jax.tree.map(lambda x: x[masked.rows], state.calibration)
         signal = signal.at[masked.rows].set(calibrated_entropy(masked.raw, h_raw, calibration))
     return tokens, info.replace(calibrated_entropy=signal, raw_entropy=raw), sampler_state
+
+
+def draw_rows(
+    state: DecodeState, constrained: int = 0
+) -> tuple[DecodeState, jax.Array, SampleInfo, SamplerState]:
+    """`sample_rows` for a step or a draft check: with `constrained` > 0 (static, at most
+    that many rows have a grammar), the active constrained rows' logits are masked first
+    (`mask_rows`), and the state returned holds the masked logits; the raw logits stay the
+    entropy signal's. Returns the state, the tokens [B], what the draw observed and the
+    sampler state it left."""
+    if not constrained:
+        return (state, *sample_rows(state))
+    # The grammar's mask comes before everything that reads the distribution (penalties,
+    # temperature, truncation, the controller, the draw, the top-k).
+    grammar_rows = state.active & (state.grammar >= 0)
+    logits, masked = mask_rows(state.logits, state.allowed, grammar_rows, constrained)
+    state = state.replace(logits=logits)
+    return (state, *sample_rows(state, masked))
 
 
 _EOS, _LENGTH = FINISH_REASONS.index("eos"), FINISH_REASONS.index("length")

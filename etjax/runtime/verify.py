@@ -26,7 +26,9 @@ forced draft is thus accepted because the masked draw makes it, not because the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +37,9 @@ from etjax.entropy.cost import CostModel
 from etjax.model.transformer import logits_from_hidden
 from etjax.model.weights import Weights
 from etjax.request_fields import MAX_LOGPROBS
-from etjax.runtime.commit import commit_tokens, sample_rows
+from etjax.runtime.commit import commit_tokens, draw_rows
 from etjax.runtime.state import DecodeState, StepOutputs
-from etjax.runtime.token_mask import collect_masks, mask_rows, start_masks
+from etjax.runtime.token_mask import collect_masks, start_masks
 
 # The most drafted positions (padded rows x max_draft) whose logits are computed in one
 # product before the checks. Per position, each check's LM-head product reads the whole head
@@ -79,75 +81,14 @@ def accept_drafts(
     batched = not constrained and drafts.shape[0] * drafts.shape[1] <= PRECOMPUTED_POSITIONS
     # [B, k, V]: the distribution after each draft, the LM head read once.
     all_logits = logits_from_hidden(weights, draft_hidden) if batched else None
-
-    def check(carry, i):
-        state, accepting, accepted = carry
-        raw = state.logits
-        if constrained:
-            logits, masked = mask_rows(
-                raw, state.allowed, state.active & (state.grammar >= 0), constrained
-            )
-            state = state.replace(logits=logits)
-            tokens, info, sampler_state = sample_rows(state, masked)
-        else:
-            tokens, info, sampler_state = sample_rows(state)
-        draft = jax.lax.dynamic_index_in_dim(drafts, i, axis=1, keepdims=False)
-        take = accepting & (i < draft_len) & (tokens == draft)
-        num_blocks = (state.lengths + cost.page_size) // cost.page_size
-        fraction, kept = (
-            (jnp.ones_like(info.model_entropy), num_blocks) if reads is None else reads(num_blocks)
-        )
-        keys = cost.layer_keys((kept * cost.page_size).astype(jnp.float32))
-        flops = cost.matmul_flops_per_token + cost.attention_flops_per_key * keys
-        flops = jnp.where(take, flops, 0.0)
-        nbytes = jnp.where(take, cost.kv_bytes_per_key * keys, 0.0)  # weights: read once
-        hidden = jax.lax.dynamic_index_in_dim(draft_hidden, i, axis=1, keepdims=False)
-        if constrained:  # the masks after the accepted drafts (the others keep theirs),
-            # computed on the host while the LM head runs
-            hidden, ticket = start_masks(
-                state.grammar,
-                tokens,
-                state.num_generated,
-                take,
-                state.allowed.shape[1],
-                only_committed=True,
-                overlap=hidden,
-            )
-        if batched:
-            next_logits = jax.lax.dynamic_index_in_dim(all_logits, i, axis=1, keepdims=False)
-        else:
-            next_logits = logits_from_hidden(weights, hidden)
-        if constrained:
-            allowed = collect_masks(ticket, next_logits, *state.allowed.shape)
-        state, out = commit_tokens(
-            state,
-            tokens,
-            info,
-            sampler_state,
-            take,
-            next_logits,
-            fraction,
-            kept,
-            flops,
-            nbytes,
-        )
-        if constrained:
-            # A row that took nothing keeps its raw logits (the next step masks them again
-            # and reads their entropy); one that took a draft has what the plain step leaves.
-            state = state.replace(
-                logits=jnp.where(take[:, None], state.logits, raw),
-                allowed=jnp.where(take[:, None], allowed, state.allowed),
-            )
-        return (state, take & state.active, accepted + take), out
-
-    def skip(carry, i):
-        del i
-        state, accepting, accepted = carry
-        return (state, jnp.zeros_like(accepting), accepted), _nothing(state)
+    check = functools.partial(
+        _check,
+        _Pass(weights, drafts, draft_len, draft_hidden, cost, constrained, reads, all_logits),
+    )
 
     def position(carry, i):
         pending = jnp.any(carry[1] & (i < draft_len))
-        return jax.lax.cond(pending, check, skip, carry, i)
+        return jax.lax.cond(pending, check, _skip, carry, i)
 
     # A scan, not an unrolled loop: the sampler is the largest part of the program, and each
     # unrolled position compiled a copy of it (a tiny model's step with 4 drafts took ~3 s to
@@ -155,18 +96,104 @@ def accept_drafts(
     carry = (state, state.active, jnp.zeros_like(draft_len))
     carry, outputs = jax.lax.scan(position, carry, jnp.arange(drafts.shape[1]))
     state, _, accepted = carry
-    # Rejected drafts still ran: their compute is the request's.
+    return _charge_rejected(state, ran, draft_len, accepted, cost), outputs
+
+
+class _Pass(NamedTuple):
+    # What every position's check reads (shapes as in `accept_drafts`).
+    weights: Weights
+    drafts: jax.Array  # [B, k] int32
+    draft_len: jax.Array  # [B] int32
+    draft_hidden: jax.Array  # [B, k, D]
+    cost: CostModel
+    constrained: int  # static
+    reads: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None
+    all_logits: jax.Array | None  # [B, k, V] float32, or None: each position's own product
+
+
+def _check(p: _Pass, carry, i):
+    # Position i: each still accepting row draws its token and takes the draft if they are
+    # equal. carry: (state, accepting [B] bool, accepted [B] int32); returns the carry and
+    # the position's outputs [B].
+    state, accepting, accepted = carry
+    raw = state.logits
+    state, tokens, info, sampler_state = draw_rows(state, p.constrained)
+    draft = jax.lax.dynamic_index_in_dim(p.drafts, i, axis=1, keepdims=False)
+    take = accepting & (i < p.draft_len) & (tokens == draft)
+    fraction, kept, flops, nbytes = _draft_cost(state, info, take, p.cost, p.reads)
+    next_logits, allowed = _next_logits(p, state, tokens, take, i)
+    state, out = commit_tokens(
+        state, tokens, info, sampler_state, take, next_logits, fraction, kept, flops, nbytes
+    )
+    if p.constrained:
+        # A row that took nothing keeps its raw logits (the next step masks them again and
+        # reads their entropy); one that took a draft has what the plain step leaves.
+        state = state.replace(
+            logits=jnp.where(take[:, None], state.logits, raw),
+            allowed=jnp.where(take[:, None], allowed, state.allowed),
+        )
+    return (state, take & state.active, accepted + take), out
+
+
+def _draft_cost(state: DecodeState, info, take: jax.Array, cost: CostModel, reads):
+    # A taken draft's kept fraction [B] and blocks [B], and its FLOPs and bytes [B] float32
+    # (0 where not taken; the weights were read once, by the pass).
+    num_blocks = (state.lengths + cost.page_size) // cost.page_size
+    fraction, kept = (
+        (jnp.ones_like(info.model_entropy), num_blocks) if reads is None else reads(num_blocks)
+    )
+    keys = cost.layer_keys((kept * cost.page_size).astype(jnp.float32))
+    flops = cost.matmul_flops_per_token + cost.attention_flops_per_key * keys
+    flops = jnp.where(take, flops, 0.0)
+    nbytes = jnp.where(take, cost.kv_bytes_per_key * keys, 0.0)
+    return fraction, kept, flops, nbytes
+
+
+def _next_logits(p: _Pass, state: DecodeState, tokens: jax.Array, take: jax.Array, i):
+    # The distribution after draft i [B, V], and under constraints the rows' masks after
+    # their accepted drafts [B, W] (the others keep theirs; None unconstrained), computed on
+    # the host while the LM head runs.
+    hidden = jax.lax.dynamic_index_in_dim(p.draft_hidden, i, axis=1, keepdims=False)
+    if p.constrained:
+        hidden, ticket = start_masks(
+            state.grammar,
+            tokens,
+            state.num_generated,
+            take,
+            state.allowed.shape[1],
+            only_committed=True,
+            overlap=hidden,
+        )
+    if p.all_logits is not None:
+        next_logits = jax.lax.dynamic_index_in_dim(p.all_logits, i, axis=1, keepdims=False)
+    else:
+        next_logits = logits_from_hidden(p.weights, hidden)
+    allowed = None
+    if p.constrained:
+        allowed = collect_masks(ticket, next_logits, *state.allowed.shape)
+    return next_logits, allowed
+
+
+def _skip(carry, i):
+    # A position no row still accepts: nothing checked, nothing emitted.
+    del i
+    state, accepting, accepted = carry
+    return (state, jnp.zeros_like(accepting), accepted), _nothing(state)
+
+
+def _charge_rejected(state, ran, draft_len, accepted, cost: CostModel) -> DecodeState:
+    # Rejected drafts still ran: their compute is the request's. ran [B] bool: rows whose
+    # drafts went through the model; draft_len, accepted [B] int32.
     rejected = jnp.where(ran, draft_len - accepted, 0).astype(jnp.float32)
     keys = cost.layer_keys((state.lengths + rejected).astype(jnp.float32))
     entropy = state.entropy
-    state = state.replace(
+    return state.replace(
         entropy=entropy.replace(
             cost_flops=entropy.cost_flops
             + rejected * (cost.matmul_flops_per_token + cost.attention_flops_per_key * keys),
             cost_bytes=entropy.cost_bytes + rejected * cost.kv_bytes_per_key * keys,
         )
     )
-    return state, outputs
 
 
 def _nothing(state: DecodeState) -> StepOutputs:
