@@ -9,7 +9,12 @@ from etjax.cache.page_allocator import pages_needed
 from etjax.engine.build import MIN_POOL_PAGES, build_engine, pool_pages
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 
+# Preemption needs sequences that outgrow their pool while they decode: 48 tokens (at 24 the
+# policy test's pool holds them all and none is preempted). A row beside a document being
+# prefilled needs fewer: 24 covers the document's 4 mixed steps and then 20 tokens of bursts
+# of all four rows, and halves the five runs' decoding (33 to 31 s alone, loaded 2 cores).
 NEW = 48
+NEW_BESIDE_DOCUMENT = 24
 
 # Both tests compare etjax with itself and compile more than they run (13 and 7 programs of
 # SmolLM2), so they compile cheaply: 24.6 and 25.4 s against 31.5 and 29.2 as users compile
@@ -17,9 +22,9 @@ NEW = 48
 pytestmark = pytest.mark.compile_bound
 
 
-def _run(model, prompts, options: RuntimeOptions, num_pages: int):
+def _run(model, prompts, options: RuntimeOptions, num_pages: int, new: int = NEW):
     engine = build_engine(model.weights, model.config, model.tokenizer, options, num_pages)
-    settings = [RequestSettings(NEW, ignore_eos=True)] * len(prompts)
+    settings = [RequestSettings(new, ignore_eos=True)] * len(prompts)
     return engine.generate(prompts, settings), engine
 
 
@@ -59,9 +64,10 @@ def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
     prompts = [document] + [smollm2.tokenizer.encode(lee[20 + i])[:40] for i in range(3)]
     options = RuntimeOptions(max_batch_size=4)
     # The pool decode() would size for them (all four at once).
-    pages = pool_pages([pages_needed(len(p) + NEW + 8, 16) for p in prompts], options)
-    outputs, engine = _run(smollm2, prompts, options, pages)
+    new = NEW_BESIDE_DOCUMENT
+    pages = pool_pages([pages_needed(len(p) + new + 8, 16) for p in prompts], options)
+    outputs, engine = _run(smollm2, prompts, options, pages, new)
     batched = [o.token_ids for o in outputs]
     assert engine.decode_bursts == engine.decode_rounds
-    alone = [_run(smollm2, [p], options, pages)[0][0].token_ids for p in prompts]
+    alone = [_run(smollm2, [p], options, pages, new)[0][0].token_ids for p in prompts]
     assert batched == alone
