@@ -40,11 +40,11 @@ from etjax.model.weights import Weights
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig, PruningShape, PruningThresholds
 from etjax.pruning.groups import PrunedGroups, grouped_blocks
-from etjax.runtime.commit import commit_tokens, finishes, sample_rows
+from etjax.runtime.commit import commit_tokens, draw_rows, finishes
 from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.target_logprobs import target_logprobs
-from etjax.runtime.token_mask import collect_masks, mask_rows, start_masks
+from etjax.runtime.token_mask import collect_masks, start_masks
 from etjax.runtime.verify import accept_drafts
 
 DENSE = PruningConfig().shape()  # pruning disabled: every block of the context is read
@@ -117,98 +117,135 @@ def mixed_step(
 
     Dense, `plan` holds every token's attention work. With `statics.pruning.enabled`, the
     rows' tokens attend to the blocks their budgets keep under `thresholds` (traced: engines
-    that differ in thresholds share the program; as in `decode_steps`), scored over their
-    whole page tables `page_table` [Bm, W], and `plan` holds the chunks' work (and, on a
-    model with sliding-window layers, every row token's local layers). A verifying row's
-    drafts are pruned too: each reads what a plain pruned step at its position would (its
-    own query's kept blocks, as many as the row's kept fraction gives there: `_per_token`),
-    except that the fraction comes from the entropy before the row's token (a draft's own
-    predecessor's is not known before the pass).
+    differing in them share the program), scored over their whole page tables `page_table`
+    [Bm, W], and `plan` holds the chunks' work (and, on a model with sliding-window layers,
+    every row token's local layers). A verifying row's drafts are pruned too, each as a plain
+    pruned step at its position (`_per_token`).
     Returns the store, the cache, the rows' outputs [1, Bm], float32 logits [Sp, V] after
     each prefill sequence's last token, and float32 [T] the log-probability of
     `batch.targets` after each token (0 where there is none).
     """
-    cfg, placement = statics.cfg, statics.placement
-    with _tracing(placement, statics.attention_backend):
+    with _tracing(statics.placement, statics.attention_backend):
         state = take_rows(store, rows).replace(page_table=page_table)
-        num_tokens = batch.tokens.shape[0]
-        # Flat index of each row's token and its drafts [Bm, 1 + max_draft]; out of range
-        # (dropped on writes, zeros on reads) past a row's drafts.
-        offsets = jnp.arange(1 + max_draft)
-        row_slots = jnp.where(
-            offsets <= batch.draft_len[:, None], batch.decode_slot[:, None] + offsets, num_tokens
+        row_slots = _row_slots(batch, max_draft)
+        model = functools.partial(
+            _run_ragged, weights, cache, store, batch, plan, statics, row_slots
         )
-
-        def run_model(tokens, runs, sparse, row_k):
-            # Returns the rows' hidden states [Bm, D], the cache, and what the step needs
-            # after sampling: the prefill sequences' last hidden states, the drafts' hidden
-            # states and the pages each row's tokens wrote. row_k [Bm]: the experts each
-            # row's token runs (None: all); chunks and drafts run all k.
-            slot = batch.decode_slot
-            if sparse is not None:
-                pad_row = store.lengths.shape[0] - 1
-                sparse = _per_token(sparse, row_slots, batch.positions, pad_row, statics.cost)
-            flat = batch.tokens.at[slot].set(tokens, mode="drop")
-            # A row that finished on this token writes nothing (its token and drafts are not
-            # run).
-            own = batch.write_pages.at[row_slots].get(mode="fill", fill_value=0)
-            own = jnp.where(runs[:, None], own, 0)
-            write_pages = batch.write_pages.at[row_slots].set(own, mode="drop")
-            active_k = None
-            if row_k is not None:
-                active_k = jnp.full(num_tokens, cfg.num_experts_per_tok, jnp.int32)
-                active_k = active_k.at[slot].set(row_k, mode="drop")
-            hidden, new_cache = forward(
-                weights,
-                cache,
-                flat,
-                batch.positions,
-                write_pages,
-                cfg,
-                plan=plan,
-                sparse=sparse,
-                active_k=active_k,
-            )
-            rows_hidden = hidden.at[row_slots].get(mode="fill", fill_value=0)
-            prompt_logprobs = target_logprobs(weights, hidden, batch.targets)
-            after = (hidden[batch.last_index], rows_hidden[:, 1:], own, prompt_logprobs)
-            return rows_hidden[:, 0], new_cache, after
-
         start = state.lengths
         state, cache, outputs, after = _decode_step(
-            weights, state, statics, thresholds, run_model, rows, batch.draft_len > 0
+            weights, state, statics, thresholds, model, rows, batch.draft_len > 0
         )
-        prefill_hidden, draft_hidden, row_pages, prompt_logprobs = after
-        fraction = state.entropy.budget  # the kept fraction the rows' tokens read with
         outputs = jax.tree.map(lambda x: x[None], outputs)
         if max_draft:
-            drafts = batch.tokens.at[row_slots[:, 1:]].get(mode="fill", fill_value=0)
-            reads = None
-            if statics.pruning.enabled:  # the drafts read their own kept blocks (_per_token)
-
-                def reads(num_blocks):
-                    return fraction, _kept(fraction, num_blocks, thresholds, statics.max_kept)
-
-            state, verified = accept_drafts(
-                weights,
-                state,
-                drafts,
-                batch.draft_len,
-                draft_hidden,
-                statics.cost,
-                statics.constrained,
-                reads,
+            state, cache, outputs = _verify_drafts(
+                weights, cache, state, outputs, batch, row_slots, after, start, thresholds, statics
             )
-            outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outputs, verified)
-            written = jnp.sum(row_pages != 0, axis=1)
-            cache = retract_rejected(cache, row_pages, start, written, state.lengths)
-        logits = logits_from_hidden(weights, prefill_hidden)
-        store = put_rows(store, rows, state)
-        if placement is not None:
-            logits = constrain(logits, placement.sharding(logits.shape, {0: DATA, 1: MODEL}))
-            store = constrain(store, placement.state(store, cfg.vocab_size))
-            cache = constrain(cache, placement.cache(cache))
-        return store, cache, outputs, logits, prompt_logprobs
+        logits = logits_from_hidden(weights, after[0])  # after each prefill sequence
+        store, cache, logits, _ = _placed(statics, put_rows(store, rows, state), cache, logits)
+        return store, cache, outputs, logits, after[3]
+
+
+def _row_slots(batch: FlatBatch, max_draft: int) -> jax.Array:
+    # Flat index of each row's token and its drafts [Bm, 1 + max_draft]; out of range
+    # (dropped on writes, zeros on reads) past a row's drafts.
+    num_tokens = batch.tokens.shape[0]
+    offsets = jnp.arange(1 + max_draft)
+    return jnp.where(
+        offsets <= batch.draft_len[:, None], batch.decode_slot[:, None] + offsets, num_tokens
+    )
+
+
+def _run_ragged(
+    weights, cache, store, batch, plan, statics, row_slots, tokens, runs, sparse, row_k
+):
+    # `_decode_step`'s model pass of a ragged step: the rows' tokens [Bm] (and their drafts,
+    # already in the batch) with the prefill chunks. Returns the rows' hidden states [Bm, D],
+    # the cache, and what the step needs after sampling: the prefill sequences' last hidden
+    # states [Sp, D], the drafts' hidden states [Bm, max_draft, D], the pages each row's
+    # tokens wrote [Bm, 1 + max_draft] and the targets' log-probabilities [T]. runs [Bm]:
+    # rows that run on; row_k [Bm]: the experts each row's token runs (None: all); chunks and
+    # drafts run all k.
+    slot = batch.decode_slot
+    if sparse is not None:
+        pad_row = store.lengths.shape[0] - 1
+        sparse = _per_token(sparse, row_slots, batch.positions, pad_row, statics.cost)
+    flat = batch.tokens.at[slot].set(tokens, mode="drop")
+    own, write_pages = _ragged_writes(batch, row_slots, runs)
+    active_k = None
+    if row_k is not None:
+        active_k = jnp.full(batch.tokens.shape[0], statics.cfg.num_experts_per_tok, jnp.int32)
+        active_k = active_k.at[slot].set(row_k, mode="drop")
+    hidden, new_cache = forward(
+        weights,
+        cache,
+        flat,
+        batch.positions,
+        write_pages,
+        statics.cfg,
+        plan=plan,
+        sparse=sparse,
+        active_k=active_k,
+    )
+    rows_hidden = hidden.at[row_slots].get(mode="fill", fill_value=0)
+    prompt_logprobs = target_logprobs(weights, hidden, batch.targets)
+    after = (hidden[batch.last_index], rows_hidden[:, 1:], own, prompt_logprobs)
+    return rows_hidden[:, 0], new_cache, after
+
+
+def _ragged_writes(batch, row_slots, runs):
+    # The pages the rows' tokens write [Bm, 1 + max_draft] and the flat batch's [T]: a row
+    # that finished on this token (runs [Bm] false) writes nothing (its token and drafts are
+    # not run).
+    own = batch.write_pages.at[row_slots].get(mode="fill", fill_value=0)
+    own = jnp.where(runs[:, None], own, 0)
+    return own, batch.write_pages.at[row_slots].set(own, mode="drop")
+
+
+def _verify_drafts(
+    weights, cache, state, outputs, batch, row_slots, after, start, thresholds, statics
+):
+    # The rows' drafts checked after their tokens (etjax/runtime/verify.py). Returns the
+    # state, the cache without the rejected drafts' keys (etjax/runtime/rollback.py) and the
+    # outputs [1 + max_draft, Bm]. outputs [1, Bm]: the rows' tokens'; after: `_run_ragged`'s;
+    # start [Bm]: the rows' lengths before the step.
+    _, draft_hidden, row_pages, _ = after
+    fraction = state.entropy.budget  # the kept fraction the rows' tokens read with
+    drafts = batch.tokens.at[row_slots[:, 1:]].get(mode="fill", fill_value=0)
+    reads = None
+    if statics.pruning.enabled:  # the drafts read their own kept blocks (_per_token)
+
+        def reads(num_blocks):
+            return fraction, _kept(fraction, num_blocks, thresholds, statics.max_kept)
+
+    state, verified = accept_drafts(
+        weights,
+        state,
+        drafts,
+        batch.draft_len,
+        draft_hidden,
+        statics.cost,
+        statics.constrained,
+        reads,
+    )
+    outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outputs, verified)
+    written = jnp.sum(row_pages != 0, axis=1)
+    cache = retract_rejected(cache, row_pages, start, written, state.lengths)
+    return state, cache, outputs
+
+
+def _placed(statics, store, cache, logits=None, outputs=None):
+    # A program's results in the shardings the engine keeps them in (as they are on one
+    # device): logits [S, V] over data and model, the store, the cache, outputs [K, B].
+    placement = statics.placement
+    if placement is None:
+        return store, cache, logits, outputs
+    if logits is not None:
+        logits = constrain(logits, placement.sharding(logits.shape, {0: DATA, 1: MODEL}))
+    store = constrain(store, placement.state(store, statics.cfg.vocab_size))
+    cache = constrain(cache, placement.cache(cache))
+    if outputs is not None:
+        outputs = constrain(outputs, placement.outputs(outputs))
+    return store, cache, logits, outputs
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "placement"), donate_argnames="cache")
@@ -288,53 +325,59 @@ def decode_steps(
     With a `statics.placement`, the store, cache and outputs keep its shardings (rows over
     `data`, logits over `model` too). Returns the store, the cache, and outputs [K, B].
     """
-    cfg, cost, placement = statics.cfg, statics.cost, statics.placement
-    with _tracing(placement, statics.attention_backend):
+    with _tracing(statics.placement, statics.attention_backend):
         state = take_rows(store, rows).replace(page_table=page_table)
-
-        def step(carry: tuple[DecodeState, KVCache], _: None):
-            state, cache = carry
-
-            def run_model(tokens, runs, sparse, row_k):
-                logical = state.lengths // cost.page_size - page_base
-                pages = jnp.take_along_axis(
-                    state.page_table, jnp.clip(logical, 0, page_table.shape[1] - 1)[:, None], 1
-                )[:, 0]
-                write_pages = jnp.where(runs, pages, 0)
-
-                def run() -> tuple[jax.Array, KVCache]:
-                    return forward(
-                        weights,
-                        cache,
-                        tokens,
-                        state.lengths,
-                        write_pages,
-                        cfg,
-                        plan=plan,
-                        sparse=sparse,
-                        active_k=row_k,
-                    )
-
-                def idle() -> tuple[jax.Array, KVCache]:
-                    return jnp.zeros((tokens.shape[0], cfg.hidden_size), cfg.jnp_dtype), cache
-
-                # Once every row of the burst has finished (a request of one new token, the
-                # steps after a batch's last row ends), its remaining steps skip the model.
-                hidden, cache_after = jax.lax.cond(jnp.any(runs), run, idle)
-                return hidden, cache_after, None
-
-            state, cache, outputs, _ = _decode_step(
-                weights, state, statics, thresholds, run_model, rows, groups=groups
-            )
-            return (state, cache), outputs
-
+        step = functools.partial(
+            _burst_step, weights, rows, page_base, plan, thresholds, statics, groups
+        )
         (state, cache), outputs = jax.lax.scan(step, (state, cache), None, length=num_steps)
         store = put_rows(store, rows, state)
-        if placement is not None:
-            store = constrain(store, placement.state(store, cfg.vocab_size))
-            cache = constrain(cache, placement.cache(cache))
-            outputs = constrain(outputs, placement.outputs(outputs))
+        store, cache, _, outputs = _placed(statics, store, cache, outputs=outputs)
         return store, cache, outputs
+
+
+def _burst_step(weights, rows, page_base, plan, thresholds, statics, groups, carry, _):
+    # One step of a burst (a `lax.scan` body): carry (state [B], cache) -> the carry and the
+    # step's outputs [B].
+    state, cache = carry
+    model = functools.partial(_run_burst, weights, cache, state, page_base, plan, statics)
+    state, cache, outputs, _ = _decode_step(
+        weights, state, statics, thresholds, model, rows, groups=groups
+    )
+    return (state, cache), outputs
+
+
+def _run_burst(weights, cache, state, page_base, plan, statics, tokens, runs, sparse, row_k):
+    # `_decode_step`'s model pass of a burst step: each row's token [B] at its length,
+    # written where the row runs on (runs [B]) to the page of its table (which starts at
+    # logical page page_base [B]) that the position falls in. Returns the hidden states
+    # [B, D], the cache and nothing after.
+    cfg, page_size = statics.cfg, statics.cost.page_size
+    logical = state.lengths // page_size - page_base
+    width = state.page_table.shape[1]
+    pages = jnp.take_along_axis(state.page_table, jnp.clip(logical, 0, width - 1)[:, None], 1)
+    write_pages = jnp.where(runs, pages[:, 0], 0)
+
+    def run() -> tuple[jax.Array, KVCache]:
+        return forward(
+            weights,
+            cache,
+            tokens,
+            state.lengths,
+            write_pages,
+            cfg,
+            plan=plan,
+            sparse=sparse,
+            active_k=row_k,
+        )
+
+    def idle() -> tuple[jax.Array, KVCache]:
+        return jnp.zeros((tokens.shape[0], cfg.hidden_size), cfg.jnp_dtype), cache
+
+    # Once every row of the burst has finished (a request of one new token, the steps after
+    # a batch's last row ends), its remaining steps skip the model.
+    hidden, cache_after = jax.lax.cond(jnp.any(runs), run, idle)
+    return hidden, cache_after, None
 
 
 def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying=None, groups=None):
@@ -345,57 +388,20 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
     # `rows` [B]: the store rows of `state` (whose block mass pruning reads). `verifying` [B]
     # bool: rows whose drafts run after their token (which then runs all k experts). `groups`:
     # pruned rows sharing a prefix (etjax/pruning/groups.py), or None.
-    cost, pruning, max_kept = statics.cost, statics.pruning, statics.max_kept
-    active = state.active
-    raw_logits = state.logits
+    cost, active, raw_logits = statics.cost, state.active, state.logits
+    # Under a grammar the raw logits stay the entropy signal's (`draw_rows`).
+    state, tokens, info, sampler_state = draw_rows(state, statics.constrained)
     if statics.constrained:
-        # The grammar's mask comes before everything that reads the distribution (penalties,
-        # temperature, truncation, the controller, the draw, the top-k); the raw logits stay
-        # the entropy signal's.
-        logits, masked = mask_rows(
-            raw_logits, state.allowed, active & (state.grammar >= 0), statics.constrained
-        )
-        state = state.replace(logits=logits)
-        tokens, info, sampler_state = sample_rows(state, masked)
         # The host computes the next masks while the model runs on `tokens` (collected below).
         tokens, ticket = start_masks(
             state.grammar, tokens, state.num_generated, active, state.allowed.shape[1]
         )
-    else:
-        tokens, info, sampler_state = sample_rows(state)
     runs = active & ~finishes(state, tokens, active)
-
     num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
-    if pruning.enabled:
-        # The calibrated signal (the model entropy itself without a calibration).
-        signal = budget_entropy(
-            raw_logits, info.calibrated_entropy, pruning, state.calibration.temperature
-        )
-        fraction = kept_fraction(signal, thresholds)
-        kept = _kept(fraction, num_blocks, thresholds, max_kept)
-        sparse = SparsePlan(
-            budget_blocks=kept,
-            page_table=state.page_table,
-            rows=rows,
-            thresholds=thresholds,
-            pruning=pruning,
-            max_kept=max_kept,
-            backend=statics.attention_backend,
-            fraction=fraction,
-            groups=groups,
-        )
-        if groups is not None:  # the group's blocks and its own; the group's read once
-            kept, spared = grouped_blocks(fraction, num_blocks, groups, thresholds)
-            kept = jnp.minimum(kept, max_kept)
-    else:
-        fraction, kept, sparse = jnp.ones_like(info.model_entropy), num_blocks, None
-    row_k = None
-    if statics.experts is not None:
-        # The experts a token runs follow the signal of the distribution it was drawn from
-        # (etjax/experts); a verifying row's token, like its drafts, runs all k.
-        row_k = statics.experts.active_k(info.calibrated_entropy, statics.cfg.num_experts_per_tok)
-        if verifying is not None:
-            row_k = jnp.where(verifying, statics.cfg.num_experts_per_tok, row_k)
+    fraction, kept, sparse, spared = _budget(
+        state, statics, thresholds, raw_logits, info, num_blocks, rows, groups
+    )
+    row_k = _row_experts(statics, info, verifying)
     hidden, cache, after = run_model(tokens, runs, sparse, row_k)
     # The LM head only where a row runs on (its logits are kept only there).
     next_logits = jax.lax.cond(
@@ -410,22 +416,58 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
         row_k,
     )
     state, outputs = commit_tokens(
-        state,
-        tokens,
-        info,
-        sampler_state,
-        active,
-        next_logits,
-        fraction,
-        kept,
-        flops,
-        nbytes,
+        state, tokens, info, sampler_state, active, next_logits, fraction, kept, flops, nbytes
     )
     if statics.constrained:
         state = state.replace(allowed=allowed)
     if groups is not None:
         outputs = outputs.replace(spared_blocks=jnp.where(runs, spared, 0.0))
     return state, cache, outputs, after
+
+
+def _budget(state, statics, thresholds, raw_logits, info, num_blocks, rows, groups):
+    # What the rows' tokens read: their kept fraction [B], kept blocks [B] (num_blocks [B]
+    # dense), the SparsePlan of their pass (None dense) and, with `groups`, the blocks the
+    # group read for each row [B] (None otherwise).
+    pruning, max_kept = statics.pruning, statics.max_kept
+    if not pruning.enabled:
+        return jnp.ones_like(info.model_entropy), num_blocks, None, None
+    # The calibrated signal (the model entropy itself without a calibration).
+    signal = budget_entropy(
+        raw_logits, info.calibrated_entropy, pruning, state.calibration.temperature
+    )
+    fraction = kept_fraction(signal, thresholds)
+    kept = _kept(fraction, num_blocks, thresholds, max_kept)
+    sparse = SparsePlan(
+        budget_blocks=kept,
+        page_table=state.page_table,
+        rows=rows,
+        thresholds=thresholds,
+        pruning=pruning,
+        max_kept=max_kept,
+        backend=statics.attention_backend,
+        fraction=fraction,
+        groups=groups,
+    )
+    spared = None
+    if groups is not None:  # the group's blocks and its own; the group's read once
+        kept, spared = grouped_blocks(fraction, num_blocks, groups, thresholds)
+        kept = jnp.minimum(kept, max_kept)
+    return fraction, kept, sparse, spared
+
+
+def _row_experts(statics, info, verifying):
+    # [B] int32 the routed experts each row's token runs, or None (all k, or no experts to
+    # steer). They follow the signal of the distribution the token was drawn from
+    # (etjax/experts); a verifying row's token (verifying [B] bool), like its drafts, runs
+    # all k.
+    if statics.experts is None:
+        return None
+    top_k = statics.cfg.num_experts_per_tok
+    row_k = statics.experts.active_k(info.calibrated_entropy, top_k)
+    if verifying is not None:
+        row_k = jnp.where(verifying, top_k, row_k)
+    return row_k
 
 
 def _kept(fraction, num_blocks, thresholds, max_kept):
