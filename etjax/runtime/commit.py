@@ -127,26 +127,8 @@ def commit_tokens(
     finish = finish_code(state, tokens, take)
     runs = take & (finish == 0)
     top_ids, top_logprobs = top_logprobs_of(state, take)
-    entropy = advance_tau(state.entropy, info.model_entropy, take)
-    entropy = entropy.replace(
-        budget=jnp.where(take, fraction, entropy.budget),
-        sampled_entropy=jnp.where(take, info.sampled_entropy, entropy.sampled_entropy),
-        temperature=jnp.where(take, info.temperature, entropy.temperature),
-        cost_flops=entropy.cost_flops + flops,
-        cost_bytes=entropy.cost_bytes + nbytes,
-    )
-    rows = jnp.arange(tokens.shape[0])
-    state = state.replace(
-        logits=jnp.where(runs[:, None], next_logits, state.logits),
-        lengths=state.lengths + runs,
-        num_generated=state.num_generated + take,
-        active=jnp.where(take, runs, state.active),
-        token_counts=state.token_counts.at[rows, tokens].add(take.astype(jnp.int32)),
-        sampler_state=jax.tree.map(
-            lambda new, old: jnp.where(take, new, old), sampler_state, state.sampler_state
-        ),
-        entropy=entropy,
-    )
+    entropy = _advance_entropy(state, info, take, fraction, flops, nbytes)
+    state = _advance_rows(state, tokens, sampler_state, take, runs, next_logits, entropy)
     outputs = StepOutputs(
         tokens=tokens,
         model_entropy=info.model_entropy,
@@ -165,6 +147,37 @@ def commit_tokens(
         top_logprobs=top_logprobs,
     )
     return state, outputs
+
+
+def _advance_entropy(state, info, take, fraction, flops, nbytes):
+    # The rows' entropy state [B] after the token: the controller's tau, and where taken the
+    # budget, the sampled entropy and the temperature; the cost (flops, nbytes [B]) charged.
+    entropy = advance_tau(state.entropy, info.model_entropy, take)
+    return entropy.replace(
+        budget=jnp.where(take, fraction, entropy.budget),
+        sampled_entropy=jnp.where(take, info.sampled_entropy, entropy.sampled_entropy),
+        temperature=jnp.where(take, info.temperature, entropy.temperature),
+        cost_flops=entropy.cost_flops + flops,
+        cost_bytes=entropy.cost_bytes + nbytes,
+    )
+
+
+def _advance_rows(state, tokens, sampler_state, take, runs, next_logits, entropy):
+    # The rows [B] after committing `tokens` where `take`: those that run on (runs [B]) get
+    # the next logits [B, V] and one more position; each taken row counts the token and
+    # keeps the sampler state the draw left.
+    rows = jnp.arange(tokens.shape[0])
+    return state.replace(
+        logits=jnp.where(runs[:, None], next_logits, state.logits),
+        lengths=state.lengths + runs,
+        num_generated=state.num_generated + take,
+        active=jnp.where(take, runs, state.active),
+        token_counts=state.token_counts.at[rows, tokens].add(take.astype(jnp.int32)),
+        sampler_state=jax.tree.map(
+            lambda new, old: jnp.where(take, new, old), sampler_state, state.sampler_state
+        ),
+        entropy=entropy,
+    )
 
 
 def top_logprobs_of(state: DecodeState, take: jax.Array) -> tuple[jax.Array, jax.Array]:
