@@ -28,17 +28,17 @@ from etjax.attention import (
     plan_passes,
 )
 from etjax.attention.cascade import blocks_read_for_others, pruned_groups
-from etjax.cache.page_allocator import page_table_rows, pages_needed
-from etjax.engine.backend import PrefillJob
-from etjax.model.config import ModelConfig
-from etjax.pruning.budget import kept_block_count
-from etjax.pruning.config import PruningConfig
 from etjax.buckets import (
     batch_bucket,
     next_power_of_two,
     pages_bucket,
     ragged_token_bucket,
 )
+from etjax.cache.page_allocator import page_table_rows, pages_needed
+from etjax.engine.backend import PrefillJob
+from etjax.model.config import ModelConfig
+from etjax.pruning.budget import kept_block_count
+from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RuntimeOptions
 from etjax.runtime.steps import FlatBatch
 from pallas_kernels.ragged_attention import Segment
