@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import etjax
+from etjax.buckets import pages_bucket
 from etjax.cache.page_allocator import OutOfPagesError
 from etjax.cache.prefix_cache import PrefixCache
 from etjax.engine.build import workload_pages
 from etjax.engine.sequence import Status
 from etjax.pruning.config import PruningConfig
-from etjax.buckets import pages_bucket
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 from tests.engine_mock import PAGE, K, mock_engine, token_of
 from tests.hypothesis_profiles import examples
