@@ -51,6 +51,7 @@ from etjax.errors import ConfigError
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
 from etjax.pruning.budget import kept_block_count
+from etjax.pruning.config import PruningThresholds
 from etjax.pruning.groups import PrunedGroups
 from etjax.runtime.footprint import check_fits
 from etjax.runtime.options import RuntimeOptions
@@ -110,33 +111,7 @@ class DeviceBackend:
         self.geometry = StepGeometry.for_engine(
             cfg, options, num_pages, self.attention_backend, self.max_draft
         )
-        # Pruning that ranks blocks by the mass they drew remembers it per store row (the pad
-        # row included) and block of the pruned table; nothing else reads it.
-        pruning = options.pruning
-        by_mass = pruning.enabled and pruning.ranks_by_mass
-        allocate = jax.eval_shape if compile_only else (lambda make: make())
-        self.cache = allocate(
-            functools.partial(
-                init_kv_cache,
-                cfg,
-                num_pages,
-                options.page_size,
-                self.rows + 1 if by_mass else 1,
-                self.geometry.pruned_table_width if by_mass else 1,
-                self.kv_dtype,
-            )
-        )
-        self.store = allocate(functools.partial(empty_store, cfg, self.rows + 1, self.eos_ids))
-        if compile_only and self.placement is not None:  # shapes carry their shardings
-            self.weights = _sharded(weights, self.placement.weights(weights))
-            self.cache = _sharded(self.cache, self.placement.cache(self.cache))
-            self.store = _sharded(self.store, self.placement.state(self.store, cfg.vocab_size))
-        elif self.placement is not None:
-            self.weights = self.placement.place_weights(weights)
-            self.cache = self.placement.place_cache(self.cache)
-            self.store = jax.device_put(
-                self.store, self.placement.state(self.store, cfg.vocab_size)
-            )
+        self._allocate(weights)
         # The entropy signal's calibration each inserted row gets (a traced [1] value: engines
         # with and without one share programs; etjax/calibration/signal.py).
         calibration = options.calibration
@@ -145,19 +120,7 @@ class DeviceBackend:
         self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self._burst_buckets: set[int] = set()  # row buckets of the bursts run so far
         self._constrained: set[int] = set()  # rows whose requests have a grammar
-        # The pruning's thresholds, traced (engines that differ only in them share the
-        # programs) and on the device once; its shape is in the statics. Under a calibration
-        # the ramp moves onto the calibrated scale by the shift fitted with it, so the setting
-        # keeps the budget it was chosen for (etjax/calibration/ramp.py).
-        thresholds = options.pruning.thresholds()
-        if calibration is not None and calibration.ramp_shift:
-            thresholds = shifted_thresholds(thresholds, calibration.ramp_shift)
-        if compile_only:
-            self.thresholds = jax.eval_shape(lambda: thresholds)
-        else:
-            self.thresholds = jax.device_put(
-                thresholds, None if self.placement is None else self.placement.replicated
-            )
+        self.thresholds = self._thresholds()
         # What shapes the step programs (static); each call adds its rows' kept-table width.
         self.statics = StepStatics(
             cfg=cfg,
@@ -167,6 +130,51 @@ class DeviceBackend:
             attention_backend=self.attention_backend,
             experts=options.experts if options.experts.enabled else None,
         )
+
+    def _allocate(self, weights: Weights) -> None:
+        # The KV pool and the row store (shapes only when compile-only), and on a mesh the
+        # weights, pool and store placed with the shardings every program keeps.
+        cfg, options, placement = self.cfg, self.options, self.placement
+        # Pruning that ranks blocks by the mass they drew remembers it per store row (the pad
+        # row included) and block of the pruned table; nothing else reads it.
+        by_mass = options.pruning.enabled and options.pruning.ranks_by_mass
+        allocate = jax.eval_shape if self.compile_only else (lambda make: make())
+        self.cache = allocate(
+            functools.partial(
+                init_kv_cache,
+                cfg,
+                self.num_pages,
+                options.page_size,
+                self.rows + 1 if by_mass else 1,
+                self.geometry.pruned_table_width if by_mass else 1,
+                self.kv_dtype,
+            )
+        )
+        self.store = allocate(functools.partial(empty_store, cfg, self.rows + 1, self.eos_ids))
+        if placement is None:
+            return
+        if self.compile_only:  # shapes carry their shardings
+            self.weights = _sharded(weights, placement.weights(weights))
+            self.cache = _sharded(self.cache, placement.cache(self.cache))
+            self.store = _sharded(self.store, placement.state(self.store, cfg.vocab_size))
+        else:
+            self.weights = placement.place_weights(weights)
+            self.cache = placement.place_cache(self.cache)
+            self.store = jax.device_put(self.store, placement.state(self.store, cfg.vocab_size))
+
+    def _thresholds(self) -> PruningThresholds:
+        # The pruning's thresholds, traced (engines that differ only in them share the
+        # programs) and on the device once; its shape is in the statics. Under a calibration
+        # the ramp moves onto the calibrated scale by the shift fitted with it, so the setting
+        # keeps the budget it was chosen for (etjax/calibration/ramp.py).
+        calibration = self.options.calibration
+        thresholds = self.options.pruning.thresholds()
+        if calibration is not None and calibration.ramp_shift:
+            thresholds = shifted_thresholds(thresholds, calibration.ramp_shift)
+        if self.compile_only:
+            return jax.eval_shape(lambda: thresholds)
+        replicated = None if self.placement is None else self.placement.replicated
+        return jax.device_put(thresholds, replicated)
 
     # One ragged step ------------------------------------------------------------------------
 
