@@ -147,9 +147,15 @@ def test_constrained_outputs_parse_and_validate(runs):
 def test_drawn_schemas_give_valid_json_or_say_they_were_cut(smollm2, runs, schemas):
     # Eight drawn schemas in one engine (the `runs` engine's options, so its programs): an
     # output that ends by itself validates; one that does not says "length" at the limit.
+    # Numbered first, so that no two prompts share a first page: the prefix cache would
+    # prefill them one after the other, in steps of shapes no other test compiled; together
+    # they take the `runs` engine's prefill program, as every later step takes its programs.
     prompts = [
-        _chat(smollm2, f"Describe a place as JSON with the fields {', '.join(s['required'])}.")
-        for s in schemas
+        _chat(
+            smollm2,
+            f"{i + 1}. Describe a place as JSON with the fields {', '.join(s['required'])}.",
+        )
+        for i, s in enumerate(schemas)
     ]
     settings_ = [RequestSettings(max_new_tokens=32, json_schema=json.dumps(s)) for s in schemas]
     options = RuntimeOptions(speculation=DRAFTING)
