@@ -10,10 +10,10 @@ rows and `grouped_products.cc` the routed experts' grouped products, both with
 other implementations of each op (pallas_kernels/<op>/cpu.py). They are compiled into one
 library, once per machine, with the C++
 compiler at hand (`CXX`, else g++, c++ or clang++) for this CPU (`-march=native`), and cached
-under `$ETJAX_KERNEL_CACHE` (default `~/.cache/etjax/kernels`), keyed by the sources, the
-flags, the compiler, jaxlib and the CPU's flags, so a copy built for another machine is never
-loaded. Without a compiler (or with `ETJAX_CPU_KERNEL=0`) the engine runs the XLA kernels,
-after one warning.
+under `$ETJAX_KERNEL_CACHE` (default `$XDG_CACHE_HOME/etjax/kernels`, that is
+`~/.cache/etjax/kernels` unless set), keyed by the sources, the flags, the compiler, jaxlib and
+the CPU's flags, so a copy built for another machine is never loaded. Without a compiler (or
+with `ETJAX_CPU_KERNEL=0`) the engine runs the XLA kernels, after one warning.
 
 A cached library is code this process runs, so it is loaded only when it passes the checks in
 docs/RELIABILITY.md ("The kernel cache"): a private folder, a private file, and the sha256 and
@@ -37,6 +37,7 @@ import signal
 import stat
 import subprocess
 import tempfile
+from collections.abc import Mapping
 
 import jax
 
@@ -138,9 +139,7 @@ def _library() -> tuple[ctypes.CDLL, pathlib.Path]:
         [compiler, "--version"], min(timeout, VERSION_TIMEOUT_S), f"`{compiler} --version`"
     )
     key = _source_key(version)
-    cache = pathlib.Path(
-        os.environ.get("ETJAX_KERNEL_CACHE") or pathlib.Path.home() / ".cache/etjax/kernels"
-    )
+    cache = kernel_cache_dir()
     _private_folder(cache)
     library = cache / f"attention_cpu-{key}.so"
     manifest = library.with_suffix(".json")
@@ -243,6 +242,16 @@ def _source_key(version: str) -> str:
             ]
         ).encode()
     ).hexdigest()[:16]
+
+
+def kernel_cache_dir(environ: Mapping[str, str] = os.environ) -> pathlib.Path:
+    """Where built libraries are kept: `$ETJAX_KERNEL_CACHE`, else `etjax/kernels` in the
+    user's cache folder (`$XDG_CACHE_HOME`, default `~/.cache`), beside the compiled programs'
+    cache (etjax/compilation_cache.py)."""
+    if environ.get("ETJAX_KERNEL_CACHE"):
+        return pathlib.Path(environ["ETJAX_KERNEL_CACHE"])
+    home = environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(home) / "etjax" / "kernels"
 
 
 def _private_folder(folder: pathlib.Path) -> None:

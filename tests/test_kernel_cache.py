@@ -303,3 +303,12 @@ def test_a_bad_build_timeout_falls_back_naming_it(cache, value, monkeypatch, war
     assert build._load_handlers() is None
     (warning,) = [r.getMessage() for r in warnings_logged if r.levelno == logging.WARNING]
     assert f"{build.TIMEOUT_ENV}={value!r} is not a positive number of seconds" in warning
+
+
+def test_the_cache_folder_follows_the_setting_then_the_users_cache_folder(tmp_path):
+    # As the compiled programs' cache does (etjax/compilation_cache.py): ETJAX_KERNEL_CACHE,
+    # else XDG_CACHE_HOME/etjax/kernels, else ~/.cache/etjax/kernels.
+    own = str(tmp_path / "mine")
+    assert build.kernel_cache_dir({"ETJAX_KERNEL_CACHE": own, "XDG_CACHE_HOME": "/x"}) == Path(own)
+    assert build.kernel_cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/etjax/kernels")
+    assert build.kernel_cache_dir({}) == Path.home() / ".cache" / "etjax" / "kernels"
