@@ -6,7 +6,8 @@ defined once). `ragged_pass.cc` (dense ragged passes), `block_sparse.cc` (pruned
 (its kept blocks) read the KV pages (and bounds) where they lie, which XLA:CPU cannot
 (ragged_pass.cc's header says why that matters); `row_products.cc` runs projections of a few
 rows and `grouped_products.cc` the routed experts' grouped products, both with
-`row_blocks.h`'s micro-kernel; all share `kernel_math.h`. Their Python wrappers sit beside the
+`row_blocks.h`'s micro-kernel, as does `block_products.cc` (rows times quantized weight
+blocks); all share `kernel_math.h`. Their Python wrappers sit beside the
 other implementations of each op (pallas_kernels/<op>/cpu.py). They are compiled into one
 library, once per machine, with the C++
 compiler at hand (`CXX`, else g++, c++ or clang++) for this CPU (`-march=native`), and cached

@@ -26,6 +26,15 @@ ROW_PRODUCTS = Target("etjax_row_products_cpu", "EtjaxRowProductsCpu", "row_prod
 GROUPED_PRODUCTS = Target(
     "etjax_grouped_products_cpu", "EtjaxGroupedProductsCpu", "grouped_products.cc"
 )
+BLOCK_PRODUCTS = Target("etjax_block_products_cpu", "EtjaxBlockProductsCpu", "block_products.cc")
 
 # Every target, in the order their sources are compiled (part of the cache key).
-TARGETS = (RAGGED_PASS, BLOCK_SPARSE, PAGE_BOUNDS, SELECT_BLOCKS, ROW_PRODUCTS, GROUPED_PRODUCTS)
+TARGETS = (
+    RAGGED_PASS,
+    BLOCK_SPARSE,
+    PAGE_BOUNDS,
+    SELECT_BLOCKS,
+    ROW_PRODUCTS,
+    GROUPED_PRODUCTS,
+    BLOCK_PRODUCTS,
+)

@@ -1,0 +1,21 @@
+"""Block products: float rows times quantized weights kept in blocks, x [..., in] times
+w [out, in] (output-major, as etjax stores every projection) -> [..., out], where w is
+`quants`, `scales` and `offsets` (formats.py: 8-bit and 4-bit blocks, the GGUF formats they
+are read from, and int8 per output channel).
+
+    xla: (x, quants, scales, offsets, block, bits, out_dtype) -> [..., out] in out_dtype
+         the weight dequantized in the program, then XLA's product; any shape, any platform
+    cpu: (x [..., in] float32, quants, scales, offsets, block, bits) -> [..., out] float32
+         the C++ kernel, for the shapes `block_products_cpu_takes` accepts
+    reference: the same in NumPy float64 (block_products_reference), the tests' truth
+
+A decode step is the read of every weight of the model, and 4-bit blocks are 6.4 times fewer
+bytes than float32. The C++ kernel (cpp_kernels/block_products.cc) reads each block once for
+all the rows of a step and dequantizes it in registers, as the row-products kernel reads float
+weights (docs/PERF.md, "Block products").
+"""
+
+from pallas_kernels.block_products.formats import BlockArrays, BlockFormat
+from pallas_kernels.block_products.xla import block_products_xla, dequantize_xla
+
+__all__ = ["BlockArrays", "BlockFormat", "block_products_xla", "dequantize_xla"]

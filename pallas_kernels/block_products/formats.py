@@ -1,0 +1,155 @@
+"""Block formats of quantized weights, and the GGUF tensors they are read from.
+
+A quantized weight [out, in] (output-major, as etjax keeps every projection) is three arrays:
+
+    quants   int8 [out, in] (8 bits, signed), or uint8 [out, in // 2] (4 bits, 0..15): in
+             every 32 values of a row, byte j holds value j in its low nibble and value j + 16
+             in its high nibble (GGUF's order, so Q4_0 and Q4_1 load as a copy)
+    scales   [out, in // block] float16 or float32: one per `block` values of a row
+    offsets  the same shape and dtype as scales, or None
+
+    value = scale * q + offset          4 bits with offsets (Q4_1, Q4_K)
+    value = scale * (q - 8)             4 bits without offsets (Q4_0)
+    value = scale * q                   8 bits (Q8_0, Q6_K, int8 per output channel)
+
+The K-quants convert into these without loss (the converters here; tests/test_block_products.py
+checks them bit for bit against the gguf package): a Q4_K super-block of 256 is eight 4-bit
+blocks of 32 with float32 scales d * sc and offsets -(dmin * m), each product of a float16 and
+a 6-bit integer exact in float32 (17 significant bits); a Q6_K super-block is sixteen 8-bit
+blocks of 16 (q in -32..31) with float32 scales d * sc (float16 times int8: 19 bits, exact).
+Only Q4_K's nibbles are reordered (its own order pairs value j with j + 32 of a 64).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockFormat:
+    """How a weight's values are stored: `bits` (8 or 4) a value, one scale (and offset, when
+    `offsets`) per `block` values of a row (None: one per output row, the whole row), scales
+    and offsets in `scale_dtype` ("float16" or "float32")."""
+
+    name: str
+    bits: int
+    block: int | None
+    offsets: bool
+    scale_dtype: str
+
+    def block_size(self, in_features: int) -> int:
+        """Values per scale for a weight of `in_features` columns."""
+        return in_features if self.block is None else self.block
+
+
+Q8_0 = BlockFormat("q8_0", 8, 32, False, "float16")
+Q4_0 = BlockFormat("q4_0", 4, 32, False, "float16")
+Q4_1 = BlockFormat("q4_1", 4, 32, True, "float16")
+Q4_K = BlockFormat("q4_k", 4, 32, True, "float32")  # converted from GGUF's Q4_K, losslessly
+Q6_K = BlockFormat("q6_k", 8, 16, False, "float32")  # converted from GGUF's Q6_K, losslessly
+INT8 = BlockFormat("int8", 8, None, False, "float32")  # symmetric, per output channel
+
+# GGUF tensor types (gguf.GGMLQuantizationType names) read into a block format.
+GGUF_FORMATS = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K}
+# Bytes of one GGUF block, and the values it holds.
+_GGUF_BLOCKS = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256),
+                "Q6_K": (210, 256)}  # fmt: skip
+
+
+class BlockArrays(NamedTuple):
+    """A quantized weight's arrays (the module docstring): quants, scales, offsets or None."""
+
+    quants: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+
+
+def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> BlockArrays:
+    """The arrays of a GGUF tensor of type `type_name` (a key of GGUF_FORMATS) whose raw bytes
+    are `data` (uint8, any shape holding the tensor's bytes in order) and whose shape is
+    `shape` = (out, in), etjax's order (GGUF lists it reversed). Raises ValueError naming the
+    type, the shape or the byte count when they do not fit."""
+    if type_name not in GGUF_FORMATS:
+        raise ValueError(
+            f"GGUF type {type_name!r} has no block format; readable: {', '.join(GGUF_FORMATS)}"
+        )
+    out, width = shape
+    block_bytes, values = _GGUF_BLOCKS[type_name]
+    if width % values:
+        raise ValueError(f"{type_name} rows of {width} values are not whole blocks of {values}")
+    raw = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+    expected = out * (width // values) * block_bytes
+    if raw.size != expected:
+        raise ValueError(
+            f"{type_name} tensor of shape {shape} needs {expected} bytes, got {raw.size}"
+        )
+    blocks = raw.reshape(out, width // values, block_bytes)
+    return _CONVERTERS[type_name](blocks)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    # The float16 at byte `start` of every block: [out, blocks].
+    return np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0]
+
+
+def _rows(values: np.ndarray) -> np.ndarray:
+    # [out, blocks, per block] -> [out, blocks * per block]
+    return np.ascontiguousarray(values.reshape(values.shape[0], -1))
+
+
+def _q8_0(blocks: np.ndarray) -> BlockArrays:
+    return BlockArrays(_rows(blocks[..., 2:].view(np.int8)), _f16(blocks, 0), None)
+
+
+def _q4_0(blocks: np.ndarray) -> BlockArrays:
+    return BlockArrays(_rows(blocks[..., 2:]), _f16(blocks, 0), None)
+
+
+def _q4_1(blocks: np.ndarray) -> BlockArrays:
+    return BlockArrays(_rows(blocks[..., 4:]), _f16(blocks, 0), _f16(blocks, 2))
+
+
+def _q4_k(blocks: np.ndarray) -> BlockArrays:
+    # Super-block: d f16, dmin f16, 12 bytes of 6-bit scales and mins, 128 bytes of nibbles in
+    # which 32-byte chunk c holds sub-block 2c in its low nibbles and 2c + 1 in its high ones.
+    d = _f16(blocks, 0).astype(np.float32)[..., None]
+    dmin = _f16(blocks, 2).astype(np.float32)[..., None]
+    packed = blocks[..., 4:16]
+    low, high, extra = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 0x3F, (extra & 0x0F) | ((low >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([high & 0x3F, (extra >> 4) | ((high >> 2) & 0x30)], axis=-1)
+    chunks = blocks[..., 16:].reshape(*blocks.shape[:2], 4, 32)
+    nibbles = np.stack([chunks & 0x0F, chunks >> 4], axis=3)  # [out, sb, 4, 2, 32]
+    values = nibbles.reshape(*blocks.shape[:2], 8, 32)  # sub-block, value
+    quants = values[..., :16] | (values[..., 16:] << 4)  # GGUF's 32-block order
+    return BlockArrays(_rows(quants), _rows(d * sc), _rows(-(dmin * mins)))
+
+
+def _q6_k(blocks: np.ndarray) -> BlockArrays:
+    # Super-block: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, d f16.
+    shape = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(*shape, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(2, 1)
+    ql = (ql & 0x0F).reshape(*shape, 8, 32)  # chunk 4 * half + 2 * nibble + value // 32
+    shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
+    qh = blocks[..., 128:192].reshape(*shape, 2, 1, 32) >> shifts
+    qh = (qh & 0x03).reshape(*shape, 8, 32)  # chunk 4 * half + pair
+    q = (ql | (qh << 4)).astype(np.int8) - np.int8(32)
+    sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
+    d = _f16(blocks, 208).astype(np.float32)[..., None]
+    return BlockArrays(_rows(q), _rows(d * sc), None)
+
+
+_CONVERTERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+def quantize_int8(w: np.ndarray) -> BlockArrays:
+    """Symmetric int8 per output row (the INT8 format) of a float weight w [out, in]: scale =
+    max |w| / 127 in float32, q = w / scale rounded to nearest; a row of zeros gets scale 0."""
+    w = np.asarray(w, np.float32)
+    scales = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(scales > 0, np.rint(w / scales), 0)
+    return BlockArrays(np.clip(q, -127, 127).astype(np.int8), scales.astype(np.float32), None)
