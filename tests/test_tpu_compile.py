@@ -35,6 +35,8 @@ from etjax.planning.topology import LIBTPU_FOR_JAX, Topology
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RuntimeOptions
 from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
+from pallas_kernels.ragged_attention import Segment, build_pass, ragged_attention_xla
+from pallas_kernels.ragged_attention.pallas_tpu import ragged_pass_tpu
 
 pytestmark = [
     pytest.mark.tpu_compile,
@@ -48,6 +50,7 @@ pytestmark = [
 
 NUM_PAGES = 64
 BLOCK_SPARSE = "block_sparse_attention_tpu"
+RAGGED = "ragged_attention_tpu"
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +98,9 @@ def test_pruned_ragged_step_compiles_for_v5e_with_its_mosaic_kernel(cfg):
     topology = Topology.parse("v5e-1")
     backend = compile_only_backend(cfg, _options(pruning=True), NUM_PAGES, topology)
     report = compile_program("ragged step", backend, ragged_call(backend, 1, 20, 40), topology)
-    assert BLOCK_SPARSE in report.kernels  # built by Mosaic for the chip, not interpreted
+    # Built by Mosaic for the chip, not interpreted: the pruned decode row's kernel, and the
+    # dense pass reading the prefill chunk's pages in place.
+    assert {BLOCK_SPARSE, RAGGED} <= set(report.kernels)
     _check_memory(report, cfg)
 
 
@@ -108,13 +113,47 @@ def test_pruned_decode_burst_compiles_for_v6e(cfg):
 
 
 @pytest.mark.slow
-def test_dense_decode_burst_compiles_for_v5e_on_the_xla_kernel(cfg):
-    # Dense steps on a TPU run the XLA gather kernel (etjax/attention/seam.py): no Mosaic.
+def test_dense_decode_burst_compiles_for_v5e_on_the_ragged_pallas_pass(cfg):
+    # Dense steps on one TPU run the Pallas pass, pages read in place (etjax/attention/seam.py).
     topology = Topology.parse("v5e-1")
     backend = compile_only_backend(cfg, _options(pruning=False), NUM_PAGES, topology)
     report = compile_program("decode burst", backend, burst_call(backend, 2, 40), topology)
-    assert BLOCK_SPARSE not in report.kernels
+    assert report.kernels == (RAGGED,)
     _check_memory(report, cfg)
+
+
+@pytest.mark.parametrize("chip", ["v5e-1", "v6e-1"])
+def test_ragged_pallas_pass_compiles_for_decode_and_prefill_tiles(chip):
+    # The dense kernel alone, as the engine runs it (xla.py's passes on the Mosaic kernel) at
+    # SmolLM2's heads and pages: a decode pass (one-token tiles, key tiles of 4 pages) and a
+    # prefill pass (64-token tiles) in one program; the pool stays where it is, never copied
+    # (the scratch is the queries' tiles and their outputs, under the 2.5 MB pool).
+    device = Topology.parse(chip).devices()[0]
+    on_chip = SingleDeviceSharding(device)
+
+    def shape(dims, dtype):
+        return jax.ShapeDtypeStruct(dims, dtype, sharding=on_chip)
+
+    def pass_shapes(q_tile):
+        segment = Segment(0, q_tile, 500, 500 + q_tile - 1, list(range(1, 41)))
+        built = build_pass(
+            [segment], page_size=16, q_tile=q_tile, kv_tile=4, num_tokens=64, max_tiles=2,
+            max_items=16,
+        )  # fmt: skip
+        return jax.tree.map(lambda a: shape(a.shape, a.dtype), built)
+
+    def attend(q, k, v, positions, passes, window):
+        kernel = ragged_pass_tpu
+        return ragged_attention_xla(q, k, v, positions, passes, 16, window, 0.0, False, kernel)
+
+    pages = shape((400, 3, 16, 64), jnp.bfloat16)
+    arguments = (shape((64, 9, 64), jnp.bfloat16), pages, pages, shape((64,), jnp.int32))
+    passes = (pass_shapes(1), pass_shapes(64))
+    with jax.default_device(device):
+        compiled = jax.jit(attend).lower(*arguments, passes, shape((), jnp.int32)).compile()
+    assert mosaic_kernels(compiled.as_text()) == (RAGGED,)
+    pool_bytes = 400 * 3 * 16 * 64 * 2
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes
 
 
 @pytest.mark.parametrize("chip", ["v5e-1", "v6e-1"])

@@ -11,8 +11,9 @@ platform) and carried as a static value in the attention plan and the step's sta
   "auto" picks it on a CPU when they build (a C++ compiler at hand) and the engine runs on
   one device.
 - `pallas_gpu`: the Triton kernels, dense (ragged) and block-sparse.
-- `pallas_tpu`: the Mosaic block-sparse kernel for pruned decode; dense steps run the XLA
-  kernel (seam.py says why).
+- `pallas_tpu`: the Mosaic kernels: dense passes reading pages in place
+  (pallas_kernels/ragged_attention/pallas_tpu.py, in xla.py's place of its loops) and the
+  block-sparse kernel for pruned decode.
 
 A Pallas backend resolved for a CPU runs its kernels in interpret mode (slow, the same
 program: how the tests drive every backend through the product path). Resolved for a TPU or a
@@ -58,6 +59,10 @@ class AttentionBackend:
             from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
 
             native_pass = ragged_pass_cpu
+        elif self.name == "pallas_tpu":  # Mosaic, pages read in place
+            from pallas_kernels.ragged_attention.pallas_tpu import ragged_pass_tpu
+
+            native_pass = functools.partial(ragged_pass_tpu, interpret=self.interpret)
         return ragged_attention_xla(
             q, k_pages, v_pages, positions, passes, chunk, window, softcap, shared, native_pass
         )

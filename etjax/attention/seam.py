@@ -1,15 +1,14 @@
 """`attend`: dense attention of a step's tokens over the paged cache, as its plan describes.
 
 Dense attention runs the ragged kernel of the plan's backend (backend.py): `xla`
-(pallas_kernels/ragged_attention/xla.py, every platform) or `pallas_gpu` (pallas_gpu.py,
-Triton). On a TPU (`pallas_tpu`) dense
-steps still run the XLA kernel: JAX's ragged paged attention kernel wants keys and values
-interleaved in one pool `[pages, page_size, 2 * KV heads, head_dim]`, while this cache keeps
-one contiguous `[page_size, head_dim]` tile per page and KV head, the block the pruned kernels
-fetch and per-head pruning keeps or drops; adopting it means a cache layout per backend, not
-yet done: no TPU has been lent to this project, and the kernel cannot be checked here either,
-as JAX 0.10.2's TPU interpret mode fails on it ("'ReshapeTransform' object has no attribute
-'indices'"), so neither the layout nor the kernel could be tested against the reference.
+(pallas_kernels/ragged_attention/xla.py, every platform), `pallas_gpu` (pallas_gpu.py,
+Triton) or, on a TPU, `pallas_tpu` (pallas_tpu.py: xla.py's passes on a Mosaic kernel that
+reads the pages in place). The project's own kernel rather than JAX's ragged paged attention:
+that one wants keys and values interleaved in one pool `[pages, page_size, 2 * KV heads,
+head_dim]`, while this cache keeps one contiguous `[page_size, head_dim]` tile per page and KV
+head, the block the pruned kernels fetch and per-head pruning keeps or drops; and JAX 0.10.2's
+TPU interpret mode fails on it ("'ReshapeTransform' object has no attribute 'indices'"), so
+it could not be checked against the reference here (docs/TPU.md compares the bytes each reads).
 Pruned decode attention (pruned.py) runs the project's block-sparse kernels: Pallas on TPU
 and GPU, XLA elsewhere.
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from etjax.attention.backend import resolve_backend
 from etjax.cache.kv_cache import init_kv_cache
 from etjax.cache.page_allocator import pages_needed
 from etjax.distributed.mesh import MeshShape, make_mesh
@@ -43,9 +44,11 @@ from etjax.planning.topology import Topology
 from etjax.pruning.budget import kept_block_count
 from etjax.run_config import load_run_config
 from etjax.runtime.options import RuntimeOptions
+from pallas_kernels.ragged_attention.tiles import DECODE_KV_TILE
 
-# The dense XLA kernel on a TPU moves a row's KV three times a layer: it reads the pages to
-# gather them, writes the contiguous copy and reads that (etjax/attention/seam.py).
+# The dense XLA kernel moves a row's KV three times a layer: it reads the pages to gather
+# them, writes the contiguous copy and reads that (pallas_kernels/ragged_attention/xla.py). A
+# TPU's engine runs it on a mesh; on one chip the Pallas pass reads the pages in place.
 XLA_GATHER_TRAFFIC = 3
 
 # The share of a chip's HBM a plan fills by default; the rest is left to the runtime's own
@@ -304,12 +307,15 @@ def modelled_decode(
 ) -> dict:
     """A decode step of `max_batch_size` rows of `context` tokens on the topology's chips, by
     the roofline: max(bytes / bandwidth, FLOPs / peak) per chip, each chip reading its share of
-    the weights (once per step, however many rows) and of each row's KV, three ways:
+    the weights (once per step, however many rows) and of each row's KV, four ways:
 
-    - "dense": as the engine runs a dense step on a TPU today, on the XLA kernel, which
-      gathers each row's pages into a contiguous copy every layer: the KV is read twice and
-      written once (`XLA_GATHER_TRAFFIC`);
-    - "dense_in_place": a kernel reading the pages where they are (the Pallas kernels do);
+    - "dense": as the engine runs a dense step on these chips, by the attention backend it
+      resolves: "dense_in_place" on one chip, "dense_xla_gather" on a mesh;
+    - "dense_in_place": the Pallas pass (pallas_kernels/ragged_attention/pallas_tpu.py),
+      reading each row's pages where they are, in whole key tiles of `DECODE_KV_TILE` pages
+      (the last one padded with the null page);
+    - "dense_xla_gather": the XLA kernel, which gathers each row's pages into a contiguous
+      copy every layer: the KV is read twice and written once (`XLA_GATHER_TRAFFIC`);
     - "pruned": the block-sparse Pallas kernel at the pruning's floor (`min_fraction` of the
       blocks, with its sink and recent blocks: the most pruning saves), plus the float32 key
       bounds of every page that block selection scores."""
@@ -325,11 +331,14 @@ def modelled_decode(
     floor = np.float32(options.pruning.min_fraction)
     pruned = int(kept_block_count(floor, blocks, options.pruning, xp=np))
     bounds = blocks * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+    tiled = -(-blocks // DECODE_KV_TILE) * DECODE_KV_TILE
     ways = {  # blocks read, times the KV is moved, bytes besides
-        "dense": (blocks, XLA_GATHER_TRAFFIC, 0.0),
-        "dense_in_place": (blocks, 1, 0.0),
+        "dense_in_place": (tiled, 1, 0.0),
+        "dense_xla_gather": (blocks, XLA_GATHER_TRAFFIC, 0.0),
         "pruned": (pruned, 1, bounds),
     }
+    backend = resolve_backend(options.attention_backend, "tpu", topology.chips)
+    ways["dense"] = ways["dense_in_place" if backend.name == "pallas_tpu" else "dense_xla_gather"]
     out = {}
     for name, (read, traffic, extra) in ways.items():
         keys = float(cost.layer_keys(np.float32(read * ps), np.float32(context)))

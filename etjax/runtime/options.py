@@ -42,7 +42,7 @@ class RuntimeOptions:
     attention_backend: the attention kernels: "auto" (Pallas on a TPU or a GPU; on a CPU the
       C++ decode kernel where it builds and one device runs the engine, else XLA), "xla",
       "cpu", "pallas_tpu" or "pallas_gpu". Dense steps run the ragged kernel of
-      that backend (on a TPU still the XLA one), pruned steps its block-sparse kernel
+      that backend (on a TPU mesh the XLA one), pruned steps its block-sparse kernel
       (etjax/attention/seam.py). A Pallas backend on a CPU runs interpreted: slow, for tests.
     mesh: "DATAxMODEL" devices of this process to run on ("2x4": rows split two ways, weights,
       KV heads and vocabulary four ways; etjax/distributed). "1x1" = the default device.

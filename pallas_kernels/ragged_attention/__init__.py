@@ -16,8 +16,9 @@ table. `xla` reads only the pages a token can see. Its work is described on the 
 tile of that sequence's pages; a `lax.fori_loop` with a dynamic trip count runs the real items
 chunk by chunk and merges their partial softmaxes online, so the compiled program does not
 depend on context lengths, only on the number of tokens and the item capacity. Tokens with
-`token_seq < 0` (padding) get zeros. `pallas_gpu` (Triton) and `cpu` (the C++ kernel,
-cpp_kernels/ragged_pass.cc) take xla's passes. `tiles.py` holds the tuned tile sizes the
+`token_seq < 0` (padding) get zeros. `pallas_gpu` (Triton), `pallas_tpu` (Mosaic, one pass,
+run by xla.py in its loops' place) and `cpu` (the C++ kernel, cpp_kernels/ragged_pass.cc)
+take xla's passes. `tiles.py` holds the tuned tile sizes the
 host's plan shapes the passes with.
 """
 
