@@ -24,6 +24,11 @@
 #include <memory>
 #include <vector>
 
+// The library is built with -fassociative-math (build.py), which lets GCC regroup the two
+// registers of 4-bit values added into one accumulator; then a row's sums would differ
+// between the paths. The sums here are written in vector lanes already and need no licence.
+#pragma GCC optimize("no-associative-math")
+
 #include "kernel_math.h"
 #include "row_blocks.h"
 #include "xla/ffi/api/ffi.h"
@@ -36,9 +41,6 @@ namespace {
 constexpr int64_t kGroupsPerUnit = 8;  // as row_products.cc
 constexpr int64_t kNibbleBlock = 32;   // 4-bit values are packed in 32s: 16 bytes
 
-typedef int8_t SignedBytes __attribute__((vector_size(kLanes)));
-typedef uint8_t Bytes __attribute__((vector_size(kLanes)));
-typedef int32_t Ints __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 struct Product {
   const float* x;
@@ -50,56 +52,154 @@ struct Product {
 };
 
 inline float scalar(const float* p, int64_t i) { return p[i]; }
-inline float scalar(const _Float16* p, int64_t i) { return static_cast<float>(p[i]); }
-
-// The kLanes integer values of weight row `row` (8 bits: int8 [K]; 4 bits: packed [K / 2])
-// from value i on (i a multiple of kLanes), as float32 lanes (4 bits: 0..15).
-template <int kBits>
-inline Lanes load_values(const void* quants, int64_t in, int64_t row, int64_t i) {
-  if constexpr (kBits == 8) {
-    SignedBytes b;
-    std::memcpy(&b, static_cast<const int8_t*>(quants) + row * in + i, sizeof b);
-    return __builtin_convertvector(__builtin_convertvector(b, Ints), Lanes);
-  } else {
-    // In each 32 values, byte j holds value j (low nibble) and j + 16 (high nibble).
-    const int64_t within = i % kNibbleBlock;
-    const uint8_t* p = static_cast<const uint8_t*>(quants) + row * (in / 2) +
-                       (i - within) / 2 + within % (kNibbleBlock / 2);
-    Bytes b;
-    std::memcpy(&b, p, sizeof b);
-    b = within < kNibbleBlock / 2 ? b & 0x0F : b >> 4;
-    return __builtin_convertvector(__builtin_convertvector(b, Ints), Lanes);
-  }
+inline float scalar(const _Float16* p, int64_t i) {
+#if defined(__F16C__)
+  // The instruction: without AVX512-FP16, GCC converts a scalar _Float16 in a library call.
+  uint16_t bits;
+  std::memcpy(&bits, p + i, sizeof bits);
+  return _cvtsh_ss(bits);
+#else
+  return static_cast<float>(p[i]);
+#endif
 }
 
-// Weight row `row`'s kLanes values from i on, dequantized in float32.
+// Values of a row read at once: 4-bit values come in 32s (16 bytes), 8-bit ones a register's
+// lanes at a time; as kSteps registers of lanes.
+template <int kBits>
+constexpr int64_t kStep = kBits == 4 ? kNibbleBlock : kLanes;
+template <int kBits>
+constexpr int64_t kSteps = kStep<kBits> / kLanes;
+
+#if ETJAX_LANES == 16 || (ETJAX_LANES == 8 && defined(__AVX2__))
+// Integers in registers as float32 lanes. GCC widens a vector of bytes one byte at a time
+// (a vector_size(16) of int8 converted to int32 lanes became dozens of scalar shifts): the
+// instructions instead.
+#if ETJAX_LANES == 16
+inline Lanes as_lanes(__m512i ints) {
+  const __m512 floats = _mm512_cvtepi32_ps(ints);
+#else
+inline Lanes as_lanes(__m256i ints) {
+  const __m256 floats = _mm256_cvtepi32_ps(ints);
+#endif
+  Lanes lanes;
+  std::memcpy(&lanes, &floats, sizeof lanes);
+  return lanes;
+}
+
+inline Lanes signed_bytes(const int8_t* p) {
+#if ETJAX_LANES == 16
+  return as_lanes(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  return as_lanes(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+}
+
+// The 32 values of 16 bytes of nibbles: the low nibbles in order, then the high ones.
+inline void nibbles(const uint8_t* p, Lanes (&q)[32 / kLanes]) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(bytes, mask);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+#if ETJAX_LANES == 16
+  q[0] = as_lanes(_mm512_cvtepu8_epi32(low));
+  q[1] = as_lanes(_mm512_cvtepu8_epi32(high));
+#else
+  q[0] = as_lanes(_mm256_cvtepu8_epi32(low));
+  q[1] = as_lanes(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+  q[2] = as_lanes(_mm256_cvtepu8_epi32(high));
+  q[3] = as_lanes(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+#endif
+}
+#else
+inline Lanes signed_bytes(const int8_t* p) {
+  Lanes lanes;
+  for (int64_t l = 0; l < kLanes; ++l) lanes[l] = p[l];
+  return lanes;
+}
+
+inline void nibbles(const uint8_t* p, Lanes (&q)[32 / kLanes]) {
+  for (int64_t v = 0; v < 32; ++v)
+    q[v / kLanes][v % kLanes] = v < 16 ? p[v] & 0x0F : p[v - 16] >> 4;
+}
+#endif
+
+// The kStep integer values of weight row `row` from value i on (a multiple of kStep), as
+// float32 lanes in order (4 bits: 0..15; in each 32, byte j holds value j in its low nibble
+// and j + 16 in its high one).
+template <int kBits>
+inline void load_values(const void* quants, int64_t in, int64_t row, int64_t i,
+                        Lanes (&q)[kSteps<kBits>]) {
+  if constexpr (kBits == 8)
+    q[0] = signed_bytes(static_cast<const int8_t*>(quants) + row * in + i);
+  else
+    nibbles(static_cast<const uint8_t*>(quants) + (row * in + i) / 2, q);
+}
+
+// A block's scale and offset as lanes (4 bits without offsets: value = scale * (q - 8), so
+// the offset is -8 * scale, exact).
 template <int kBits, bool kOffsets, typename S>
-inline Lanes weight_lanes(const Product& p, int64_t row, int64_t i) {
-  const int64_t b = row * (p.in / p.block) + i / p.block;
-  const float scale = scalar(static_cast<const S*>(p.scales), b);
-  const Lanes q = load_values<kBits>(p.quants, p.in, row, i);
-  if constexpr (kOffsets) return q * scale + scalar(static_cast<const S*>(p.offsets), b);
-  if constexpr (kBits == 4) return q * scale - 8.0f * scale;
-  return q * scale;
+inline void scale_offset(const Product& p, int64_t row, int64_t b, Lanes& scale, Lanes& offset) {
+  const int64_t at = row * (p.in / p.block) + b;
+  const float s = scalar(static_cast<const S*>(p.scales), at);
+  scale = Lanes{} + s;
+  if constexpr (kOffsets)
+    offset = Lanes{} + scalar(static_cast<const S*>(p.offsets), at);
+  else
+    offset = Lanes{} + (kBits == 4 ? -8.0f * s : 0.0f);
+}
+
+// Weight values q dequantized: one rounding (a fused multiply-add), the same in both paths.
+template <int kBits, bool kOffsets>
+inline Lanes dequantize(Lanes q, Lanes scale, Lanes offset) {
+  if constexpr (kBits == 8) return q * scale;
+  return q * scale + offset;
 }
 
 // R <= kRowBlock rows of x against weight rows [row, row + kOutStep), dequantized as they
-// are loaded; the same sums, in the same order, as row_blocks.h's rows_by_group.
+// are loaded, a block at a time; the same sums, in the same order, as row_blocks.h's
+// rows_by_group on the dequantized weights.
 template <int R, int kBits, bool kOffsets, typename S>
 inline void rows_by_blocks(const Product& p, const float* x, int64_t row, float* out) {
+  constexpr int64_t kN = kSteps<kBits>;
   Lanes acc[kRowBlock * kOutStep] = {};
-  for (int64_t i = 0; i < p.in; i += kLanes) {
-    Lanes wl[kOutStep];
-    for (int64_t o = 0; o < kOutStep; ++o) wl[o] = weight_lanes<kBits, kOffsets, S>(p, row + o, i);
-    for (int r = 0; r < R; ++r) {
-      const Lanes xl = load_lanes(x + r * p.in + i);
-      for (int64_t o = 0; o < kOutStep; ++o) acc[r * kOutStep + o] += xl * wl[o];
+  for (int64_t b = 0, i = 0; b < p.in / p.block; ++b) {
+    Lanes scale[kOutStep], offset[kOutStep];
+    for (int64_t o = 0; o < kOutStep; ++o)
+      scale_offset<kBits, kOffsets, S>(p, row + o, b, scale[o], offset[o]);
+    for (const int64_t end = i + p.block; i < end; i += kStep<kBits>) {
+      Lanes wl[kOutStep][kN];
+      for (int64_t o = 0; o < kOutStep; ++o) {
+        load_values<kBits>(p.quants, p.in, row + o, i, wl[o]);
+        for (int64_t k = 0; k < kN; ++k)
+          wl[o][k] = dequantize<kBits, kOffsets>(wl[o][k], scale[o], offset[o]);
+      }
+      for (int64_t k = 0; k < kN; ++k)
+        for (int r = 0; r < R; ++r) {
+          const Lanes xl = load_lanes(x + r * p.in + i + k * kLanes);
+          for (int64_t o = 0; o < kOutStep; ++o) acc[r * kOutStep + o] += xl * wl[o][k];
+        }
     }
   }
   float sums[kLanes];
   store_lanes(sums, sum_each(acc));
   for (int r = 0; r < R; ++r)
     std::memcpy(out + r * p.outs, sums + r * kOutStep, kOutStep * sizeof(float));
+}
+
+// Weight rows [row, row + kOutStep) dequantized into `w` (kOutStep x in floats).
+template <int kBits, bool kOffsets, typename S>
+inline void dequantize_group(const Product& p, int64_t row, float* w) {
+  for (int64_t o = 0; o < kOutStep; ++o)
+    for (int64_t b = 0, i = 0; b < p.in / p.block; ++b) {
+      Lanes scale, offset;
+      scale_offset<kBits, kOffsets, S>(p, row + o, b, scale, offset);
+      for (const int64_t end = i + p.block; i < end; i += kStep<kBits>) {
+        Lanes q[kSteps<kBits>];
+        load_values<kBits>(p.quants, p.in, row + o, i, q);
+        for (int64_t k = 0; k < kSteps<kBits>; ++k)
+          store_lanes(w + o * p.in + i + k * kLanes, dequantize<kBits, kOffsets>(q[k], scale, offset));
+      }
+    }
 }
 
 template <int kBits, bool kOffsets, typename S>
@@ -123,10 +223,7 @@ void run_unit(const Product& p, int64_t unit) {
     }
     // More rows: the group is dequantized once into L1 and multiplied as float32 weights.
     scratch.resize(kOutStep * p.in);
-    for (int64_t o = 0; o < kOutStep; ++o)
-      for (int64_t i = 0; i < p.in; i += kLanes)
-        store_lanes(scratch.data() + o * p.in + i,
-                    weight_lanes<kBits, kOffsets, S>(p, row + o, i));
+    dequantize_group<kBits, kOffsets, S>(p, row, scratch.data());
     all_rows_by_group(p.x, p.rows, scratch.data(), p.in, p.out + row, p.outs);
   }
 }
