@@ -14,6 +14,7 @@ from etjax.calibrate.command import add_calibrate
 from etjax.compilation_cache import use_persistent_cache
 from etjax.errors import EtjaxError, JobInterrupted
 from etjax.generate_command import add_generate
+from etjax.model.quantized import WEIGHTS_CHOICES
 from etjax.planning.command import add_plan
 from etjax.serve.command import add_serve
 
@@ -186,6 +187,13 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("source", help="a .gguf file, a Hugging Face directory or a model name")
     conv.add_argument("destination", type=Path, help="a new directory")
     conv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    conv.add_argument(
+        "--weights",
+        default="auto",
+        choices=WEIGHTS_CHOICES,
+        help="how the saved matrices are held (int8: quantized once, so a load reads them "
+        "as they are)",
+    )
     conv.set_defaults(run=_convert)
     return parser
 
@@ -324,7 +332,12 @@ def _batch(args: argparse.Namespace) -> int:
     # The output's lock before the model: a second job on the same output fails in a second.
     with output_lock(shard_path(args.output, group.index, group.count)):
         calibration = args.calibration or config.model.calibration
-        model = load_model(name, dtype=config.model.dtype, calibration=calibration)
+        model = load_model(
+            name,
+            dtype=config.model.dtype,
+            calibration=calibration,
+            weights=config.model.weights,
+        )
         summary = run_batch(
             args.input,
             args.output,
@@ -354,7 +367,7 @@ def _convert(args: argparse.Namespace) -> int:
 
     path_checks.new_directory(args.destination)
     started = time.perf_counter()
-    model = load_model(args.source, dtype=args.dtype)
+    model = load_model(args.source, dtype=args.dtype, weights=args.weights)
     save_model(model, args.destination)
     print(
         f"saved {model!r} to {args.destination} in {time.perf_counter() - started:.1f}s; "

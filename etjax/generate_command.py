@@ -15,6 +15,7 @@ import logging
 import sys
 import time
 
+from etjax.model.quantized import WEIGHTS_CHOICES
 from etjax.request_fields import CLI, DECODE, open_at, read_fields
 from etjax.sampling.settings import SAMPLERS, SamplerSettings
 
@@ -34,6 +35,13 @@ def add_generate(commands) -> None:
     gen.add_argument("--model", default=None, help="name, path or hub id (default: embedded)")
     gen.add_argument("--config", default=None, help="a run config whose settings are defaults")
     gen.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"])
+    gen.add_argument(
+        "--weights",
+        default=None,
+        choices=WEIGHTS_CHOICES,
+        help="how the matrices are held: a GGUF's blocks as stored, int8 per channel, a float "
+        "dtype (default: the config's, else auto: float in --dtype)",
+    )
     gen.add_argument(
         "--calibration",
         default=None,
@@ -103,6 +111,7 @@ def run_generate(args: argparse.Namespace) -> int:
     model = load_model(
         args.model or config.model.name,
         dtype=given(args.dtype, config.model.dtype),
+        weights=given(args.weights, config.model.weights),
         calibration=given(args.calibration, config.model.calibration),
     )
     log.info("%r loaded in %.1fs", model, time.perf_counter() - started)

@@ -3,7 +3,8 @@ dataclasses that steer a run.
 
 A file has up to seven tables, each optional:
 
-    [model]    name (a model name or path), dtype ("auto" | "float32" | "bfloat16")
+    [model]    name (a model name or path), dtype ("auto" | "float32" | "bfloat16"), weights
+               ("auto" | "stored" | "int8" | "float32" | "bfloat16": etjax/model/quantized.py)
     [engine]   any `RuntimeOptions` field except pruning, speculation and experts (page_size,
                max_batch_size, policy, ...)
     [pruning]  any `PruningConfig` field (enabled, min_fraction, entropy_low, ...)
@@ -35,6 +36,7 @@ from etjax.drafting.config import SpeculationConfig
 from etjax.errors import ConfigError, EtjaxError, FieldError, shown
 from etjax.experts.config import ExpertConfig
 from etjax.model.config import DTYPE_CHOICES
+from etjax.model.quantized import check_weights
 from etjax.pruning.config import PruningConfig
 from etjax.request_fields import RequestDefaults
 from etjax.runtime.options import RuntimeOptions
@@ -54,10 +56,14 @@ class ModelChoice:
     # drafting then read the calibrated entropy. In a .toml file a relative path is relative
     # to that file, so a preset and its calibration travel together.
     calibration: str | None = None
+    # How the matrices are held (etjax/model/quantized.py): "auto" keeps float matrices in
+    # `dtype`; "stored" a GGUF's blocks; "int8" per output channel; "float32" | "bfloat16".
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise FieldError("dtype", self.dtype, f"one of {DTYPE_CHOICES}")
+        check_weights(self.weights)
 
 
 @dataclass(frozen=True)

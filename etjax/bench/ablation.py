@@ -116,7 +116,9 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
             f"configs {list(plan.configs)} name different models; compare one at a time"
         )
     choice = configs[0].model
-    model = etjax.load_model(choice.name, dtype=choice.dtype, calibration=choice.calibration)
+    model = etjax.load_model(
+        choice.name, dtype=choice.dtype, calibration=choice.calibration, weights=choice.weights
+    )
     if is_workload_file(plan.workload):
         workload = read_workload_file(plan.workload, model)
     else:

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from etjax.distributed.mesh import DATA, MODEL
+from etjax.model.quantized import QuantizedWeight
 
 if TYPE_CHECKING:
     from etjax.cache.kv_cache import KVCache
@@ -100,11 +101,26 @@ class Placement:
             value = getattr(tree, field.name)
             if not field.metadata.get("pytree_node", True):
                 continue  # a static field (Weights.logit_softcap) is no array to place
-            if field.name in axes and value is not None:
+            if field.name in axes and isinstance(value, QuantizedWeight):
+                fields[field.name] = self._quantized(value, axes[field.name])
+            elif field.name in axes and value is not None:
                 fields[field.name] = self.named_sharding(value.shape, axes[field.name])
             else:
                 fields[field.name] = self.shardings(value)
         return tree.replace(**fields)
+
+    def _quantized(self, w: QuantizedWeight, names: tuple[str | None, ...]) -> QuantizedWeight:
+        # A quantized matrix's arrays keep its rows on their first axis and its input's blocks
+        # on their second, so each splits by the matrix's names where the mesh divides it (a
+        # split of the input that does not fall on whole blocks cannot: scales do not divide).
+        def sharding(array):
+            if array is None:
+                return None
+            return self.named_sharding(array.shape, names)
+
+        return w.replace(
+            quants=sharding(w.quants), scales=sharding(w.scales), offsets=sharding(w.offsets)
+        )
 
     def tracing(self):
         """A context for tracing a program on this mesh: code that adapts to the mesh (the

@@ -10,6 +10,12 @@ memory on CPU, or copies to an accelerator and lets go. So at any moment the hos
 finished leaves plus one chunk of float32: never a float32 copy of the whole model, nor the parts
 of a fused matrix beside the matrix. The float32 to bfloat16 cast is the one numpy (ml_dtypes)
 does on assignment: round to nearest even, bit for bit what `jnp.astype` gives.
+
+The `weights` option (etjax/model/quantized.py) decides how the matrices (projections, the
+embedding, the LM head: `kept_as_weights`) are held: "int8" quantizes each one as it is built
+(in float32, one leaf at a time), "stored" keeps a GGUF tensor's blocks (`SourceTensor.blocks`)
+and refuses by name a block type the kernels cannot read, "float32" or "bfloat16" builds them
+in that dtype. Every other leaf is built as it always was.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,7 +31,14 @@ import numpy as np
 from etjax.errors import ModelLoadError
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
-from etjax.model.leaves import STORED, Leaf, Part
+from etjax.model.leaves import ROUTED, STORED, Leaf, Part
+from etjax.model.quantized import (
+    GGUF_BLOCK_TYPES,
+    QuantizedWeight,
+    concatenate_rows,
+    from_block_arrays,
+    int8_weight,
+)
 from etjax.model.weights import Weights, model_leaves
 
 # float32 bytes per chunk. A chunk, and the few times its size that dequantizing it takes in
@@ -45,11 +59,16 @@ class SourceTensor:
     a projection, `[V, D]` for the embedding, `[D]` for a norm or bias.
     `read_rows(rows_per_chunk)` yields the tensor's rows in order as float32 arrays of at most
     `rows_per_chunk` rows (a small 1-D tensor may come whole).
+    `block_type`: the file's name of its quantized type (a GGUF tensor's "Q4_1"), None for a
+    float tensor; `blocks()`, where the kernels read that type, gives its block format and
+    arrays (pallas_kernels/block_products/formats.py), rows in the order `read_rows` gives.
     """
 
     name: str
     shape: tuple[int, ...]
     read_rows: Callable[[int], Iterator[np.ndarray]]
+    block_type: str | None = None
+    blocks: Callable[[], tuple[Any, Any]] | None = None
 
 
 # A loader's access to its file: the tensor of `part` for layer i (None outside the layers),
@@ -57,13 +76,17 @@ class SourceTensor:
 FindTensor = Callable[[Part, int | None], SourceTensor]
 
 
-def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights:
+def assemble_weights(
+    cfg: ModelConfig, find: FindTensor, origin: str, weights: str | None = None
+) -> Weights:
     """The `Weights` of a model with config `cfg`, leaf by leaf as the tables describe them
     (etjax/model/weights.py `MODEL_LEAVES`, the family's layer table), in their final dtypes.
 
-    Layers come first, then the embedding and LM head, whose chunks are the largest. Raises
-    ModelLoadError naming `origin`, the leaf and its tensors when the tensors' shapes do not
-    give the leaf's shape from the config.
+    `weights`: how the matrices are held ("stored", "int8", "float32", "bfloat16"; None: in
+    `cfg.dtype`, as every other leaf). Layers come first, then the embedding and LM head,
+    whose chunks are the largest. Raises ModelLoadError naming `origin`, the leaf and its
+    tensors when the tensors' shapes do not give the leaf's shape from the config, and with
+    "stored" a quantized tensor the kernels cannot read or parts of different block types.
     """
     fam = family(cfg.architecture)
 
@@ -82,9 +105,18 @@ def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights
                 f"gives {want}"
             )
         dtype = leaf.dtype(cfg)
-        if leaf.layout == STORED:
-            return as_stored(parts[0], dtype)
-        return output_major(parts, dtype, shape=want)
+        if weights is None or not kept_as_weights(leaf):
+            pass
+        elif weights == "int8":
+            return int8_weight(_host(leaf, parts, np.float32, want))
+        elif weights == "stored":
+            where = name if layer is None else f"layer {layer} {name}"
+            kept = _stored_blocks(parts, origin, where, want)
+            if kept is not None:
+                return kept
+        else:  # "float32" or "bfloat16"
+            dtype = jax.numpy.dtype(weights)
+        return jax.device_put(_host(leaf, parts, dtype, want))
 
     layers = tuple(
         fam.layer_type(**{name: build(name, leaf, i) for name, leaf in fam.layer.items()})
@@ -92,6 +124,79 @@ def assemble_weights(cfg: ModelConfig, find: FindTensor, origin: str) -> Weights
     )
     model = {name: build(name, leaf, None) for name, leaf in model_leaves(cfg).items()}
     return Weights(layers=layers, logit_softcap=cfg.final_logit_softcapping, **model)
+
+
+def reform_weights(weights: Weights, cfg: ModelConfig, storage: str) -> Weights:
+    """`weights` with its matrices (`kept_as_weights`) held as `storage` says ("int8",
+    "float32", "bfloat16"; "stored": as they are): what a checkpoint saved one way becomes when
+    loaded another. int8 is quantized from the float32 values (a quantized matrix's own)."""
+    if storage == "stored":
+        return weights
+    fam = family(cfg.architecture)
+
+    def reform(value):
+        if value is None:
+            return None
+        if storage == "int8":
+            if isinstance(value, QuantizedWeight) and value.format.name == "int8":
+                return value
+            return int8_weight(np.asarray(_as_float(value, jax.numpy.float32)))
+        return _as_float(value, jax.numpy.dtype(storage))
+
+    def table(tree, leaves):
+        kept = [name for name, leaf in leaves.items() if kept_as_weights(leaf)]
+        return tree.replace(**{name: reform(getattr(tree, name)) for name in kept})
+
+    layers = tuple(table(layer, fam.layer) for layer in weights.layers)
+    return table(weights, model_leaves(cfg)).replace(layers=layers)
+
+
+def _as_float(value, dtype) -> jax.Array:
+    if isinstance(value, QuantizedWeight):
+        return value.dequantize(dtype)
+    return value.astype(dtype)
+
+
+def kept_as_weights(leaf: Leaf) -> bool:
+    """Whether the `weights` option decides how `leaf` is held: a matrix (a projection, the
+    embedding, the LM head), not a norm, a bias, a router or a mixture's stacked experts."""
+    matrix = len(leaf.dims) == 2 and not leaf.float32
+    return matrix and not leaf.per_expert and ROUTED not in leaf.dims
+
+
+def _host(leaf: Leaf, parts: Sequence[SourceTensor], dtype, shape: tuple[int, ...]) -> np.ndarray:
+    # The leaf built in host memory, in `dtype`.
+    if leaf.layout == STORED:
+        return _stored_host(parts[0], dtype)
+    return _output_major_host(parts, dtype, shape)
+
+
+def _stored_blocks(parts: Sequence[SourceTensor], origin: str, where: str, shape):
+    # The leaf's blocks as the file holds them (None: float tensors, built as floats). Every
+    # part quantized in one type the kernels read, else a ModelLoadError naming it.
+    quantized = [p for p in parts if p.block_type is not None]
+    if not quantized:
+        return None
+    for p in parts:
+        if p.block_type is None or p.blocks is None:
+            kind = "a float tensor" if p.block_type is None else f"type {p.block_type}"
+            raise ModelLoadError(
+                f"{origin}: tensor {p.name!r} ({where}) has {kind}, which weights='stored' "
+                f"cannot keep as blocks; allowed: {', '.join(GGUF_BLOCK_TYPES)} (all parts of a "
+                "fused matrix of one type); load it with weights='int8', 'float32' or "
+                "'bfloat16' to convert it"
+            )
+    read = [p.blocks() for p in parts]
+    formats = {fmt.name for fmt, _ in read}
+    if len(formats) > 1:
+        types = ", ".join(f"{p.name!r} {p.block_type}" for p in parts)
+        raise ModelLoadError(
+            f"{origin}: {where} fuses tensors of different block types ({types}), which "
+            "weights='stored' cannot hold as one matrix yet; load it with weights='int8', "
+            "'float32' or 'bfloat16'"
+        )
+    arrays = concatenate_rows([a for _, a in read]) if len(read) > 1 else read[0][1]
+    return from_block_arrays(arrays, read[0][0], shape)
 
 
 def _built_shape(leaf: Leaf, parts: Sequence[SourceTensor]) -> tuple[int, ...] | None:
@@ -107,13 +212,17 @@ def _built_shape(leaf: Leaf, parts: Sequence[SourceTensor]) -> tuple[int, ...] |
 
 def as_stored(tensor: SourceTensor, dtype: np.dtype) -> jax.Array:
     """`tensor` in its own layout, cast to `dtype`."""
+    return jax.device_put(_stored_host(tensor, dtype))
+
+
+def _stored_host(tensor: SourceTensor, dtype: np.dtype) -> np.ndarray:
     out = _empty_aligned(tensor.shape, dtype)
     row = 0
     for rows in tensor.read_rows(_rows_per_chunk(tensor)):
         out[row : row + len(rows)] = rows
         row += len(rows)
     _check_rows_read(row, tensor)
-    return jax.device_put(out)
+    return out
 
 
 def output_major(
@@ -124,6 +233,12 @@ def output_major(
     `[out_i, in]` parts give `[sum(out_i), in]`; 1-D parts (biases) give `[sum(out_i)]`;
     `shape`: that array's final shape (per-expert leaves: `[E, sum(out_i) / E, in]`).
     """
+    return jax.device_put(_output_major_host(parts, dtype, shape))
+
+
+def _output_major_host(
+    parts: Sequence[SourceTensor], dtype: np.dtype, shape: tuple[int, ...] | None
+) -> np.ndarray:
     inner = parts[0].shape[1:]
     out = _empty_aligned((sum(p.shape[0] for p in parts), *inner), dtype)
     row = 0
@@ -133,7 +248,7 @@ def output_major(
             out[row : row + len(rows)] = rows
             row += len(rows)
         _check_rows_read(row - first, part)
-    return jax.device_put(out if shape is None else out.reshape(shape))
+    return out if shape is None else out.reshape(shape)
 
 
 def _rows_per_chunk(tensor: SourceTensor) -> int:

@@ -2,7 +2,9 @@
 
 Layout of DST:
   etjax_model.json   format version, model name and ModelConfig fields
-  weights/           the `Weights` pytree, saved by orbax-checkpoint (already fused, dequantized)
+  weights/           the `Weights` pytree, saved by orbax-checkpoint (already fused; matrices
+                     quantized or in another dtype than the model's as `load_model(weights=)`
+                     held them, which the manifest's "matrices" records)
   tokenizer/         tokenizer.json and tokenizer_config.json
 
 Restoring reads the weights straight into their final layout: no GGUF dequantization or
@@ -22,14 +24,19 @@ import orbax.checkpoint as ocp
 
 from etjax.distributed.placement import Placement
 from etjax.errors import ModelLoadError
+from etjax.loaders.assemble import reform_weights
 from etjax.loaders.loaded_model import Model
 from etjax.model.config import ModelConfig, RopeScaling
+from etjax.model.quantized import FORMATS, abstract_quantized, is_quantized, weight_formats
 from etjax.model.weights import Weights, abstract_weights
 from etjax.tokenizer import Tokenizer
 
 # 2: projections stored output-major, [out, in] (etjax/model/leaves.py); version 1 held them
-# input-major, and its arrays would restore with the wrong shapes.
-FORMAT_VERSION = 2
+# input-major, and its arrays would restore with the wrong shapes. 3: some matrices held as
+# the manifest's "matrices" says (quantized blocks, another dtype); a checkpoint of float
+# matrices in the model's dtype is still written as 2, which etjax before 3 reads.
+FORMAT_VERSION = 3
+_READABLE_VERSIONS = (2, 3)
 _MANIFEST = "etjax_model.json"
 
 
@@ -48,16 +55,34 @@ def save_model(model: Model, destination: Path) -> None:
     checkpointer.save(destination / "weights", model.weights)
     checkpointer.wait_until_finished()
     model.tokenizer.save(destination / "tokenizer")
+    matrices = _matrices(model.weights, model.config.dtype)
     manifest = {
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if matrices else 2,
         "name": model.name,
         "config": dataclasses.asdict(model.config),
     }
+    if matrices:
+        manifest["matrices"] = matrices
     (destination / _MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
-def restore_model(path: Path, dtype: str, placement: Placement | None = None) -> Model:
-    """Load a checkpoint written by `save_model`, casting weights to `dtype` if it differs.
+def _matrices(weights: Weights, dtype: str) -> dict[str, str]:
+    # Each leaf held otherwise than a float array of the model's dtype (by its pytree path):
+    # its block format's name, or its dtype.
+    held = weight_formats(weights)
+    for key, leaf in jax.tree_util.tree_flatten_with_path(weights, is_leaf=is_quantized)[0]:
+        name = jax.tree_util.keystr(key)
+        if not is_quantized(leaf) and leaf.ndim == 2 and str(leaf.dtype) != dtype:
+            held[name] = str(leaf.dtype)
+    return held
+
+
+def restore_model(
+    path: Path, dtype: str, placement: Placement | None = None, storage: str | None = None
+) -> Model:
+    """Load a checkpoint written by `save_model`, casting weights to `dtype` if it differs;
+    its matrices as saved (quantized, another dtype: the manifest's "matrices"), or as
+    `storage` says ("int8", "float32", "bfloat16"; None or "stored": as saved).
 
     With a `placement`, every weight is restored straight into its sharding on the mesh: each
     device reads its own slice from the checkpoint, and no device ever holds a full copy of a
@@ -67,12 +92,13 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
     manifest_path = path / _MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format_version") != FORMAT_VERSION:
+        if manifest.get("format_version") not in _READABLE_VERSIONS:
             raise ModelLoadError(
                 f"{manifest_path}: format_version={manifest.get('format_version')!r}; "
-                f"this etjax reads version {FORMAT_VERSION} (convert the model again with "
-                "`etjax convert`)"
+                f"this etjax reads versions {_READABLE_VERSIONS} (convert the model again "
+                "with `etjax convert`)"
             )
+        matrices = _held_matrices(manifest.get("matrices", {}), manifest_path)
         raw = dict(manifest["config"])
         if raw.get("rope_scaling"):
             # Manifests written before other types existed hold llama3 scaling, untyped.
@@ -96,7 +122,7 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
     cfg = saved_cfg.with_dtype(dtype)
     # Restored straight into `dtype`: orbax casts each array on the host as it reads it, so a
     # model saved in another dtype is never whole in both.
-    target = abstract_weights(cfg)
+    target = _restore_target(abstract_weights(cfg), matrices)
     if placement is not None:
         target = jax.tree.map(
             lambda spec, sharding: jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding),
@@ -107,8 +133,33 @@ def restore_model(path: Path, dtype: str, placement: Placement | None = None) ->
         weights = _restore_weights(path / "weights", target)
     except Exception as e:  # orbax raises many types for missing or damaged files
         raise ModelLoadError(f"{path / 'weights'}: cannot restore weights ({e})") from None
+    if storage is not None:
+        weights = reform_weights(weights, cfg, storage)
     tokenizer = Tokenizer.from_hf_dir(path / "tokenizer")
     return Model(cfg, weights, tokenizer, name=manifest.get("name", path.name), source=path)
+
+
+def _held_matrices(matrices: object, manifest_path: Path) -> dict[str, str]:
+    # The manifest's "matrices": pytree path -> a block format's name or a float dtype.
+    allowed = (*FORMATS, "float32", "bfloat16", "float16")
+    if not isinstance(matrices, dict) or any(v not in allowed for v in matrices.values()):
+        raise ModelLoadError(
+            f'{manifest_path}: "matrices" must map weight paths to one of {allowed}'
+        )
+    return matrices
+
+
+def _restore_target(target: Weights, matrices: dict[str, str]) -> Weights:
+    # The abstract weights with each matrix the manifest lists held as it was saved.
+    def held(key, spec):
+        name = matrices.get(jax.tree_util.keystr(key))
+        if name is None:
+            return spec
+        if name in FORMATS:
+            return abstract_quantized(FORMATS[name], spec.shape)
+        return jax.ShapeDtypeStruct(spec.shape, name)
+
+    return jax.tree_util.tree_map_with_path(held, target)
 
 
 def _restore_weights(directory: Path, target: Weights) -> Weights:

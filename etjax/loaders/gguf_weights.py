@@ -27,10 +27,14 @@ from etjax.loaders.hf_config import every_layer_windowed
 from etjax.model.config import ModelConfig
 from etjax.model.families import gguf_architectures, gguf_family
 from etjax.model.leaves import Part
+from etjax.model.quantized import GGUF_BLOCK_TYPES, BlockArrays, BlockFormat, gguf_blocks
 from etjax.model.weights import MODEL_LEAVES, Weights
 
 # `{arch}.expert_gating_func` values (llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE): 1 softmax.
 _SOFTMAX_GATING = 1
+
+# Float tensor types: anything else is quantized (blocks weights="stored" may keep).
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 # Tensor types are whatever `gguf.quants.dequantize` implements (F32, F16, BF16, the legacy
 # Q4/Q5/Q8 blocks and the K-quants); the rest (Q8_1, Q8_K, integer tensors) are refused by name.
@@ -297,8 +301,14 @@ def gguf_tensors(reader: GGUFFile) -> GGUFTensors:
     return GGUFTensors(path=reader.path, stored=stored)
 
 
-def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:
-    """Dequantize every tensor and fuse it into etjax's layout, in `cfg.dtype`.
+def load_gguf_weights(
+    tensors: GGUFTensors, cfg: ModelConfig, weights: str | None = None
+) -> Weights:
+    """Dequantize every tensor and fuse it into etjax's layout, in `cfg.dtype`; `weights`
+    says how the matrices are held instead (etjax/loaders/assemble.py): with "stored", a
+    quantized matrix keeps its blocks, read raw and converted by
+    pallas_kernels/block_products/formats.py (its rows reordered like the float rows, which
+    moves whole rows of blocks and loses nothing).
 
     Each tensor is dequantized to float32 a chunk of rows at a time and written straight into
     its final leaf (etjax/loaders/assemble.py), so no float32 copy of the model is ever held.
@@ -318,9 +328,15 @@ def load_gguf_weights(tensors: GGUFTensors, cfg: ModelConfig) -> Weights:
         if part.gguf_rope_heads is not None:
             order = _rope_rows(order, getattr(cfg, part.gguf_rope_heads))
         read = functools.partial(_read_rows, tensors.path, name, stored, order)
-        return SourceTensor(name, stored.shape, read)
+        type_name = stored.tensor_type.name
+        if type_name in _FLOAT_TYPES:
+            return SourceTensor(name, stored.shape, read)
+        blocks = None
+        if type_name in GGUF_BLOCK_TYPES and len(stored.shape) == 2:
+            blocks = functools.partial(_read_blocks, tensors.path, name, stored, order)
+        return SourceTensor(name, stored.shape, read, block_type=type_name, blocks=blocks)
 
-    return assemble_weights(cfg, find, str(tensors.path))
+    return assemble_weights(cfg, find, str(tensors.path), weights)
 
 
 def _expert_slice(tensors: GGUFTensors, name: str, expert: int, num_experts: int) -> SourceTensor:
@@ -384,6 +400,21 @@ def _read_rows(
             block = block.reshape(end - first, *stored.data_shape[1:])[wanted - first]
             values = _dequantize(block, stored.tensor_type, path, name)
             yield values.reshape(len(wanted), *stored.shape[1:]).astype(np.float32, copy=False)
+
+
+def _read_blocks(
+    path: Path, name: str, stored: _StoredTensor, order: np.ndarray
+) -> tuple[BlockFormat, BlockArrays]:
+    # The tensor's raw blocks, its rows in `order`, as the kernels' arrays (formats.py).
+    row_bytes = math.prod(stored.data_shape[1:]) * stored.data_dtype.itemsize
+    with open(path, "rb") as file:
+        file.seek(stored.offset)
+        raw = np.fromfile(file, np.uint8, stored.shape[0] * row_bytes)
+    try:
+        raw = raw.reshape(stored.shape[0], row_bytes)[order]
+        return gguf_blocks(raw, stored.tensor_type.name, stored.shape)
+    except ValueError as e:  # a truncated file, or a row that is not whole blocks
+        raise ModelLoadError(f"{path}: tensor {name!r}: {e}") from None
 
 
 def _dequantize(

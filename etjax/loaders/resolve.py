@@ -23,6 +23,7 @@ from etjax.loaders.hf_config import read_hf_config
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.safetensors_weights import load_safetensors_weights
 from etjax.model.config import DTYPE_CHOICES, resolve_dtype
+from etjax.model.quantized import WEIGHTS_CHOICES, resolve_weights
 from etjax.tokenizer import Tokenizer
 
 _EMBEDDED_ALIASES = {EMBEDDED_MODEL_NAME, "smollm2", "smollm2-135m"}
@@ -41,6 +42,7 @@ def load_model(
     mesh: str = "1x1",
     revision: str | None = None,
     calibration: str | Path | None = None,
+    weights: str = "auto",
 ) -> Model:
     """Load a model by name or path.
 
@@ -56,13 +58,17 @@ def load_model(
     `calibration`: a file written by `etjax calibrate` (etjax/calibration/file.py), checked
     before the weights load; with it, pruning, the scheduler and drafting read the calibrated
     entropy of this model (sampling is unchanged).
+    `weights` says how the matrices are held (etjax/model/quantized.py): "stored" (a GGUF
+    file's blocks as it has them; a block type the kernels cannot read is refused by name),
+    "int8" (per output channel, from any source), "float32", "bfloat16", or "auto" (today:
+    float matrices in `dtype`). `dtype` stays the activations' and everything else's.
     """
     checked = None
     if calibration is not None:  # a bad file fails in a millisecond, not after the load
         checked = load_calibration(calibration)
     shape = MeshShape.parse(mesh)
     placement = None if shape.size == 1 else Placement(make_mesh(shape))
-    model = _load(name_or_path, dtype, placement, revision)
+    model = _load(name_or_path, dtype, placement, revision, weights)
     if placement is not None and not checkpoint.is_etjax_checkpoint(model.source):
         model = dataclasses.replace(model, weights=placement.place_weights(model.weights))
     if checked is not None:  # and now against the model: its vocabulary and identity
@@ -77,18 +83,28 @@ def load_model(
 
 
 def _load(
-    name_or_path: str | Path | None, dtype: str, placement: Placement | None, revision: str | None
+    name_or_path: str | Path | None,
+    dtype: str,
+    placement: Placement | None,
+    revision: str | None,
+    weights: str = "auto",
 ) -> Model:
     if dtype not in DTYPE_CHOICES:
         raise ModelLoadError(f"dtype={dtype!r} is not supported; allowed: {DTYPE_CHOICES}")
+    if weights not in WEIGHTS_CHOICES:
+        raise ModelLoadError(f"weights={weights!r} is not supported; allowed: {WEIGHTS_CHOICES}")
     dtype = resolve_dtype(dtype)
+    # None: matrices in `dtype` like every leaf, the loaders' path of before `weights` existed.
+    storage = resolve_weights(weights, dtype)
+    storage = None if storage == dtype else storage
     if name_or_path is None or str(name_or_path).lower() in _EMBEDDED_ALIASES:
-        return _load_gguf(smollm2_gguf_path(), dtype, name=EMBEDDED_MODEL_NAME)
+        return _load_gguf(smollm2_gguf_path(), dtype, EMBEDDED_MODEL_NAME, storage)
     if str(name_or_path).lower() == GEMMA3_270M_NAME:  # optional: its packages say how
-        return _load_gguf(gemma3_270m_gguf_path(), dtype, name=GEMMA3_270M_NAME)
+        return _load_gguf(gemma3_270m_gguf_path(), dtype, GEMMA3_270M_NAME, storage)
     path = Path(name_or_path).expanduser()
     if not path.exists() and hub.is_hub_id(str(name_or_path)):
-        return _load_hf_dir(hub.fetch(str(name_or_path), revision), dtype, name=str(name_or_path))
+        directory = hub.fetch(str(name_or_path), revision)
+        return _load_hf_dir(directory, dtype, str(name_or_path), storage)
     if path.suffix in _PICKLE_SUFFIXES and not path.exists():
         raise ModelLoadError(f"{path}: file not found")
     if path.suffix in _PICKLE_SUFFIXES:
@@ -97,15 +113,17 @@ def _load(
         raise ModelLoadError(f"{path}: GGUF file not found")
     if path.is_file():
         if path.suffix == ".gguf":
-            return _load_gguf(path, dtype, name=path.stem)
+            return _load_gguf(path, dtype, path.stem, storage)
         raise ModelLoadError(
             f"{path}: unrecognised model file; expected a .gguf file or a model directory"
         )
     if path.is_dir():
         if checkpoint.is_etjax_checkpoint(path):
-            return checkpoint.restore_model(path, dtype, placement)
+            # Its matrices as `etjax convert` saved them, unless `weights` names a form.
+            held = None if weights == "auto" else resolve_weights(weights, dtype)
+            return checkpoint.restore_model(path, dtype, placement, held)
         if (path / "config.json").is_file():
-            return _load_hf_dir(path, dtype)
+            return _load_hf_dir(path, dtype, None, storage)
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLE_SUFFIXES)
         if pickles:
             raise ModelLoadError(f"{path / pickles[0]} {_PICKLE_REFUSAL}")
@@ -119,18 +137,21 @@ def _load(
     )
 
 
-def _load_gguf(path: Path, dtype: str, name: str) -> Model:
+def _load_gguf(path: Path, dtype: str, name: str, storage: str | None = None) -> Model:
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, dtype)
     tokenizer = Tokenizer.from_gguf(reader)
     tensors = gguf_tensors(reader)
     del reader  # its parsed metadata (~150 MB for SmolLM2) must not live through the weights' load
-    weights = load_gguf_weights(tensors, cfg)
+    weights = load_gguf_weights(tensors, cfg, storage)
     return Model(cfg, weights, tokenizer, name=name, source=path)
 
 
-def _load_hf_dir(path: Path, dtype: str, name: str | None = None) -> Model:
+def _load_hf_dir(
+    path: Path, dtype: str, name: str | None = None, storage: str | None = None
+) -> Model:
     cfg = read_hf_config(path / "config.json", dtype)
-    weights = load_safetensors_weights(path, cfg)
+    # A Hugging Face folder holds floats: "stored" keeps them as floats in `dtype`.
+    weights = load_safetensors_weights(path, cfg, None if storage == "stored" else storage)
     tokenizer = Tokenizer.from_hf_dir(path)
     return Model(cfg, weights, tokenizer, name=name or path.name, source=path)

@@ -53,8 +53,11 @@ def safetensors_files(directory: Path) -> list[Path]:
     raise ModelLoadError(f"{directory}: no *.safetensors weights found")
 
 
-def load_safetensors_weights(directory: Path, cfg: ModelConfig) -> Weights:
-    """Load and fuse the weights of a Hugging Face directory, in `cfg.dtype`.
+def load_safetensors_weights(
+    directory: Path, cfg: ModelConfig, weights: str | None = None
+) -> Weights:
+    """Load and fuse the weights of a Hugging Face directory, in `cfg.dtype` (the matrices as
+    `weights` says, etjax/loaders/assemble.py: "int8", "float32", "bfloat16", None: cfg's).
 
     Each tensor is read a chunk of rows at a time straight into its final leaf
     (etjax/loaders/assemble.py), so no float32 copy of the model is ever held.
@@ -73,7 +76,7 @@ def load_safetensors_weights(directory: Path, cfg: ModelConfig) -> Weights:
         shifted = lambda rows: (chunk + part.hf_offset for chunk in read(rows))  # noqa: E731
         return dataclasses.replace(tensor, read_rows=shifted)
 
-    return assemble_weights(cfg, find, str(directory))
+    return assemble_weights(cfg, find, str(directory), weights)
 
 
 def _source_tensors(files: list[Path]) -> dict[str, SourceTensor]:

@@ -14,6 +14,10 @@ etjax/attention/backend.py), so a mesh, where XLA partitions the products, never
 kernels. Everything else (`linear`, the LM head) asks `project`, and the routed experts
 (etjax/model/experts.py) `grouped_product`; both fall back to XLA for shapes and dtypes the
 kernels do not take.
+
+A quantized weight (etjax/model/quantized.py `QuantizedWeight`) goes the same way to the
+block-products kernels (pallas_kernels/block_products): the C++ kernel under the same switch
+where it takes the shape, else XLA's product of the weight dequantized in the program.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import contextvars
 
 import jax
 
+from etjax.model.quantized import QuantizedWeight
+from pallas_kernels.block_products.xla import block_products_xla
 from pallas_kernels.grouped_products import grouped_products_xla
 from pallas_kernels.row_products import row_products_xla
 
@@ -41,16 +47,31 @@ def row_products(enabled: bool):
         _ENABLED.reset(token)
 
 
-def project(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
-    """x [..., in] times w [out, in] (output-major, as the model stores it) -> [..., out], in
-    `out_dtype` (default: x's)."""
+def project(x: jax.Array, w: jax.Array | QuantizedWeight, out_dtype=None) -> jax.Array:
+    """x [..., in] times w [out, in] (output-major, as the model stores it; float or a
+    `QuantizedWeight`) -> [..., out], in `out_dtype` (default: x's)."""
     out_dtype = out_dtype or x.dtype
+    if isinstance(w, QuantizedWeight):
+        return _quantized_product(x, w, out_dtype)
     if _ENABLED.get():
         from pallas_kernels.row_products.cpu import row_products_cpu, row_products_cpu_takes
 
         if row_products_cpu_takes(x, w, out_dtype):
             return row_products_cpu(x, w)
     return row_products_xla(x, w, out_dtype)
+
+
+def _quantized_product(x: jax.Array, w: QuantizedWeight, out_dtype) -> jax.Array:
+    arrays = (w.quants, w.scales, w.offsets, w.block, w.format.bits)
+    if _ENABLED.get():
+        from pallas_kernels.block_products.cpu import (
+            block_products_cpu,
+            block_products_cpu_takes,
+        )
+
+        if block_products_cpu_takes(x, *arrays, out_dtype):
+            return block_products_cpu(x, *arrays)
+    return block_products_xla(x, *arrays, out_dtype)
 
 
 def grouped_product(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:

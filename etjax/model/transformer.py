@@ -28,6 +28,7 @@ from etjax.model.config import ModelConfig
 from etjax.model.families import family
 from etjax.model.layers import rms_norm
 from etjax.model.products import project
+from etjax.model.quantized import embedding_rows
 from etjax.model.rope import apply_rope, rope_attention_factor, rope_inverse_frequencies
 from etjax.model.weights import Weights
 
@@ -72,7 +73,9 @@ def forward(
         raise ValueError(f"active_k given for a model without routed experts ({cfg.architecture})")
     # What a layer computes around attention is its family's (etjax/model/families/).
     fam = family(cfg.architecture)
-    x = weights.embed[tokens]
+    # A quantized table dequantizes the tokens' rows only; a float one in another dtype than
+    # the activations' (weights="bfloat16" with float32 activations) is cast.
+    x = embedding_rows(weights.embed, tokens, cfg.jnp_dtype)
     if fam.scales_embedding:
         x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
 

@@ -96,6 +96,7 @@ class ServerState:
                 self.model_arg or config.model.name,
                 dtype=config.model.dtype,
                 calibration=config.model.calibration,
+                weights=config.model.weights,
             )
             log.info("%r loaded in %.1fs", self.model, time.perf_counter() - started)
             options = dataclasses.replace(config.options, calibration=self.model.calibration)

@@ -1,0 +1,218 @@
+"""Quantized weights kept quantized at run time: the `QuantizedWeight` leaf, and the `weights`
+option that chooses, at load, how a model's matrices are held.
+
+A `QuantizedWeight` stands where a float matrix [out, in] stands in the `Weights` pytree (a
+projection, the embedding, the LM head): its arrays (`quants`, `scales`, `offsets`, laid out as
+pallas_kernels/block_products/formats.py says) are the pytree's children, so placement,
+checkpoints and byte counts see three arrays; its `format` and logical `shape` are static.
+A product with it runs the block-products kernels (etjax/model/products.py `project`); the
+embedding gathers the rows of its tokens and dequantizes only those (`embedding_rows`).
+
+`weights`, the load option (`load_model(weights=...)`, `[model] weights`, `--weights`):
+
+    "stored"    a GGUF file's blocks as the file has them (Q8_0, Q4_0, Q4_1; Q4_K and Q6_K
+                converted at load without loss, formats.py); a block type the kernels cannot
+                read is refused by name. Float tensors (and a Hugging Face folder's) load in the
+                model's dtype, as the file holds floats.
+    "int8"      symmetric int8 per output channel, quantized at load from the float32 values
+                of any source (a Hugging Face folder, a float or quantized GGUF, a checkpoint).
+    "float32", "bfloat16"   float matrices of that dtype; activations stay in `dtype`.
+    "auto"      `AUTO_WEIGHTS` (below), or float matrices in the model's dtype: today's
+                behaviour, until the kernels are measured faster end to end (docs/PERF.md).
+
+`dtype` stays what it was: the dtype of activations, the KV cache (unless `kv_dtype` says
+otherwise), norms' arithmetic and every leaf `weights` does not cover. `weights` says only how
+the matrices are stored. Norms, biases, the routers of a mixture of experts and its stacked
+experts stay float in the model's dtype whatever `weights` says (the grouped-products kernel
+reads float experts only).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from etjax.errors import FieldError
+from pallas_kernels.block_products.formats import (
+    GGUF_FORMATS,
+    INT8,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q6_K,
+    Q8_0,
+    BlockArrays,
+    BlockFormat,
+    from_gguf,
+    quantize_int8,
+)
+from pallas_kernels.block_products.xla import dequantize_xla
+
+WEIGHTS_CHOICES = ("auto", "stored", "int8", "float32", "bfloat16")
+# What "auto" picks: None keeps today's float matrices in the model's dtype. This one line
+# decides; set it to "stored" once the block kernels beat float32 end to end (docs/PERF.md).
+AUTO_WEIGHTS: str | None = None
+
+# The GGUF tensor types weights="stored" keeps as blocks.
+GGUF_BLOCK_TYPES = tuple(GGUF_FORMATS)
+# Every block format by its name (a checkpoint's manifest records formats by name).
+FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, INT8)}
+
+
+def check_weights(weights: object, field: str = "weights") -> str:
+    """`weights` if it is one of WEIGHTS_CHOICES, else FieldError naming `field`."""
+    if weights not in WEIGHTS_CHOICES:
+        raise FieldError(field, weights, f"one of {WEIGHTS_CHOICES}")
+    return weights
+
+
+def resolve_weights(weights: str, dtype: str) -> str:
+    """The storage `weights` means for a model of (resolved) `dtype`: "stored", "int8",
+    "float32" or "bfloat16"; "auto" is `AUTO_WEIGHTS`, else `dtype` (today's float weights)."""
+    check_weights(weights)
+    if weights != "auto":
+        return weights
+    return AUTO_WEIGHTS or dtype
+
+
+@flax.struct.dataclass
+class QuantizedWeight:
+    """A matrix [out, in] (`shape`, output-major as every projection) held as blocks of
+    `format` (pallas_kernels/block_products/formats.py): quants [out, in] int8 or
+    [out, in // 2] uint8 (two 4-bit values a byte), scales [out, in // block] (block: the
+    format's, or `in` for one per output channel), offsets like scales or None."""
+
+    quants: jax.Array
+    scales: jax.Array
+    offsets: jax.Array | None
+    format: BlockFormat = flax.struct.field(pytree_node=False)
+    shape: tuple[int, int] = flax.struct.field(pytree_node=False)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def block(self) -> int:
+        """Values of a row per scale."""
+        return self.format.block_size(self.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the arrays hold (what the weight costs resident)."""
+        return sum(_nbytes(a) for a in (self.quants, self.scales, self.offsets) if a is not None)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float matrix [out, in] in `dtype`, computed in float32 (scale * q + offset)."""
+        return dequantize_xla(
+            self.quants, self.scales, self.offsets, self.block, self.format.bits, dtype
+        )
+
+    def take_rows(self, rows: jax.Array) -> QuantizedWeight:
+        """The weight of rows `rows` [N] int32 only (their blocks, not dequantized)."""
+        offsets = None if self.offsets is None else self.offsets[rows]
+        return self.replace(
+            quants=self.quants[rows],
+            scales=self.scales[rows],
+            offsets=offsets,
+            shape=(rows.shape[0], self.shape[1]),
+        )
+
+
+def _nbytes(a) -> int:
+    return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+
+
+def from_block_arrays(arrays: BlockArrays, fmt: BlockFormat, shape: tuple[int, int]):
+    """A `QuantizedWeight` of numpy `arrays` (formats.py), placed on the default device."""
+    return QuantizedWeight(
+        quants=jax.device_put(arrays.quants),
+        scales=jax.device_put(arrays.scales),
+        offsets=None if arrays.offsets is None else jax.device_put(arrays.offsets),
+        format=fmt,
+        shape=tuple(shape),
+    )
+
+
+def gguf_blocks(
+    data: np.ndarray, type_name: str, shape: tuple[int, int]
+) -> tuple[BlockFormat, BlockArrays]:
+    """The block format and arrays of a GGUF tensor of type `type_name` (one of
+    GGUF_BLOCK_TYPES) from its raw bytes `data` [out, row bytes] (rows in etjax's order)."""
+    return GGUF_FORMATS[type_name], from_gguf(data, type_name, shape)
+
+
+def concatenate_rows(pieces: list[BlockArrays]) -> BlockArrays:
+    """Blocks of matrices of one format stacked along their output axis (q|k|v, gate|up), as
+    `output_major` stacks float parts."""
+    cat = lambda arrays: np.concatenate(arrays, axis=0)  # noqa: E731
+    return BlockArrays(
+        cat([p.quants for p in pieces]),
+        cat([p.scales for p in pieces]),
+        None if pieces[0].offsets is None else cat([p.offsets for p in pieces]),
+    )
+
+
+def int8_weight(w: np.ndarray) -> QuantizedWeight:
+    """Symmetric int8 per output channel of a float matrix w [out, in] (formats.py
+    `quantize_int8`: |w - dequantized| <= scale / 2 per channel)."""
+    return from_block_arrays(quantize_int8(w), INT8, w.shape)
+
+
+def abstract_quantized(fmt: BlockFormat, shape: tuple[int, int]) -> QuantizedWeight:
+    """A `QuantizedWeight` of `jax.ShapeDtypeStruct`s: what a weight of `fmt` and `shape`
+    holds (a checkpoint's restore target, the planner's byte counts)."""
+    out, width = shape
+    block = fmt.block_size(width)
+    quants = (out, width // 2) if fmt.bits == 4 else (out, width)
+    qdtype = jnp.uint8 if fmt.bits == 4 else jnp.int8
+    scales = jax.ShapeDtypeStruct((out, width // block), jnp.dtype(fmt.scale_dtype))
+    return QuantizedWeight(
+        quants=jax.ShapeDtypeStruct(quants, qdtype),
+        scales=scales,
+        offsets=scales if fmt.offsets else None,
+        format=fmt,
+        shape=(out, width),
+    )
+
+
+def is_quantized(w: object) -> bool:
+    """Whether `w` is a `QuantizedWeight` leaf."""
+    return isinstance(w, QuantizedWeight)
+
+
+def embedding_rows(table, tokens: jax.Array, dtype) -> jax.Array:
+    """The embedding rows of `tokens` [T] in `dtype` -> [T, D]: gathered first, so a quantized
+    table dequantizes T rows, never the vocabulary."""
+    if isinstance(table, QuantizedWeight):
+        return table.take_rows(tokens).dequantize(dtype)
+    return table[tokens].astype(dtype)
+
+
+def weights_bytes(weights) -> int:
+    """Bytes every array of a weights pytree holds (a quantized leaf: its blocks)."""
+    return sum(_nbytes(leaf) for leaf in jax.tree.leaves(weights))
+
+
+def weight_formats(weights) -> dict[str, str]:
+    """Each quantized leaf's pytree path (`jax.tree_util.keystr`) and format name."""
+    found = jax.tree_util.tree_flatten_with_path(weights, is_leaf=is_quantized)[0]
+    return {
+        jax.tree_util.keystr(path): leaf.format.name
+        for path, leaf in found
+        if isinstance(leaf, QuantizedWeight)
+    }
+
+
+def dequantize_weights(weights, dtype=jnp.float32):
+    """`weights` with every quantized leaf replaced by its float matrix in `dtype` (the float
+    model a quantized one computes: its reference)."""
+
+    def dequantized(w):
+        return w.dequantize(dtype) if isinstance(w, QuantizedWeight) else w
+
+    return jax.tree.map(dequantized, weights, is_leaf=is_quantized)

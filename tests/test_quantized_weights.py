@@ -1,0 +1,151 @@
+"""Weights kept quantized (etjax/model/quantized.py): int8 per channel within half a scale, a
+quantized model's greedy tokens equal to its own dequantization's, a GGUF's blocks equal to the
+gguf package's dequantization of the same file, refusal by name, and the `weights` option
+through load_model, TOML, the CLI and a converted checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+import etjax
+from etjax.cli import _parser, main
+from etjax.errors import ConfigError, ModelLoadError
+from etjax.gguf_file import read_gguf
+from etjax.model.quantized import (
+    QuantizedWeight,
+    dequantize_weights,
+    int8_weight,
+    is_quantized,
+    weight_formats,
+    weights_bytes,
+)
+from etjax.run_config import load_run_config
+from tests.conftest import relative_error
+from tests.gguf_builder import write_llama_gguf
+from tests.model_runner import full_logits
+
+PROMPT = "The history of the city begins"
+
+
+def _greedy(model, tokens: int = 8) -> list[int]:
+    return etjax.decode(PROMPT, model=model, max_new_tokens=tokens, ignore_eos=True)[0].token_ids
+
+
+def _matrices_equal(quantized, reference) -> None:
+    # Every quantized leaf dequantizes to the reference's float matrix exactly; the other
+    # leaves are the same arrays.
+    ours_leaves = jax.tree.leaves(quantized, is_leaf=is_quantized)
+    pairs = list(zip(ours_leaves, jax.tree.leaves(reference), strict=True))
+    assert any(isinstance(q, QuantizedWeight) for q, _ in pairs)
+    for q, r in pairs:
+        ours = q.dequantize() if isinstance(q, QuantizedWeight) else q
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(r))
+
+
+def test_int8_error_is_at_most_half_a_scale_per_channel():
+    # q = round(w / s) is within 1/2 of w / s, so |w - s q| <= s / 2 with s = max|w| / 127 per
+    # row, up to the float32 roundings of w / s and of s q (a few ulps of max|w|).
+    rows = np.linspace(-3.0, 3.0, 8 * 96, dtype=np.float32).reshape(8, 96)
+    rows = rows * np.float32([1e-3, 0.1, 1, 10, 1e3, 1, 1, 0])[:, None]  # row 7: all zeros
+    rows[5, 7] = 500.0  # one outlier: only its own row's scale grows
+    rows[6] = np.sin(np.arange(96, dtype=np.float32))
+    w = int8_weight(rows)
+    assert w.format.name == "int8" and w.quants.dtype == np.int8 and w.scales.shape == (8, 1)
+    scale = np.abs(rows).max(axis=1) / 127
+    error = np.abs(np.asarray(w.dequantize()) - rows).max(axis=1)
+    slack = 4 * np.finfo(np.float32).eps * np.abs(rows).max(axis=1)
+    assert np.all(error <= scale / 2 + slack)
+    assert error[7] == 0 and np.all(np.abs(np.asarray(w.quants)).max(axis=1)[:7] == 127)
+
+
+def test_int8_model_greedy_equals_its_dequantization(tiny_hf_dir):
+    source = tiny_hf_dir("llama")
+    model = etjax.load_model(source, weights="int8")
+    assert set(weight_formats(model.weights).values()) == {"int8"}
+    assert model.weights.layers[0].attn_norm.dtype == np.float32  # norms stay float
+    reference = dataclasses.replace(model, weights=dequantize_weights(model.weights))
+    assert _greedy(model) == _greedy(reference)
+
+
+@pytest.mark.parametrize("matrix_type", ["Q4_1", "Q8_0"])
+def test_stored_blocks_are_the_files_values(matrix_type, tiny_hf_dir, smollm2_path, tmp_path):
+    # The truth: the gguf package's dequantization of the same file (the float32 load).
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / f"tiny-{matrix_type}.gguf"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama"))
+    write_llama_gguf(hf, path, smollm2_path, GGMLQuantizationType[matrix_type])
+    stored = etjax.load_model(path, weights="stored")
+    dequantized = etjax.load_model(path, weights="float32")
+    assert set(weight_formats(stored.weights).values()) == {matrix_type.lower()}
+    # Equal weights: the same model (its greedy tokens on the kernels: the SmolLM2 test).
+    _matrices_equal(stored.weights, dequantized.weights)
+
+
+def test_a_block_type_the_kernels_cannot_read_is_refused_by_name(
+    tiny_hf_dir, smollm2_path, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    path = tmp_path / "tiny-q5.gguf"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama"))
+    write_llama_gguf(hf, path, smollm2_path, GGMLQuantizationType.Q5_0)
+    with pytest.raises(ModelLoadError) as refused:
+        etjax.load_model(path, weights="stored")
+    for named in (str(path), "'blk.0.attn_q.weight'", "type Q5_0", "Q4_1", "Q6_K", "int8"):
+        assert named in str(refused.value)
+    with pytest.raises(ModelLoadError, match=r"weights='int4'.*allowed"):
+        etjax.load_model(path, weights="int4")
+
+
+def test_smollm2_q4_1_stored_is_the_file(smollm2, smollm2_path):
+    stored = etjax.load_model(smollm2_path, weights="stored")
+    assert set(weight_formats(stored.weights).values()) == {"q4_1", "q8_0"}  # embedding Q8_0
+    # Resident bytes against the file's tensors (Q4_1: 20 bytes per 32 weights, as stored).
+    tensor_bytes = sum(t.nbytes for t in read_gguf(smollm2_path).tensors)
+    assert weights_bytes(stored.weights) <= 1.2 * tensor_bytes
+    assert weights_bytes(smollm2.weights) > 5 * tensor_bytes  # float32: the 538 MB of today
+    _matrices_equal(stored.weights, smollm2.weights)
+    # Equal weights, so the logits differ by float32 summation order alone: at most
+    # n * 2^-24 of the sum of |terms| per product (n <= 1,536), which a relative error of
+    # 1e-4 over the logits covers with room.
+    ids = np.asarray([smollm2.tokenizer.encode(PROMPT)], np.int32)
+    ours = full_logits(stored.weights, stored.config, ids)
+    assert relative_error(ours, full_logits(smollm2.weights, smollm2.config, ids)) < 1e-4
+    assert _greedy(stored, 16) == _greedy(smollm2, 16)
+
+
+def test_weights_option_in_toml_and_cli(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('[model]\nweights = "int8"\n')
+    assert load_run_config(config).model.weights == "int8"
+    assert load_run_config("baseline").model.weights == "auto"
+    config.write_text('[model]\nweights = "int4"\n')
+    with pytest.raises(ConfigError, match=r"c.toml: \[model\] weights='int4'.*'stored'"):
+        load_run_config(config)
+    parser = _parser()
+    assert parser.parse_args(["generate", "x", "--weights", "stored"]).weights == "stored"
+    assert parser.parse_args(["generate", "x"]).weights is None  # the config decides
+    assert parser.parse_args(["convert", "a", "b", "--weights", "int8"]).weights == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--weights", "int4"])
+
+
+def test_convert_saves_int8_and_the_next_load_reads_it(tiny_hf_dir, tmp_path):
+    source = tiny_hf_dir("llama")
+    destination = tmp_path / "int8"
+    assert main(["convert", str(source), str(destination), "--weights", "int8"]) == 0
+    manifest = json.loads((destination / "etjax_model.json").read_text())
+    assert manifest["format_version"] == 3 and manifest["matrices"][".embed"] == "int8"
+    quantized = etjax.load_model(source, weights="int8")
+    restored = etjax.load_model(destination)
+    jax.tree.map(np.testing.assert_array_equal, restored.weights, quantized.weights)
+    as_float = etjax.load_model(destination, weights="float32")
+    assert weight_formats(as_float.weights) == {}
+    _matrices_equal(restored.weights, as_float.weights)
