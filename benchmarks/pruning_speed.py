@@ -20,6 +20,7 @@ etjax/attention/cascade.py). Pruned rows still select and read their own blocks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import shlex
 import sys
@@ -161,9 +162,8 @@ def main() -> None:
                             )
                             plan = plan_decode(segments, BATCH, sizes, backend)
                     # The batch is the whole store: rows 0..B-1, each row's full page table.
-                    statics = StepStatics(
-                        cfg, cost, pruning.shape(), max_kept, attention_backend=backend
-                    )
+                    pruned = dataclasses.replace(backend, pruning=pruning.shape())
+                    statics = StepStatics(cfg, cost, max_kept, attention_backend=pruned)
                     state, cache, out = decode_steps(
                         model.weights,
                         cache,

@@ -68,7 +68,7 @@ def export_ragged_step(cfg: ModelConfig, options: RuntimeOptions, platform: str)
     engine resolves there (`attention_backend`), at `cfg`'s shapes."""
     args, kwargs = ragged_step_inputs(cfg, options)
     (*arrays, plan, page_table, thresholds, statics, max_draft) = args
-    kernels = resolve_backend(options.attention_backend, platform)
+    kernels = resolve_backend(options.attention_backend, platform, pruning=options.pruning.shape())
     plan = plan.replace(backend=kernels)
     max_kept = statics.max_kept  # the CPU engine's: the whole table (kept_table_width)
     if max_kept:  # the platform's width for a step that keeps that many blocks

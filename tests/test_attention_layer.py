@@ -3,13 +3,16 @@ layer can attend with, each with its reason."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
-from etjax.attention import AttentionPlan, SparsePlan, check_plans
+from etjax.attention import XLA, AttentionPlan, SparsePlan, check_plans
 from etjax.pruning.config import PruningConfig
 
 _CFG = PruningConfig(enabled=True)
+_PRUNES = dataclasses.replace(XLA, pruning=_CFG.shape())
 
 
 def _sparse(slots=None) -> SparsePlan:
@@ -17,29 +20,33 @@ def _sparse(slots=None) -> SparsePlan:
         budget_blocks=jnp.ones((2,), jnp.int32),
         page_table=jnp.zeros((2, 4), jnp.int32),
         thresholds=_CFG.thresholds(),
-        pruning=_CFG.shape(),
         max_kept=4,
         slots=slots,
     )
 
 
+def _plan(sparse=None, window=0, backend=_PRUNES, passes=()) -> AttentionPlan:
+    sparse = {None: None, "rows": _sparse(), "ragged": _sparse(jnp.arange(2))}[sparse]
+    return AttentionPlan(passes=passes, backend=backend, window=window, sparse=sparse)
+
+
 @pytest.mark.parametrize(
-    ("plan", "sparse", "window", "softcap", "local", "reason"),
+    ("plan", "window", "softcap", "reason"),
     [
-        (None, None, 0, 0.0, False, "needs an attention plan"),
-        (None, "ragged", 0, 0.0, False, "needs an attention plan"),
-        (AttentionPlan(passes=(), window=8), None, 16, 0.0, True, "a window of 8 positions"),
-        (None, "rows", 0, 50.0, False, "does not soft-cap"),
-        (None, "rows", 8, 0.0, True, "sliding-window layers needs a plan"),
+        (None, 0, 0.0, "needs an attention plan"),
+        (_plan("ragged"), 0, 0.0, "needs passes for the tokens that are not rows"),
+        (_plan(window=8), 16, 0.0, "a window of 8 positions"),
+        (_plan("rows"), 8, 0.0, "a window of 0 positions"),  # local layers, no local passes
+        (_plan("rows"), 0, 50.0, "does not soft-cap"),
+        (_plan("rows", backend=XLA), 0, 0.0, "does not prune"),
     ],
 )
-def test_plans_no_layer_can_run_are_refused(plan, sparse, window, softcap, local, reason):
-    sparse = {None: None, "rows": _sparse(), "ragged": _sparse(jnp.arange(2))}[sparse]
+def test_plans_no_layer_can_run_are_refused(plan, window, softcap, reason):
     with pytest.raises(ValueError, match=reason):
-        check_plans(plan, sparse, window, softcap, local)
+        check_plans(plan, window, softcap)
 
 
 def test_plans_a_layer_can_run_pass():
-    check_plans(AttentionPlan(passes=()), None, 0, 30.0, False)  # dense, capped
-    check_plans(None, _sparse(), 0, 0.0, False)  # a burst of pruned rows, no plan
-    check_plans(AttentionPlan(passes=(), window=8), _sparse(jnp.arange(2)), 8, 0.0, True)
+    check_plans(_plan(backend=XLA), 0, 30.0)  # dense, capped
+    check_plans(_plan("rows"), 0, 0.0)  # a burst of pruned rows, no dense work
+    check_plans(_plan("ragged", window=8, passes=(None,)), 8, 0.0)

@@ -104,7 +104,10 @@ def test_dense_burst_tables_hold_only_the_pages_the_burst_writes():
 
 
 def test_pruned_burst_takes_whole_tables_and_a_kept_width():
-    geometry = dataclasses.replace(GEOMETRY, pruning=PruningConfig(enabled=True))
+    pruning = PruningConfig(enabled=True)
+    geometry = dataclasses.replace(
+        GEOMETRY, pruning=pruning, backend=dataclasses.replace(XLA, pruning=pruning.shape())
+    )
     burst = burst_inputs(geometry, [1], [[10, 11, 12]], [9], [1.0], num=1)
     np.testing.assert_array_equal(burst.page_table, [[10, 11, 12, 0, 0, 0, 0, 0]])
     np.testing.assert_array_equal(burst.page_base, [0])

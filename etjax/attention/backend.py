@@ -1,5 +1,7 @@
-"""`AttentionBackend`: the attention kernels a step runs, chosen once (by the engine, from the
-platform) and carried as a static value in the attention plan and the step's statics.
+"""`AttentionBackend`: the attention a step runs, chosen once (by the engine, from the platform
+and the pruning setting) and carried as a static value in the attention plan and the step's
+statics: its kernels, and whether decode rows prune (`prunes`). That is the one place dense or
+pruned is chosen; the host's layout, the step programs and each layer ask it.
 
 - `xla`: pallas_kernels/ragged_attention/xla.py for dense attention and the XLA block-sparse
   kernel for pruned decode; every platform.
@@ -28,14 +30,26 @@ import functools
 
 import jax
 
+from etjax.pruning.config import PruningConfig, PruningShape
+
 BACKENDS = ("auto", "xla", "cpu", "pallas_tpu", "pallas_gpu")
 _BY_PLATFORM = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}
+DENSE = PruningConfig().shape()  # pruning off: a row reads every block of its context
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionBackend:
     name: str = "xla"  # "xla", "cpu", "pallas_tpu" or "pallas_gpu"
     interpret: bool = False  # run Pallas kernels interpreted (on a CPU)
+    # The pruning's static settings (its thresholds are traced, etjax/pruning/config.py);
+    # DENSE: decode rows read all their blocks.
+    pruning: PruningShape = DENSE
+
+    @property
+    def prunes(self) -> bool:
+        """Whether decode rows read only the blocks their budgets keep (etjax/pruning): the
+        step then computes budgets and hands the layers a `SparsePlan` (plan.py)."""
+        return self.pruning.enabled
 
     def ragged(
         self, q, k_pages, v_pages, positions, passes, chunk, window, softcap=0.0, shared=False
@@ -140,9 +154,12 @@ class AttentionBackend:
 XLA = AttentionBackend()
 
 
-def resolve_backend(name: str, platform: str | None = None, devices: int = 1) -> AttentionBackend:
+def resolve_backend(
+    name: str, platform: str | None = None, devices: int = 1, pruning: PruningShape = DENSE
+) -> AttentionBackend:
     """The kernels `name` selects on `platform` (default: JAX's default backend) for an engine
-    on `devices` devices: on one device "auto" is "pallas_tpu" on a TPU, "pallas_gpu" on a
+    on `devices` devices, whose decode rows prune as `pruning` says (DENSE: they do not). On
+    one device "auto" is "pallas_tpu" on a TPU, "pallas_gpu" on a
     GPU, and on a CPU "cpu" when its kernel builds, else "xla"; a mesh keeps the XLA loop,
     which the SPMD partitioner splits by KV head (a Pallas or C++ kernel is one custom call
     it cannot split: "Mosaic kernels cannot be automatically partitioned", compiling a
@@ -161,7 +178,8 @@ def resolve_backend(name: str, platform: str | None = None, devices: int = 1) ->
             f"attention_backend='cpu' needs a CPU platform (not {platform!r}) and its C++ "
             "kernel built (a C++ compiler; see the log's warning); use 'xla'"
         )
-    return AttentionBackend(chosen, interpret=chosen.startswith("pallas") and platform == "cpu")
+    interpret = chosen.startswith("pallas") and platform == "cpu"
+    return AttentionBackend(chosen, interpret=interpret, pruning=pruning)
 
 
 def _cpu_kernel_builds() -> bool:

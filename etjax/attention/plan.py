@@ -6,6 +6,9 @@ prefill chunks to a pass of wide tiles, so a decode row never pads to a chunk's 
 lists (query tile, key tile) work items over the sequence's own pages only, up to each tile's
 last position (pallas_kernels/ragged_attention/work_items.py).
 
+Under pruning the step adds the rows' pruned part, a `SparsePlan`, to the plan it hands the
+model (`AttentionPlan.sparse`): the layers read it and the plan's backend says how to prune.
+
 Shapes come from `PlanSizes`, fixed by the engine's sizes and the step's token bucket, never by
 context lengths: a new mix of lengths reuses the compiled step. The tile sizes are the
 kernel's, timed beside it (pallas_kernels/ragged_attention/tiles.py).
@@ -18,10 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import flax.struct
+import jax
 import numpy as np
 
 from etjax.attention.backend import XLA, AttentionBackend
 from etjax.attention.cascade import shared_prefixes
+from etjax.pruning.config import PruningThresholds
+from etjax.pruning.groups import PrunedGroups
 from pallas_kernels.ragged_attention.tiles import (
     CHUNK,
     DECODE_KV_TILE,
@@ -155,11 +161,37 @@ class PlanSizes:
 
 
 @flax.struct.dataclass
+class SparsePlan:
+    """The pruned decode rows' part of a step's plan (`AttentionPlan.sparse`): per-row block
+    budgets and the traced thresholds. The pruning's static settings are the plan backend's
+    (`AttentionBackend.pruning`)."""
+
+    budget_blocks: jax.Array  # [B] int32 blocks each row may read (all layers and KV heads)
+    page_table: jax.Array  # [B, P] int32 pages of each row's sequence
+    thresholds: PruningThresholds
+    max_kept: int = flax.struct.field(pytree_node=False)  # static width of the kept table
+    # [B] int32 flat index of each row's token in a ragged step (out of range for padding
+    # rows); None: the step's tokens are exactly the rows'.
+    slots: jax.Array | None = None
+    # [B] int32 each row's row of the cache's block mass (the engine's store rows); None: row
+    # b is row b.
+    rows: jax.Array | None = None
+    # [B] float32 the kept fraction the budgets come from, for a row whose tokens reach past
+    # its first token's page (a verifying row's drafts: runtime/steps.py `_per_token`).
+    fraction: jax.Array | None = None
+    # Rows sharing a prefix that select and read it together (etjax/pruning/groups.py);
+    # None: each row alone. Only for a step whose tokens are exactly the rows'.
+    groups: PrunedGroups | None = None
+
+
+@flax.struct.dataclass
 class AttentionPlan:
     """A step's attention work as arrays (see the module docstring). For a model with
     sliding-window layers, `local` holds the same passes listing only the key tiles within
     `window` positions of each query tile: its local layers run those (`attend(local=...)`),
-    its global layers `passes`; the shapes are the same, so one program serves both."""
+    its global layers `passes`; the shapes are the same, so one program serves both. `sparse`:
+    the pruned rows' part (None: every token attends densely), which the step adds to the
+    host's plan (a burst of pruned rows only: to a plan without passes)."""
 
     passes: tuple[TilePass, ...]
     chunk: int = flax.struct.field(pytree_node=False, default=CHUNK)
@@ -169,6 +201,7 @@ class AttentionPlan:
     window: int = flax.struct.field(pytree_node=False, default=0)
     # The last of `passes` (and of `local`, there empty) is a shared pass (cascade.py).
     shared: bool = flax.struct.field(pytree_node=False, default=False)
+    sparse: SparsePlan | None = None
 
 
 def plan_segments(
@@ -240,29 +273,8 @@ def plan_passes(
     pass (the global layers'; the local layers' is empty), whose rows' segments in `groups`
     skip them."""
 
-    def passes(
-        groups: Sequence[Sequence[Segment]], window: int, shared: Sequence[SharedPrefix]
-    ) -> tuple[TilePass, ...]:
-        built = tuple(
-            build_pass(
-                group,
-                page_size=sizes.page_size,
-                q_tile=shape.q_tile,
-                kv_tile=shape.kv_tile,
-                num_tokens=num_tokens,
-                max_tiles=shape.max_tiles,
-                max_items=shape.max_items,
-                window=window,
-            )
-            for group, shape in zip(groups, sizes.passes, strict=True)
-        )
-        shape = sizes.shared
-        if shape is None:
-            if shared:
-                raise ValueError("shared prefixes given to a plan without a shared pass")
-            return built
-        shared_pass = build_shared_pass(
-            shared,
+    def tiling(shape: PassShape) -> dict:  # a pass's static sizes, as the builders take them
+        return dict(
             page_size=sizes.page_size,
             q_tile=shape.q_tile,
             kv_tile=shape.kv_tile,
@@ -270,7 +282,19 @@ def plan_passes(
             max_tiles=shape.max_tiles,
             max_items=shape.max_items,
         )
-        return (*built, shared_pass)
+
+    def passes(
+        groups: Sequence[Sequence[Segment]], window: int, shared: Sequence[SharedPrefix]
+    ) -> tuple[TilePass, ...]:
+        built = tuple(
+            build_pass(group, window=window, **tiling(shape))
+            for group, shape in zip(groups, sizes.passes, strict=True)
+        )
+        if sizes.shared is None:
+            if shared:
+                raise ValueError("shared prefixes given to a plan without a shared pass")
+            return built
+        return (*built, build_shared_pass(shared, **tiling(sizes.shared)))
 
     return AttentionPlan(
         passes=passes(groups, 0, shared),

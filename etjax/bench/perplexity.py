@@ -15,6 +15,7 @@ do.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -97,14 +98,12 @@ def _teacher_forced(
                 kept_block_count(kept_fraction(signal, thresholds), blocks, thresholds), max_kept
             )
             sparse = SparsePlan(
-                budget_blocks=kept,
-                page_table=table,
-                thresholds=thresholds,
-                pruning=pruning,
-                max_kept=max_kept,
+                budget_blocks=kept, page_table=table, thresholds=thresholds, max_kept=max_kept
             )
+            backend = dataclasses.replace(plan.backend, pruning=pruning)
+            step_plan = plan.replace(backend=backend, sparse=sparse)
         else:
-            kept, sparse = blocks, None
+            kept, step_plan = blocks, plan
         active_k = None
         if steer is not None:
             low = (exact_entropy(logits, temperature) < steer.entropy_threshold) | forced
@@ -117,8 +116,8 @@ def _teacher_forced(
             position,
             write_pages,
             cfg,
-            plan=plan,  # under pruning, only a sliding-window model's local layers use it
-            sparse=sparse,
+            # Under pruning the passes serve only a sliding-window model's local layers.
+            plan=step_plan,
             active_k=active_k,
         )
         ran = jnp.full_like(target, k) if active_k is None else active_k

@@ -24,14 +24,14 @@ import numpy as np
 from etjax.attention import resolve_backend
 from etjax.buckets import batch_bucket, next_power_of_two
 from etjax.cache.kv_cache import copy_page, forget_row_mass, init_kv_cache
-from etjax.cache.page_allocator import pages_needed
 from etjax.calibration.ramp import shifted_thresholds
 from etjax.calibration.signal import row_params
 from etjax.constraints.matcher import ALL_TOKENS, initial_mask, mask_words
 from etjax.distributed.mesh import make_mesh
 from etjax.distributed.placement import Placement
 from etjax.drafting import forced_draft_limit
-from etjax.engine.backend import PrefillJob, RowInit
+from etjax.engine.backend import RowInit
+from etjax.engine.burst_cost import BurstCost
 from etjax.engine.row_store import (
     empty_store,
     insert_new_row,
@@ -50,12 +50,11 @@ from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
-from etjax.pruning.budget import kept_block_count
 from etjax.pruning.config import PruningThresholds
 from etjax.pruning.groups import PrunedGroups
 from etjax.runtime.footprint import check_fits
 from etjax.runtime.options import RuntimeOptions
-from etjax.runtime.state import DecodeState, StepOutputs
+from etjax.runtime.state import DecodeState
 from etjax.runtime.steps import StepStatics, decode_steps, mixed_step
 
 # How many padded row-steps a drained batch may run in a larger row bucket it already has
@@ -83,17 +82,14 @@ class DeviceBackend:
         programs are lowered and compiled for `devices`, never run (etjax/planning: devices of a
         TPU topology this host does not have); the weights are shapes, and so are the KV pool
         and the row store: nothing is allocated, nor checked against this host's memory."""
-        self.cfg, self.options = cfg, options
-        self.compile_only = compile_only
-        platform = devices[0].platform if devices else None
+        self.cfg, self.options, self.compile_only = cfg, options, compile_only
         options.experts.check_model(cfg)  # FieldError: steering a model it cannot steer
         self.vocab_size = cfg.vocab_size  # token ids the engine accepts
+        self.num_pages, self.rows = num_pages, options.resident_rows
+        self.eos_ids = eos_ids or (-1,)
+        platform = devices[0].platform if devices else None
         # The KV cache's dtype (None: the model's); "auto" resolves by platform here.
         self.kv_dtype = options.kv_cache_dtype(cfg.dtype, platform)
-        self.cost = CostModel.for_model(cfg, options.page_size, self.kv_dtype)
-        self.num_pages = num_pages
-        self.rows = options.resident_rows
-        self.eos_ids = eos_ids or (-1,)
         shape = options.mesh_shape
         # One device: nothing is placed explicitly. A mesh: weights, pages and row state are
         # sharded once here, and every program keeps those shardings (etjax/distributed).
@@ -101,35 +97,50 @@ class DeviceBackend:
         self.weights = weights
         if not compile_only:  # before allocating anything
             check_fits(cfg, num_pages, options.page_size, self.rows, kv_dtype=self.kv_dtype)
+        self._choose_steps(platform, shape.size)
+        self._allocate(weights)
+        self._start_rows()
+        self.thresholds = self._thresholds()
+        # What shapes the step programs (static); each call adds its rows' kept-table width.
+        self.statics = StepStatics(
+            cfg=cfg,
+            cost=self.cost,
+            placement=self.placement,
+            attention_backend=self.attention_backend,
+            experts=options.experts if options.experts.enabled else None,
+        )
+
+    def _choose_steps(self, platform: str | None, devices: int) -> None:
+        # What the engine's steps are, chosen once: the attention (its kernels, and whether
+        # rows prune: asked by the layout, the step programs and the layers alike,
+        # etjax/attention/backend.py), the drafts' length, the layout's sizes and the costs.
+        cfg, options = self.cfg, self.options
         self.attention_backend = resolve_backend(
-            options.attention_backend, platform, devices=shape.size
+            options.attention_backend, platform, devices, options.pruning.shape()
         )
         _check_tpu_kv_dtype(self.attention_backend, self.kv_dtype)
         # The most tokens a row drafts: speculation's, or a constrained row's forced run.
         self.max_draft = forced_draft_limit(options.speculation, options.steps_per_sync)
         # What a step's layout follows (etjax/engine/step_inputs.py).
         self.geometry = StepGeometry.for_engine(
-            cfg, options, num_pages, self.attention_backend, self.max_draft
+            cfg, options, self.num_pages, self.attention_backend, self.max_draft
         )
-        self._allocate(weights)
+        # The one cost model of this engine's model, KV dtype and pages, and what a burst
+        # reads by it (for the grouping: etjax/engine/burst_cost.py).
+        self.cost = CostModel.for_model(cfg, options.page_size, self.kv_dtype)
+        self.burst_cost = BurstCost(self.cost, self.geometry)
+
+    def _start_rows(self) -> None:
+        # The host's record of the rows: what each inserted row starts with and what the
+        # rounds so far have left behind.
         # The entropy signal's calibration each inserted row gets (a traced [1] value: engines
         # with and without one share programs; etjax/calibration/signal.py).
-        calibration = options.calibration
+        calibration = self.options.calibration
         self.calibration = row_params(1.0 if calibration is None else calibration.temperature)
         # Rows whose context is done: the logits of their last step [Sp, V] and their index.
         self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self._burst_buckets: set[int] = set()  # row buckets of the bursts run so far
         self._constrained: set[int] = set()  # rows whose requests have a grammar
-        self.thresholds = self._thresholds()
-        # What shapes the step programs (static); each call adds its rows' kept-table width.
-        self.statics = StepStatics(
-            cfg=cfg,
-            cost=self.cost,
-            pruning=options.pruning.shape(),
-            placement=self.placement,
-            attention_backend=self.attention_backend,
-            experts=options.experts if options.experts.enabled else None,
-        )
 
     def _allocate(self, weights: Weights) -> None:
         # The KV pool and the row store (shapes only when compile-only), and on a mesh the
@@ -137,7 +148,7 @@ class DeviceBackend:
         cfg, options, placement = self.cfg, self.options, self.placement
         # Pruning that ranks blocks by the mass they drew remembers it per store row (the pad
         # row included) and block of the pruned table; nothing else reads it.
-        by_mass = options.pruning.enabled and options.pruning.ranks_by_mass
+        by_mass = self.attention_backend.prunes and options.pruning.ranks_by_mass
         allocate = jax.eval_shape if self.compile_only else (lambda make: make())
         self.cache = allocate(
             functools.partial(
@@ -178,23 +189,12 @@ class DeviceBackend:
 
     # One ragged step ------------------------------------------------------------------------
 
-    def mixed(
-        self,
-        rows: list[int],
-        pages: list[list[int]],
-        lengths: list[int],
-        budgets: list[float],
-        jobs: list[PrefillJob],
-        drafts: list[list[int]] | None = None,
-    ) -> tuple[StepOutputs, np.ndarray, list[tuple[float, float]], list[np.ndarray | None]]:
-        """One step: each row of `rows` (with its pages, cached length and budget fraction)
-        decodes one token, and each job appends its chunk. Returns the rows' outputs
-        [steps, len(rows)], their budget fractions, the (FLOPs, bytes) of each job, and the
-        log-probabilities of each job's `targets` (None without); a job's logits are kept
-        for `insert`. Under pruning the rows read only their kept blocks.
-        With speculation on, or forced tokens for constrained rows (etjax/drafting/forced.py),
-        `drafts[j]` (at most `self.max_draft` tokens) run after row j's token and are
-        verified; the outputs then have 1 + max_draft steps, emitted where committed."""
+    def mixed(self, rows, pages, lengths, budgets, jobs, drafts=None):
+        """`Backend.mixed` (its arguments and results): one ragged step, each row of `rows`
+        decoding a token and each job appending its chunk; a job's logits are kept for
+        `insert`. Under pruning the rows read only their kept blocks. `drafts[j]` (at most
+        `self.max_draft` tokens: speculation's, or a constrained row's forced ones,
+        etjax/drafting/forced.py) run after row j's token and are verified."""
         step, arguments = self.mixed_arguments(rows, pages, lengths, budgets, jobs, drafts)
         self.store, self.cache, out, logits, target_logprobs = mixed_step(**arguments)
         for j, job in enumerate(jobs):
@@ -215,38 +215,32 @@ class DeviceBackend:
         return out, budget, costs, spans
 
     def mixed_arguments(
-        self,
-        rows: list[int],
-        pages: list[list[int]],
-        lengths: list[int],
-        budgets: list[float],
-        jobs: list[PrefillJob],
-        drafts: list[list[int]] | None = None,
+        self, rows, pages, lengths, budgets, jobs, drafts=None
     ) -> tuple[MixedInputs, dict]:
-        """The layout of `mixed`'s step and the keyword arguments it calls `mixed_step` with
-        (what etjax/planning lowers)."""
+        """The layout of `mixed`'s step (its arguments as `Backend.mixed` takes them) and the
+        keyword arguments it calls `mixed_step` with (what etjax/planning lowers)."""
         drafts = drafts or [[] for _ in rows]
+        speculating = self.options.speculation.enabled
         step = mixed_inputs(
-            self.geometry,
-            rows,
-            pages,
-            lengths,
-            budgets,
-            jobs,
-            drafts,
-            speculating=self.options.speculation.enabled,
+            self.geometry, rows, pages, lengths, budgets, jobs, drafts, speculating=speculating
         )
-        return step, dict(
+        own = dict(
+            batch=step.batch, plan=step.plan, page_table=step.page_table, max_draft=step.max_draft
+        )
+        return step, self._program_arguments(rows, step, own)
+
+    def _program_arguments(self, rows: list[int], step, own: dict) -> dict:
+        # A step program's keyword arguments: the device's weights, pool, store and
+        # thresholds, the step's store rows and the call's statics (`step`: its
+        # MixedInputs or BurstInputs), and the program's `own`.
+        return dict(
             weights=self.weights,
             cache=self.cache,
             store=self.store,
             rows=step.rows,
-            batch=step.batch,
-            plan=step.plan,
-            page_table=step.page_table,
             thresholds=self.thresholds,
             statics=self._statics(rows, step.max_kept),
-            max_draft=step.max_draft,
+            **own,
         )
 
     def mixed_width(self, num_rows: int, prefilling: bool) -> int:
@@ -320,45 +314,16 @@ class DeviceBackend:
     # Decode -----------------------------------------------------------------------------
 
     def row_width(self, length: int, budget: float) -> int:
-        """Blocks a row of `length` tokens with budget fraction `budget` reads in a burst: its
-        pages, or under pruning the blocks its budget keeps (what pads a burst's tables)."""
-        opts = self.options
-        blocks = pages_needed(length + opts.steps_per_sync, opts.page_size)
-        if not opts.pruning.enabled:
-            return blocks
-        return int(kept_block_count(np.float32(budget), blocks, opts.pruning, xp=np))
+        """`BurstCost.row_width` of this engine (`self.burst_cost`)."""
+        return self.burst_cost.row_width(length, budget)
 
     def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
-        """Estimated bytes one step of a burst over these rows reads: the weights once, then
-        dense, each row's own pages (the ragged attention reads no padding, so splitting a
-        batch never pays); pruned, the kept blocks (each row's own count where the backend's
-        kernel loops per row, else every padded row up to the largest count: the kernels stop
-        there, not at the padded table's width), plus the per-page key bounds the selection
-        scores (each row's own pages on the C++ scorer, else every padded row up to the
-        longest row's pages)."""
-        opts, cfg, cost, backend = self.options, self.cfg, self.cost, self.attention_backend
-        pages = [pages_needed(n + opts.steps_per_sync, opts.page_size) for n in lengths]
-        if not opts.pruning.enabled:
-            return cost.weight_bytes + sum(pages) * opts.page_size * cost.kv_bytes_per_key
-        num = batch_bucket(len(lengths))
-        widths = [self.row_width(n, b) for n, b in zip(lengths, budgets, strict=True)]
-        read = sum(widths) if backend.sparse_reads_own_count else num * max(widths)
-        bounds = sum(pages) if backend.scores_own_pages else num * max(pages)
-        scored = bounds * 2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-        return cost.weight_bytes + read * opts.page_size * cost.kv_bytes_per_key + scored
+        """`BurstCost.burst_bytes` of this engine (`self.burst_cost`)."""
+        return self.burst_cost.burst_bytes(lengths, budgets)
 
-    def decode(
-        self,
-        rows: list[int],
-        pages: list[list[int]],
-        lengths: list[int],
-        budgets: list[float],
-        tokens_left: int | None = None,
-    ) -> tuple[StepOutputs, np.ndarray, np.ndarray]:
-        """Run `steps_per_sync` steps on `rows`; returns the outputs [K, len(rows)], each
-        row's budget fraction for its next step and the blocks per step its shared prefix
-        spared it (`blocks_read_for_others`; host arrays). `tokens_left`: the most tokens a
-        row may still produce, for the choice of the burst's row bucket (`burst_rows`)."""
+    def decode(self, rows, pages, lengths, budgets, tokens_left=None):
+        """`Backend.decode` (its arguments and results): `steps_per_sync` steps on `rows`.
+        `tokens_left` chooses the burst's row bucket (`burst_rows`)."""
         num = self.burst_rows(len(rows), tokens_left)
         burst, arguments = self.burst_arguments(rows, pages, lengths, budgets, num)
         self.store, self.cache, out = decode_steps(**arguments)
@@ -369,31 +334,20 @@ class DeviceBackend:
             spared = out.spared_blocks
         return out, np.asarray(budget)[burst.rows[: len(rows)]], spared
 
-    def burst_arguments(
-        self,
-        rows: list[int],
-        pages: list[list[int]],
-        lengths: list[int],
-        budgets: list[float],
-        num: int,
-    ) -> tuple[BurstInputs, dict]:
-        """The layout of a burst over `rows` padded to `num` rows and the keyword arguments
-        `decode` calls `decode_steps` with (what etjax/planning lowers)."""
+    def burst_arguments(self, rows, pages, lengths, budgets, num: int) -> tuple[BurstInputs, dict]:
+        """The layout of a burst over `rows` (with their `pages`, `lengths` and `budgets` as
+        `Backend.decode` takes them) padded to `num` rows, and the keyword arguments `decode`
+        calls `decode_steps` with (what etjax/planning lowers)."""
         burst = burst_inputs(self.geometry, rows, pages, lengths, budgets, num)
         groups = burst.groups and PrunedGroups(*(jnp.asarray(x) for x in burst.groups))
-        return burst, dict(
-            weights=self.weights,
-            cache=self.cache,
-            store=self.store,
-            rows=burst.rows,
+        own = dict(
             page_table=burst.page_table,
             page_base=burst.page_base,
             plan=burst.plan,
-            thresholds=self.thresholds,
-            statics=self._statics(rows, burst.max_kept),
             num_steps=self.options.steps_per_sync,
             groups=groups,
         )
+        return burst, self._program_arguments(rows, burst, own)
 
     def burst_rows(self, num_rows: int, tokens_left: int | None) -> int:
         """The padded rows of a burst over `num_rows` rows: their own bucket, or, when the

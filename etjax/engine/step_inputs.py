@@ -59,9 +59,17 @@ class StepGeometry:
     steps_per_sync: int  # decode steps in one burst
     max_draft: int  # the most tokens a row drafts (speculation or forced tokens); 0: none
     prefix_cache: bool  # rows may hold the same pages
-    pruning: PruningConfig
-    backend: AttentionBackend
+    pruning: PruningConfig  # its numbers, for the kept tables' widths
+    backend: AttentionBackend  # the kernels, and whether rows prune (`backend.prunes`)
     window: int  # the model's sliding window (0: none)
+
+    def __post_init__(self) -> None:
+        if self.pruning.enabled != self.backend.prunes:
+            raise ValueError(
+                f"pruning.enabled={self.pruning.enabled} with a backend that "
+                f"{'prunes' if self.backend.prunes else 'does not prune'}: resolve the "
+                "backend with the pruning's shape (resolve_backend(..., pruning=...))"
+            )
 
     @classmethod
     def for_engine(
@@ -181,7 +189,7 @@ def mixed_inputs(
         flat.add_chunk(job)
     plan = _mixed_plan(g, flat, num_tokens, width, max_draft, bool(jobs))
     table, max_kept = None, 0
-    if g.pruning.enabled:
+    if g.backend.prunes:
         reach = [n + 1 + len(d) for n, d in zip(lengths, drafts, strict=True)]
         table, max_kept = g.pruned_tables(pages, reach, budgets, width)
     return MixedInputs(flat.index, flat.batch(), plan, table, max_kept, max_draft, row_tokens)
@@ -206,7 +214,7 @@ class _FlatLayout:
     the next slots; and each one's attention segment, by the pass group it belongs to."""
 
     def __init__(self, g: StepGeometry, num_tokens: int, width: int, prefilling: bool) -> None:
-        self.page_size, self.pruned = g.page_size, g.pruning.enabled
+        self.page_size, self.pruned = g.page_size, g.backend.prunes
         self.tokens = np.zeros(num_tokens, np.int32)
         self.positions = np.zeros(num_tokens, np.int32)
         self.write_pages = np.zeros(num_tokens, np.int32)  # padding writes to the null page
@@ -324,7 +332,7 @@ def burst_inputs(
         for j, (n, p) in enumerate(zip(lengths, pages, strict=True))
     ]
     base = np.zeros(num, np.int32)
-    if g.pruning.enabled:
+    if g.backend.prunes:
         sizes = g.decode_sizes(num)
         table, max_kept = g.pruned_tables(pages, [n + k for n in lengths], budgets, num)
         plan = None

@@ -47,6 +47,9 @@ class CostModel:
     weight_bytes: float
     kv_bytes_per_key: float
     page_size: int
+    # A page's key bounds, which pruned steps score (a float32 minimum and maximum per
+    # dimension, layer and KV head): what a burst's estimate counts (etjax/engine/burst_cost.py).
+    bound_bytes_per_page: float = 0.0
     # Sliding-window layers: how many of the model's layers, and the keys of the whole pages
     # a window can span (it starts mid-page), the most any of them reads.
     num_layers: int = 1
@@ -81,6 +84,7 @@ class CostModel:
             weight_bytes=float((parameter_count(cfg) - unread) * itemsize),
             kv_bytes_per_key=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize,
             page_size=page_size,
+            bound_bytes_per_page=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
             num_layers=cfg.num_layers,
             num_local_layers=len(cfg.local_layers),
             window_keys=float((-(-cfg.attention_window // page_size) + 1) * page_size),

@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from etjax.attention import AttentionPlan, SparsePlan, attend_layer, check_plans
+from etjax.attention import AttentionPlan, attend_layer, check_plans
 from etjax.cache.kv_cache import KVCache, cache_from_pool, page_pool, write_kv
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
@@ -41,7 +41,6 @@ def forward(
     write_pages: jax.Array,
     cfg: ModelConfig,
     plan: AttentionPlan | None = None,
-    sparse: SparsePlan | None = None,
     active_k: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the decoder over a flat batch of new tokens, appending their keys and values.
@@ -51,14 +50,14 @@ def forward(
       positions: [T] int32 absolute positions.
       write_pages: [T] int32 the page each token's key and value go to; the null page for
         padding tokens, which are computed but neither cached nor meaningful.
-      plan: what each token attends to (etjax/attention/plan.py), for dense attention.
-      sparse: for decode tokens (one per row of `sparse.page_table`, at the flat indices
-        `sparse.slots`, or every token when that is None): attend per layer only to the blocks
-        the budget keeps, chosen by query-aware key bounds (etjax/pruning). With a plan too
-        (a ragged step under pruning), the plan's tokens attend densely and the rows' tokens
-        take the pruned path; the plan lists no items for them. Pruning applies to global
-        layers only: a sliding-window layer already reads at most its window, and reads it
-        whole, the rows' tokens included (the plan's local passes list them).
+      plan: what each token attends to (etjax/attention/plan.py); required. Its `sparse`
+        part, under pruning, holds decode tokens (one per row of `sparse.page_table`, at the
+        flat indices `sparse.slots`, or every token when that is None) that attend per layer
+        only to the blocks the budget keeps, chosen by query-aware key bounds (etjax/pruning);
+        the plan's passes hold the other tokens (a ragged step's chunks), which attend
+        densely, and list no items for the rows. Pruning applies to global layers only: a
+        sliding-window layer already reads at most its window, and reads it whole, the rows'
+        tokens included (the plan's local passes list them).
       active_k: [T] int32 in 1..num_experts_per_tok, the routed experts each token runs in
         every sparse layer (entropy-steered experts, etjax/experts); None: all k. A model
         without routed experts refuses it.
@@ -66,9 +65,7 @@ def forward(
     Returns:
       hidden: [T, D] final-normed hidden states in the model dtype, and the updated cache.
     """
-    check_plans(
-        plan, sparse, cfg.attention_window, cfg.attn_logit_softcapping, bool(cfg.local_layers)
-    )
+    check_plans(plan, cfg.attention_window, cfg.attn_logit_softcapping)
     if active_k is not None and not cfg.num_experts:
         raise ValueError(f"active_k given for a model without routed experts ({cfg.architecture})")
     # What a layer computes around attention is its family's (etjax/model/families/).
@@ -127,7 +124,6 @@ def forward(
             positions,
             write_pages,
             plan,
-            sparse,
             local,
             cfg.attn_logit_softcapping,
         )

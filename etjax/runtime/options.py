@@ -96,6 +96,11 @@ class RuntimeOptions:
     experts: ExpertConfig = field(default_factory=ExpertConfig)
 
     def __post_init__(self) -> None:
+        self._check_values()
+        self._check_together()
+
+    def _check_values(self) -> None:
+        # Each field on its own: its type and range (FieldError naming it).
         if not isinstance(self.prefix_cache, bool):
             raise FieldError("prefix_cache", self.prefix_cache, "true or false")
         if self.kv_dtype not in KV_DTYPES:
@@ -124,6 +129,9 @@ class RuntimeOptions:
             raise FieldError(
                 "attention_backend", self.attention_backend, f"one of {ATTENTION_BACKENDS}"
             )
+
+    def _check_together(self) -> None:
+        # What the sizes must be against each other and the engine's limits.
         if self.page_size > MAX_PAGE_SIZE:
             raise FieldError(
                 "page_size",

@@ -38,7 +38,7 @@ from etjax.model.products import row_products
 from etjax.model.transformer import forward, logits_from_hidden
 from etjax.model.weights import Weights
 from etjax.pruning.budget import budget_entropy, kept_block_count, kept_fraction
-from etjax.pruning.config import PruningConfig, PruningShape, PruningThresholds
+from etjax.pruning.config import PruningThresholds
 from etjax.pruning.groups import PrunedGroups, grouped_blocks
 from etjax.runtime.commit import commit_tokens, draw_rows, finishes
 from etjax.runtime.rollback import retract_rejected
@@ -46,8 +46,6 @@ from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.target_logprobs import target_logprobs
 from etjax.runtime.token_mask import collect_masks, start_masks
 from etjax.runtime.verify import accept_drafts
-
-DENSE = PruningConfig().shape()  # pruning disabled: every block of the context is read
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +56,11 @@ class StepStatics:
 
     cfg: ModelConfig
     cost: CostModel
-    pruning: PruningShape = DENSE  # the pruning's shape; its thresholds are traced
     max_kept: int = 0  # under pruning, the blocks a row's token may read per layer, at most
     placement: Placement | None = None  # the mesh the arrays keep, or None on one device
-    attention_backend: AttentionBackend = XLA  # its kernels (etjax/attention/backend.py)
+    # Its attention kernels, and whether and how decode rows prune (`prunes`; the pruning's
+    # thresholds are traced): etjax/attention/backend.py.
+    attention_backend: AttentionBackend = XLA
     # Rows of the call are constrained: at most this many (a power of two; 0: none). Each
     # step masks their logits by their allowed tokens and asks the host for the next masks
     # (etjax/runtime/token_mask.py). Calls without one compile and run programs with none
@@ -115,12 +114,12 @@ def mixed_step(
     Bm] (emitted where committed); the page bounds forget the rejected keys
     (etjax/runtime/rollback.py).
 
-    Dense, `plan` holds every token's attention work. With `statics.pruning.enabled`, the
-    rows' tokens attend to the blocks their budgets keep under `thresholds` (traced: engines
-    differing in them share the program), scored over their whole page tables `page_table`
-    [Bm, W], and `plan` holds the chunks' work (and, on a model with sliding-window layers,
-    every row token's local layers). A verifying row's drafts are pruned too, each as a plain
-    pruned step at its position (`_per_token`).
+    Dense, `plan` holds every token's attention work. Where `statics.attention_backend`
+    prunes, the rows' tokens attend to the blocks their budgets keep under `thresholds`
+    (traced: engines differing in them share the program), scored over their whole page
+    tables `page_table` [Bm, W], and `plan` holds the chunks' work (and, on a model with
+    sliding-window layers, every row token's local layers). A verifying row's drafts are
+    pruned too, each as a plain pruned step at its position (`_per_token`).
     Returns the store, the cache, the rows' outputs [1, Bm], float32 logits [Sp, V] after
     each prefill sequence's last token, and float32 [T] the log-probability of
     `batch.targets` after each token (0 where there is none).
@@ -182,8 +181,7 @@ def _run_ragged(
         batch.positions,
         write_pages,
         statics.cfg,
-        plan=plan,
-        sparse=sparse,
+        plan=_attention(plan, sparse, statics),
         active_k=active_k,
     )
     rows_hidden = hidden.at[row_slots].get(mode="fill", fill_value=0)
@@ -212,7 +210,7 @@ def _verify_drafts(
     fraction = state.entropy.budget  # the kept fraction the rows' tokens read with
     drafts = batch.tokens.at[row_slots[:, 1:]].get(mode="fill", fill_value=0)
     reads = None
-    if statics.pruning.enabled:  # the drafts read their own kept blocks (_per_token)
+    if statics.attention_backend.prunes:  # the drafts read their own kept blocks (_per_token)
 
         def reads(num_blocks):
             return fraction, _kept(fraction, num_blocks, thresholds, statics.max_kept)
@@ -313,7 +311,7 @@ def decode_steps(
     each row from logical page `page_base` [B] on: under pruning the whole table (base 0), for
     the block selection; dense, just the pages the burst writes to. A row finishes when it
     samples an eos id (unless `stop_on_eos` is off) or reaches its `max_new_tokens`; a
-    finished row is not run again. With `statics.pruning.enabled`, the forward pass of a
+    finished row is not run again. Where `statics.attention_backend` prunes, the pass of a
     token reads at most `statics.max_kept` blocks per layer (and KV head), and as many as
     `thresholds` and the entropy of the distribution the token was drawn from allows (the
     budget of step t comes from what step t - 1 computed). `plan`: the dense attention work
@@ -366,8 +364,7 @@ def _run_burst(weights, cache, state, page_base, plan, statics, tokens, runs, sp
             state.lengths,
             write_pages,
             cfg,
-            plan=plan,
-            sparse=sparse,
+            plan=_attention(plan, sparse, statics),
             active_k=row_k,
         )
 
@@ -378,6 +375,14 @@ def _run_burst(weights, cache, state, page_base, plan, statics, tokens, runs, sp
     # a batch's last row ends), its remaining steps skip the model.
     hidden, cache_after = jax.lax.cond(jnp.any(runs), run, idle)
     return hidden, cache_after, None
+
+
+def _attention(plan, sparse, statics):
+    # The plan the model attends with: the host's (None: a burst of pruned rows only, with no
+    # dense work) holding the rows' pruned part (None dense).
+    if plan is None:
+        plan = AttentionPlan(passes=(), backend=statics.attention_backend)
+    return plan.replace(sparse=sparse)
 
 
 def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying=None, groups=None):
@@ -429,12 +434,12 @@ def _budget(state, statics, thresholds, raw_logits, info, num_blocks, rows, grou
     # What the rows' tokens read: their kept fraction [B], kept blocks [B] (num_blocks [B]
     # dense), the SparsePlan of their pass (None dense) and, with `groups`, the blocks the
     # group read for each row [B] (None otherwise).
-    pruning, max_kept = statics.pruning, statics.max_kept
-    if not pruning.enabled:
+    backend, max_kept = statics.attention_backend, statics.max_kept
+    if not backend.prunes:
         return jnp.ones_like(info.model_entropy), num_blocks, None, None
     # The calibrated signal (the model entropy itself without a calibration).
     signal = budget_entropy(
-        raw_logits, info.calibrated_entropy, pruning, state.calibration.temperature
+        raw_logits, info.calibrated_entropy, backend.pruning, state.calibration.temperature
     )
     fraction = kept_fraction(signal, thresholds)
     kept = _kept(fraction, num_blocks, thresholds, max_kept)
@@ -443,9 +448,7 @@ def _budget(state, statics, thresholds, raw_logits, info, num_blocks, rows, grou
         page_table=state.page_table,
         rows=rows,
         thresholds=thresholds,
-        pruning=pruning,
         max_kept=max_kept,
-        backend=statics.attention_backend,
         fraction=fraction,
         groups=groups,
     )
