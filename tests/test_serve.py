@@ -443,9 +443,9 @@ def test_bridge_cancellation_frees_pages_and_a_late_request_times_out():
         bridge.cancel(long)
         for _ in range(100):
             await asyncio.sleep(0.02)
-            if metrics.value("etjax_kv_pages_used") == 0 and bridge.in_flight == 0:
+            if engine.stats().kv_pages_used == 0 and bridge.in_flight == 0:
                 break
-        assert metrics.value("etjax_kv_pages_used") == 0 and bridge.in_flight == 0
+        assert engine.stats().kv_pages_used == 0 and bridge.in_flight == 0
         bridge.request_timeout = 0.0
         late = bridge.open(_mock_request(2, 200))
         events = [await late.events.get() for _ in range(2)]
@@ -477,10 +477,10 @@ def test_a_failing_engine_thread_fails_its_requests_and_refuses_new_ones():
     engine, _ = mock_engine(batch=2, resident=2)
     bridge = EngineBridge(engine, Metrics(), max_waiting=4, request_timeout=60)
 
-    def bug() -> None:
+    def bug(ticket, now) -> None:
         raise RuntimeError("a bug in the loop")
 
-    bridge._publish_gauges = bug  # the first round's end raises
+    bridge._deliver = bug  # the first round's end raises
     bridge.start()
 
     async def run() -> None:

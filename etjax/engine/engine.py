@@ -35,6 +35,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -72,11 +73,51 @@ from etjax.tokenizer import IncrementalDetokenizer, Tokenizer
 FEED_PER_ROW = 4  # see Engine.feed_window
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load, as of its last round or submission (`Engine.stats`). Requests:
+    `waiting` (queued or preempted, not cancelled), `prefilling` (admitted, context being
+    cached), `running` (resident, decoding). KV pages: `kv_pages_used` (held by live
+    requests), `kv_pages_free` (what an allocation can get: free pages and cached pages
+    nobody holds), `kv_pages_total` (the pool, its null page aside). Counters since the
+    engine was built: requests submitted and finished (cancelled ones included), tokens
+    generated (those of cancelled requests included), preemptions, rounds and model passes."""
+
+    waiting: int = 0
+    prefilling: int = 0
+    running: int = 0
+    kv_pages_used: int = 0
+    kv_pages_free: int = 0
+    kv_pages_total: int = 0
+    submitted: int = 0
+    finished: int = 0
+    tokens_generated: int = 0
+    preemptions: int = 0
+    rounds: int = 0
+    model_passes: int = 0
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """A request's output since its handle's previous `delta()`: the text and tokens, each
+    new token's top log-probabilities (None unless asked) and trace values (TRACE_FIELDS ->
+    one value per new token; the sampled token's `logprob` among them); `finish_reason` is
+    set on the last delta only ("eos", "stop", "length", "cancelled" or "error")."""
+
+    text: str
+    token_ids: list[int]
+    top_logprobs: list[list[tuple[int, float]]] | None
+    trace: dict[str, list[float]]
+    finish_reason: str | None = None
+
+
 class RequestHandle:
     """A submitted request: iterate it for its text as it is produced, or wait for `result`."""
 
     def __init__(self, engine: Engine, seq: Sequence) -> None:
         self._engine, self._seq = engine, seq
+        self._delivered = 0  # tokens `delta` handed over so far
+        self._closed = False  # `delta` handed over the last one
 
     def __iter__(self) -> Iterator[str]:
         seq = self._seq
@@ -97,6 +138,27 @@ class RequestHandle:
         """Text produced since the last call, without running the engine."""
         pieces, self._seq.pending_text[:] = list(self._seq.pending_text), []
         return pieces
+
+    def delta(self) -> OutputDelta | None:
+        """What the request produced since the last call, without running the engine (what
+        a stream sends after each round); None when nothing is new. The text is `drain`'s:
+        use one or the other. The last delta carries the finish reason; None after it."""
+        seq, out = self._seq, self._seq.output
+        if self._closed:
+            return None
+        start, end = self._delivered, len(out.token_ids)
+        text = "".join(self.drain())
+        if end == start and not text and not seq.finished:
+            return None
+        self._delivered, self._closed = end, seq.finished
+        tops = out.top_logprobs
+        return OutputDelta(
+            text=text,
+            token_ids=out.token_ids[start:end],
+            top_logprobs=None if tops is None else [list(p) for p in tops[start:end]],
+            trace={name: getattr(out, name)[start:end] for name in TRACE_FIELDS},
+            finish_reason=out.finish_reason if seq.finished else None,
+        )
 
     def cancel(self) -> None:
         """Stop generating; the pages are released at the next round."""
@@ -153,10 +215,15 @@ class Engine:
         self.model_passes = 0  # model passes that gave decoding rows tokens (weights read)
         self.host_seconds = 0.0  # scheduler and collection time, excluding device calls
         self.device_seconds = 0.0
+        self.finished = 0  # requests finished, cancelled ones included
+        self.tokens_generated = 0
+        self.preemptions = 0
+        self._stats = EngineStats()
         # How the engine's lookup drafts fared so far, all sequences pooled: where a new
         # sequence's own estimate starts (etjax/drafting/rule.py, "Where an estimate starts").
         self.draft_pool = DraftHistory(options.speculation.acceptance_prior)
         self.step_costs = step_costs
+        self._publish_stats()
 
     # Submission -------------------------------------------------------------------------
 
@@ -173,6 +240,17 @@ class Engine:
         than the pool) raises `RequestError` here, before it can reach a round: the engine and
         every other request go on as if it had never been submitted. (`RequestSettings` checks
         its own fields, max_new_tokens >= 1 among them, when it is made.)"""
+        prompt = self._checked_prompt(prompt)
+        self._check_pool_fits(len(prompt), settings)
+        seq = self._new_sequence(prompt, settings, priority, arrival_time)
+        seq.waiting_since = self.round
+        self.submitted += 1
+        self.live.append(seq)
+        self._publish_stats()
+        return RequestHandle(self, seq)
+
+    def _checked_prompt(self, prompt: Seq[int]) -> list[int]:
+        # The prompt as a list of token ids in the vocabulary (RequestError otherwise).
         prompt = list(prompt)
         if not prompt:
             raise RequestError("the prompt has no tokens; a request needs at least one")
@@ -184,16 +262,29 @@ class Engine:
                 raise RequestError(
                     f"prompt token {i} is {token}; token ids must be in [0, {vocab})"
                 )
-        # Its last burst starts with one token to go and reserves pages for a whole burst.
+        return prompt
+
+    def _check_pool_fits(self, prompt_tokens: int, settings: RequestSettings) -> None:
+        # RequestError for a request the whole pool could never hold. Its last burst starts
+        # with one token to go and reserves pages for a whole burst.
         sps = self.options.steps_per_sync
-        most = len(prompt) + settings.max_new_tokens - 1 + sps
+        most = prompt_tokens + settings.max_new_tokens - 1 + sps
         need = pages_needed(most, self.options.page_size)
         if need > self.page_cache.num_pages - 1:
             raise RequestError(
-                f"prompt of {len(prompt)} tokens + max_new_tokens={settings.max_new_tokens} "
+                f"prompt of {prompt_tokens} tokens + max_new_tokens={settings.max_new_tokens} "
                 f"needs {need} KV pages (with a burst of steps_per_sync={sps} to spare); "
                 f"the pool has {self.page_cache.num_pages - 1}"
             )
+
+    def _new_sequence(
+        self,
+        prompt: list[int],
+        settings: RequestSettings,
+        priority: float,
+        arrival_time: float | None,
+    ) -> Sequence:
+        # The host's record of a checked request, its constraint's matcher registered.
         seq = Sequence(
             order=self.submitted,
             prompt=prompt,
@@ -214,10 +305,7 @@ class Engine:
             seq.grammar = register_grammar(
                 *settings.constraint, self.tokenizer, self.backend.vocab_size
             )
-        seq.waiting_since = self.round
-        self.submitted += 1
-        self.live.append(seq)
-        return RequestHandle(self, seq)
+        return seq
 
     def generate(
         self,
@@ -297,6 +385,7 @@ class Engine:
         self.round += 1
         self.device_seconds += device
         self.host_seconds += time.perf_counter() - started - device
+        self._publish_stats()
         return bool(self.live)
 
     def _pick_batch(self, running: list[Sequence]) -> list[Sequence]:
@@ -592,6 +681,7 @@ class Engine:
         self._release(seq)
         seq.status, seq.prefilled = Status.WAITING, 0
         seq.preemptions += 1
+        self.preemptions += 1
         seq.waiting_since = self.round
 
     def _release(self, seq: Sequence) -> None:
@@ -691,6 +781,7 @@ class Engine:
                 if not seq.accept(int(out.tokens[k, j]), trace, finish):
                     break
             self.policy.observe(seq, produced)
+            self.tokens_generated += produced
             if seq.output.finish_reason:
                 self._release(seq)
                 seq.close()
@@ -702,6 +793,7 @@ class Engine:
         if seq.grammar >= 0:
             release_grammar(seq.grammar)
         seq.finish_time, seq.finish_round = now, self.round
+        self.finished += 1
         out, n = seq.output, len(seq.output.token_ids)
         out.metrics = {
             "arrival_time": seq.arrival_time,
@@ -751,6 +843,36 @@ class Engine:
     def pages_in_use(self) -> int:
         """Pages live sequences hold (cached pages nobody holds are not in use)."""
         return self.page_cache.num_held
+
+    def stats(self) -> EngineStats:
+        """The engine's load as of its last round or submission. Safe from any thread
+        without a lock: the engine thread builds a new snapshot and swaps it in whole."""
+        return self._stats
+
+    def _publish_stats(self) -> None:
+        waiting = prefilling = running = 0
+        for seq in self.live:
+            if seq.status is Status.RUNNING:
+                running += 1
+            elif seq.status is Status.PREFILLING:
+                prefilling += 1
+            elif seq.status is Status.WAITING and not seq.cancelled:
+                waiting += 1
+        cache = self.page_cache
+        self._stats = EngineStats(
+            waiting=waiting,
+            prefilling=prefilling,
+            running=running,
+            kv_pages_used=cache.num_held,
+            kv_pages_free=cache.num_free,
+            kv_pages_total=cache.num_pages - 1,
+            submitted=self.submitted,
+            finished=self.finished,
+            tokens_generated=self.tokens_generated,
+            preemptions=self.preemptions,
+            rounds=self.round,
+            model_passes=self.model_passes,
+        )
 
 
 def _check_constraint(seq: Sequence) -> None:

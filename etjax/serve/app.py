@@ -32,6 +32,7 @@ from etjax.request_checks import tokenize_prompt
 from etjax.serve.body import json_object, read_body
 from etjax.serve.bridge import EngineBridge, Failure, Ticket
 from etjax.serve.errors import ApiError, json_bytes, json_response
+from etjax.serve.metrics import engine_values
 from etjax.serve.responses import Shape
 from etjax.serve.state import READY, ServerState
 
@@ -239,7 +240,10 @@ async def _health(request: Request) -> Response:
 
 
 async def _metrics(request: Request) -> Response:
+    # The engine's gauges and counters from its last snapshot: no wait for a round.
     state = _state(request)
+    if state.bridge is not None:
+        state.metrics.set(**engine_values(state.bridge.engine.stats()))
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

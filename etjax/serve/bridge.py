@@ -25,10 +25,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from etjax.engine.engine import Engine, RequestHandle
-from etjax.engine.sequence import Status
+from etjax.engine.engine import Engine, OutputDelta, RequestHandle
 from etjax.errors import RequestError
-from etjax.runtime.options import DRAFT_COUNTS, TRACE_FIELDS, SequenceOutput
+from etjax.runtime.options import DRAFT_COUNTS, SequenceOutput
 from etjax.serve.body import ServeRequest
 from etjax.serve.errors import ApiError
 from etjax.serve.metrics import Metrics
@@ -46,7 +45,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]] | None
-    trace: dict[str, list[float]]  # TRACE_FIELDS -> the new tokens' values
+    trace: dict[str, list[float]]  # a trace field (TRACE_FIELDS) -> the new tokens' values
     finish_reason: str | None = None
     output: SequenceOutput | None = None
 
@@ -70,7 +69,6 @@ class Ticket:
     arrival: float
     deadline: float
     handles: list[RequestHandle] = field(default_factory=list)
-    sent: list[int] = field(default_factory=list)  # tokens handed over, per sample
     last_time: list[float | None] = field(default_factory=list)  # of each sample's last token
     done: list[bool] = field(default_factory=list)
 
@@ -166,7 +164,6 @@ class EngineBridge:
                 now = time.monotonic()
                 for ticket in list(self._tickets):
                     self._deliver(ticket, now)
-                self._publish_gauges()
         except Exception:  # a bug in this loop: nothing would answer again, so say so
             log.exception("the engine thread failed; the server answers 503 from now on")
             with self._lock:
@@ -216,7 +213,7 @@ class EngineBridge:
             self.metrics.outcome("error")
             return
         n = ticket.samples
-        ticket.sent, ticket.last_time, ticket.done = [0] * n, [None] * n, [False] * n
+        ticket.last_time, ticket.done = [None] * n, [False] * n
         self._tickets.append(ticket)
         self.metrics.add(prompt_tokens=len(request.prompt_ids))
         self._send(ticket, [])  # accepted: the server may answer 200 now
@@ -235,7 +232,7 @@ class EngineBridge:
         self.metrics.observe("step_seconds", time.perf_counter() - started)
 
     def _deliver(self, ticket: Ticket, now: float) -> None:
-        # Each sample's new text and tokens since the last round, as copies.
+        # Each sample's new output since the last round (the handles' deltas: copies).
         if now > ticket.deadline:
             seconds = self.request_timeout
             self._fail(
@@ -244,20 +241,15 @@ class EngineBridge:
             return
         deltas = []
         for i, handle in enumerate(ticket.handles):
-            if ticket.done[i]:
+            new = None if ticket.done[i] else handle.delta()
+            if new is None:
                 continue
-            out = handle.output
-            start, end = ticket.sent[i], len(out.token_ids)
-            text = "".join(handle.drain())
-            finished = handle.done
-            if end == start and not text and not finished:
-                continue
-            deltas.append(_delta(i, out, start, end, text, finished))
-            self._time_tokens(ticket, i, end - start, now)
-            ticket.sent[i] = end
+            finished = new.finish_reason is not None
+            deltas.append(_delta(i, new, handle.output if finished else None))
+            self._time_tokens(ticket, i, len(new.token_ids), now)
             if finished:
                 ticket.done[i] = True
-                self._finished_sample(ticket, out, now)
+                self._finished_sample(ticket, handle.output, now)
         if deltas:
             self._send(ticket, deltas)
         if all(ticket.done):
@@ -285,7 +277,6 @@ class EngineBridge:
         page = self.engine.options.page_size
         self.metrics.observe("e2e_request_latency_seconds", now - ticket.arrival)
         self.metrics.add(
-            generation_tokens=len(out.token_ids),
             prefix_cache_queries=prompt,
             prefix_cache_hits=out.metrics.get("cached_tokens", 0.0),
             **{name: out.metrics.get(name, 0.0) for name in DRAFT_COUNTS},
@@ -320,31 +311,15 @@ class EngineBridge:
         with contextlib.suppress(RuntimeError):
             ticket.loop.call_soon_threadsafe(ticket.events.put_nowait, event)
 
-    def _publish_gauges(self) -> None:
-        live = self.engine.live
-        running = sum(s.status in (Status.PREFILLING, Status.RUNNING) for s in live)
-        waiting = sum(s.status is Status.WAITING and not s.cancelled for s in live)
-        cache = self.engine.page_cache
-        self.metrics.set(
-            requests_running=running,
-            requests_waiting=waiting,
-            kv_pages_used=self.engine.pages_in_use,
-            kv_pages_free=cache.num_free,
-            kv_pages_total=cache.num_pages - 1,
-        )
 
-
-def _delta(
-    index: int, out: SequenceOutput, start: int, end: int, text: str, finished: bool
-) -> Delta:
-    tops = out.top_logprobs[start:end] if out.top_logprobs is not None else None
+def _delta(index: int, new: OutputDelta, output: SequenceOutput | None) -> Delta:
     return Delta(
         index=index,
-        text=text,
-        token_ids=out.token_ids[start:end],
-        logprobs=out.logprob[start:end],
-        top_logprobs=[list(pairs) for pairs in tops] if tops is not None else None,
-        trace={name: getattr(out, name)[start:end] for name in TRACE_FIELDS},
-        finish_reason=out.finish_reason if finished else None,
-        output=out if finished else None,
+        text=new.text,
+        token_ids=new.token_ids,
+        logprobs=new.trace["logprob"],
+        top_logprobs=new.top_logprobs,
+        trace=new.trace,
+        finish_reason=new.finish_reason,
+        output=output,
     )

@@ -1,0 +1,213 @@
+"""The server's engine hooks and its page accounting under disconnects, on the mock engine.
+
+`etjax serve`'s application runs in this process on uvicorn (a thread), over an engine bridge
+whose engine is the hand-computable mock of tests/engine_mock.py, with a stub tokenizer that
+writes token t as " t": every stream's text is known in advance (request r's i-th token is
+`token_of(r, i)`), and the mock checks page ownership as it runs. No model is loaded, so the
+module runs in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx2
+import pytest
+import uvicorn
+
+from etjax.request_fields import RequestSettings
+from etjax.run_config import load_run_config
+from etjax.serve.app import make_app
+from etjax.serve.bridge import EngineBridge
+from etjax.serve.limits import ServeLimits
+from etjax.serve.metrics import Metrics
+from etjax.serve.state import READY, ServerState
+from tests.engine_mock import K, mock_engine, token_of
+
+REQUESTS, DISCONNECTS = 200, 50
+MAX_TOKENS = 6  # a complete request's tokens
+LONG = 2000  # a disconnecting request's max_tokens: it is still generating when it goes
+
+
+class _Backend:
+    # What IncrementalDetokenizer reads: token t is the text " t".
+    @staticmethod
+    def decode(ids, skip_special_tokens=False) -> str:
+        return "".join(f" {t}" for t in ids)
+
+
+class StubTokenizer:
+    """Prompt "r" is the mock's request r ([r, 5, 6]); token t reads " t"."""
+
+    backend = _Backend()
+    vocab_size = 1000
+    eos_token_id = 2
+
+    def encode(self, text: str) -> list[int]:
+        return [int(text), 5, 6]
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return _Backend.decode(ids)
+
+
+@dataclass(frozen=True)
+class _Config:
+    max_position_embeddings: int = 4096
+
+
+class StubModel:
+    """What the routes read of a model: its name, tokenizer and context."""
+
+    name = "mock"
+    tokenizer = StubTokenizer()
+    config = _Config()
+
+
+class ReadyState(ServerState):
+    """A state whose model is already there: the app's startup loads nothing."""
+
+    def load(self, on_failure) -> None:
+        return None
+
+
+def _expected_text(request_id: int, n: int) -> str:
+    return "".join(f" {token_of(request_id, i)}" for i in range(n))
+
+
+# The engine's hooks -------------------------------------------------------------------------
+
+
+def test_a_handle_delta_is_each_rounds_new_output_once():
+    engine, _ = mock_engine(batch=2)
+    engine.tokenizer = StubTokenizer()
+    handle = engine.submit([7, 5, 6], RequestSettings(max_new_tokens=5, ignore_eos=True))
+    assert handle.delta() is None  # nothing yet
+    tokens, text, finish = [], "", None
+    while not handle.done:
+        engine.step()
+        new = handle.delta()
+        if new is None:
+            continue
+        assert len(new.token_ids) <= K  # a burst's worth at most
+        assert all(len(v) == len(new.token_ids) for v in new.trace.values())
+        tokens += new.token_ids
+        text += new.text
+        finish = new.finish_reason
+    assert tokens == [token_of(7, i) for i in range(5)]
+    assert text == _expected_text(7, 5)
+    assert finish == "length"
+    assert handle.delta() is None  # the last delta was handed over
+
+
+def test_engine_stats_count_the_queue_the_pages_and_the_tokens():
+    engine, _ = mock_engine(batch=2, resident=2, pages=64)
+    start = engine.stats()
+    assert (start.waiting, start.running, start.kv_pages_used) == (0, 0, 0)
+    assert start.kv_pages_free == start.kv_pages_total == 63
+    settings = RequestSettings(max_new_tokens=4, ignore_eos=True)
+    handles = [engine.submit([r, 5, 6], settings) for r in (1, 2, 3)]
+    assert engine.stats().waiting == 3  # a submission is counted at once
+    engine.step()  # 2 resident rows: two admitted (prefilled in this round), one waits
+    stats = engine.stats()
+    assert (stats.waiting, stats.prefilling + stats.running) == (1, 2)
+    # Each holds the pages of its 3 prompt tokens and a burst of K = 2: 2 pages of 4.
+    assert stats.kv_pages_used == 4 and stats.kv_pages_free == 63 - 4
+    while engine.step():
+        pass
+    end = engine.stats()
+    assert all(h.done for h in handles)
+    assert (end.waiting, end.running, end.kv_pages_used) == (0, 0, 0)
+    assert end.kv_pages_free == 63
+    assert (end.submitted, end.finished, end.tokens_generated) == (3, 3, 12)
+
+
+# 200 streams, 50 of which go away mid-stream --------------------------------------------------
+
+
+@pytest.fixture
+def served():
+    engine, backend = mock_engine(batch=8, resident=16, pages=1024)
+    engine.tokenizer = StubTokenizer()
+    limits = ServeLimits(max_tokens=LONG, max_waiting=REQUESTS)
+    metrics = Metrics()
+    state = ReadyState(load_run_config("default"), limits, phase=READY, metrics=metrics)
+    state.model = StubModel()
+    state.bridge = EngineBridge(engine, metrics, limits.max_waiting, limits.request_timeout)
+    state.bridge.start()
+    config = uvicorn.Config(make_app(state), host="127.0.0.1", port=0, log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", engine, backend, state
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+async def _stream(client: httpx2.AsyncClient, request_id: int, leave: bool) -> dict:
+    # One streamed completion; `leave`: close the connection after the first token.
+    body = {
+        "prompt": str(request_id),
+        "max_tokens": LONG if leave else MAX_TOKENS,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    events = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        status = response.status_code
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                events.append("[DONE]")
+            elif line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                if leave and events[-1]["choices"] and events[-1]["choices"][0]["text"]:
+                    break  # leaving the block closes the connection mid-body
+    return {"status": status, "events": events}
+
+
+def test_200_streams_with_50_disconnects_leak_no_page(served):
+    url, engine, backend, state = served
+    start = engine.stats()
+    leaving = set(range(0, REQUESTS, REQUESTS // DISCONNECTS))  # every 4th
+
+    async def run() -> list[dict]:
+        limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx2.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+            return await asyncio.gather(
+                *(_stream(client, r, r in leaving) for r in range(REQUESTS))
+            )
+
+    results = asyncio.run(run())
+    for r, result in enumerate(results):
+        assert result["status"] == 200, (r, result)
+        events = result["events"]
+        assert all("error" not in e for e in events if e != "[DONE]"), (r, events)
+        if r in leaving:
+            continue
+        chunks = [e for e in events[:-1] if e["choices"]]
+        assert events[-1] == "[DONE]"
+        assert "".join(c["choices"][0]["text"] for c in chunks) == _expected_text(r, MAX_TOKENS)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert events[-2]["usage"]["completion_tokens"] == MAX_TOKENS
+    deadline = time.monotonic() + 10  # the last cancellations' round
+    while state.bridge.in_flight or engine.stats().kv_pages_used:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.01)
+    end = engine.stats()
+    assert end.kv_pages_used == 0 and end.kv_pages_free == start.kv_pages_free
+    assert not backend.rows and not any(backend.readers.values())  # no row holds a page
+    text = httpx2.get(f"{url}/metrics").text
+    assert f'etjax_requests_total{{outcome="cancelled"}} {DISCONNECTS}' in text
+    assert f'etjax_requests_total{{outcome="ok"}} {REQUESTS - DISCONNECTS}' in text
+    assert 'etjax_requests_total{outcome="error"} 0' in text
