@@ -230,10 +230,10 @@ def decode(
             model,
             prompt,
             i,
-            asked.chat,
-            asked.system_prompt,
-            settings.max_new_tokens,
-            asked.trusted_chat,
+            chat=asked.chat,
+            system=asked.system_prompt,
+            max_new=settings.max_new_tokens,
+            trusted_chat=asked.trusted_chat,
         )
         if error is not None and raise_on_invalid:
             raise RequestError(error)

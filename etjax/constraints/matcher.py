@@ -257,16 +257,11 @@ def advance(
 
 
 def start_advance(
-    gids: np.ndarray,
-    tokens: np.ndarray,
-    index: np.ndarray,
-    committed: np.ndarray,
-    width: int,
-    only_committed: bool = False,
+    gids, tokens, index, committed, width: int, only_committed: bool = False
 ) -> np.ndarray:
-    """The first of the step's two callbacks: queue `advance` with these arguments on the
-    host thread and return its ticket ([] int32) for `collect_advance` at once, so the masks
-    are computed while the device runs the model."""
+    """The first of the step's two callbacks: queue `advance` with these arguments (as
+    `advance` takes them) on the host thread and return its ticket ([] int32) for
+    `collect_advance` at once, so the masks are computed while the device runs the model."""
     global _worker, _in_flight
     # Copies: the device may reuse its buffers once this returns.
     args = [np.array(a) for a in (gids, tokens, index, committed)]

@@ -29,18 +29,18 @@ def has_attention_bias(cfg: ModelConfig) -> bool:
     return cfg.attention_bias
 
 
+def norm_leaf(hf: str, gguf: str) -> Leaf:
+    """A layer's RMSNorm weight [D] under its Hugging Face and GGUF names, kept in float32."""
+    return Leaf((HIDDEN,), (layer_part(hf, gguf),), STORED, float32=True)
+
+
 def layer_table(gguf_interleaved_rope: bool) -> Table:
     """The leaves of one layer. `gguf_interleaved_rope`: the family's GGUF files store the q and
     k rows in llama.cpp's per-head interleaved order (llama.cpp's converter permutes them for
     the `llama` architecture only)."""
     q_heads, kv_heads = ("num_heads", "num_kv_heads") if gguf_interleaved_rope else (None, None)
     return {
-        "attn_norm": Leaf(
-            (HIDDEN,),
-            (layer_part("input_layernorm.weight", "attn_norm.weight"),),
-            STORED,
-            float32=True,
-        ),
+        "attn_norm": norm_leaf("input_layernorm.weight", "attn_norm.weight"),
         "wqkv": Leaf(  # rows: q heads | k heads | v heads, Hugging Face (half-split) RoPE
             (QKV, HIDDEN),
             (
@@ -61,12 +61,7 @@ def layer_table(gguf_interleaved_rope: bool) -> Table:
         "wo": Leaf(
             (HIDDEN, ATTENTION), (layer_part("self_attn.o_proj.weight", "attn_output.weight"),)
         ),
-        "mlp_norm": Leaf(
-            (HIDDEN,),
-            (layer_part("post_attention_layernorm.weight", "ffn_norm.weight"),),
-            STORED,
-            float32=True,
-        ),
+        "mlp_norm": norm_leaf("post_attention_layernorm.weight", "ffn_norm.weight"),
         "w_gate_up": Leaf(  # rows: gate | up
             (GATE_UP, HIDDEN),
             (

@@ -17,30 +17,14 @@ from etjax.model.config import ModelConfig
 from etjax.model.families import llama
 from etjax.model.families.family import Family
 from etjax.model.layers import linear, rms_norm
-from etjax.model.leaves import (
-    ATTENTION,
-    FFN,
-    GATE_UP,
-    HIDDEN,
-    QKV,
-    STORED,
-    Leaf,
-    Table,
-    layer_part,
-    pytree_class,
-)
+from etjax.model.leaves import ATTENTION, FFN, GATE_UP, HIDDEN, QKV, Leaf, layer_part, pytree_class
 
-
-def _norm(hf: str, gguf: str) -> Leaf:
-    return Leaf((HIDDEN,), (layer_part(hf, gguf),), STORED, float32=True)
-
-
-LAYER: Table = {
-    "attn_norm": _norm("input_layernorm.weight", "attn_norm.weight"),
+LAYER = {  # the leaves of one layer (a `Table`)
+    "attn_norm": llama.norm_leaf("input_layernorm.weight", "attn_norm.weight"),
     # rows: q heads | k heads | v heads, as etjax fuses them (Hugging Face RoPE layout)
     "wqkv": Leaf((QKV, HIDDEN), (layer_part("self_attn.qkv_proj.weight", "attn_qkv.weight"),)),
     "wo": Leaf((HIDDEN, ATTENTION), (layer_part("self_attn.o_proj.weight", "attn_output.weight"),)),
-    "mlp_norm": _norm("post_attention_layernorm.weight", "ffn_norm.weight"),
+    "mlp_norm": llama.norm_leaf("post_attention_layernorm.weight", "ffn_norm.weight"),
     # rows: gate | up (transformers' Phi3MLP splits them in this order)
     "w_gate_up": Leaf((GATE_UP, HIDDEN), (layer_part("mlp.gate_up_proj.weight", "ffn_up.weight"),)),
     "w_down": Leaf((HIDDEN, FFN), (layer_part("mlp.down_proj.weight", "ffn_down.weight"),)),
