@@ -53,7 +53,7 @@ SHAPES = (
     ("down: 576x1536", (HIDDEN, MLP), LAYERS, formats.Q4_1),
     ("LM head: 49152x576", (VOCAB, HIDDEN), 1, formats.Q8_0),
 )
-METHODS = ("block kernel", "float32 row kernel", "XLA float32")
+METHODS = ("block kernel", "block kernel, int8 rows", "float32 row kernel", "XLA float32")
 
 
 def main() -> None:
@@ -120,14 +120,14 @@ def _programs(parts, rows):
     xs = {w: jnp.asarray(np.random.default_rng(w).standard_normal((rows, w)), jnp.float32)
           for w in widths}  # fmt: skip
 
-    def block_kernel(xs, quantized):
+    def block_kernel(xs, quantized, int8_rows=False):
         outs = []
         for p, weights in zip(parts, quantized, strict=True):
             x = xs[p["shape"][1]]
             for arrays in weights:
                 fmt = p["format"]
                 assert block_products_cpu_takes(x, *arrays, p["block"], fmt.bits, jnp.float32)
-                outs.append(block_products_cpu(x, *arrays, p["block"], fmt.bits))
+                outs.append(block_products_cpu(x, *arrays, p["block"], fmt.bits, int8_rows))
         return outs
 
     def row_kernel(xs, dense):
@@ -140,7 +140,10 @@ def _programs(parts, rows):
 
     quantized = [p["q"] for p in parts]
     dense = [p["f32"] for p in parts]
-    programs = {"block kernel": (jax.jit(block_kernel), quantized)}
+    programs = {
+        "block kernel": (jax.jit(block_kernel), quantized),
+        "block kernel, int8 rows": (jax.jit(lambda xs, q: block_kernel(xs, q, True)), quantized),
+    }
     if all(row_products_cpu_takes(xs[w], parts[0]["f32"][0][:, :w], jnp.float32) for w in widths):
         programs["float32 row kernel"] = (jax.jit(row_kernel), dense)
     programs["XLA float32"] = (jax.jit(xla), dense)

@@ -49,6 +49,11 @@ struct Product {
   const void* offsets;  // null: none
   float* out;
   int64_t rows, in, outs, block;
+  // With int8 rows (quantize_rows): x in int8, each 64 values reordered as the weights'
+  // nibbles come out of 32 bytes; per 64 values 16 lanes of x's block scales; per block of
+  // 32 the scale times the sum of its int8 values.
+  std::vector<int8_t> xq;
+  std::vector<float> x_scales, x_sums;
 };
 
 inline float scalar(const float* p, int64_t i) { return p[i]; }
@@ -228,10 +233,131 @@ void run_unit(const Product& p, int64_t unit) {
   }
 }
 
+#if defined(__AVX512VNNI__) && ETJAX_LANES == 16
+constexpr bool kInt8Rows = true;
+constexpr int64_t kChunk = 64;  // values of a row multiplied per instruction
+
+// x's rows quantized to int8 per block of 32 (scale = max |x| / 127, rounded to nearest):
+// in each 64 values, blocks A and B are stored A 0-15, B 0-15, A 16-31, B 16-31, the order
+// of 32 bytes of nibbles split into low and high halves (nibbles() of two blocks at once).
+void quantize_rows(Product& p) {
+  const int64_t chunks = p.in / kChunk;
+  p.xq.resize(p.rows * p.in);
+  p.x_scales.resize(p.rows * chunks * kLanes);
+  p.x_sums.resize(p.rows * (p.in / kNibbleBlock));
+  for (int64_t r = 0; r < p.rows; ++r)
+    for (int64_t c = 0; c < chunks; ++c) {
+      float scale[2];
+      for (int64_t h = 0; h < 2; ++h) {
+        const float* x = p.x + r * p.in + c * kChunk + h * kNibbleBlock;
+        float top = 0.0f;
+        for (int64_t v = 0; v < kNibbleBlock; ++v) top = std::max(top, std::fabs(x[v]));
+        scale[h] = top / 127.0f;
+        const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+        int32_t sum = 0;
+        int8_t* q = p.xq.data() + r * p.in + c * kChunk;
+        for (int64_t v = 0; v < kNibbleBlock; ++v) {
+          const int8_t value = static_cast<int8_t>(std::nearbyint(x[v] * inverse));
+          q[(v / 16) * 32 + h * 16 + v % 16] = value;
+          sum += value;
+        }
+        p.x_sums[r * (p.in / kNibbleBlock) + 2 * c + h] = scale[h] * static_cast<float>(sum);
+      }
+      float* lanes = p.x_scales.data() + (r * chunks + c) * kLanes;
+      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = scale[(l / 4) % 2];
+    }
+}
+
+// R <= kRowBlock int8 rows against 4-bit weight rows [row, row + kOutStep) with blocks of 32:
+// per 64 values and pair (row, weight row) one dot product of bytes into 16 int32 lanes
+// (each the sum of 4 products of one block), widened and scaled by both blocks' scales.
+// scales/offsets: the group's, kOutStep x blocks, in float32.
+template <int R>
+inline void int8_rows_by_blocks(const Product& p, int64_t r0, int64_t row, const float* scales,
+                                const float* offsets, float* out) {
+  const int64_t chunks = p.in / kChunk, blocks = p.in / kNibbleBlock;
+  const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m512 acc[kRowBlock * kOutStep];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512i q[kOutStep];
+    __m512 s[kOutStep];
+    for (int64_t o = 0; o < kOutStep; ++o) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          static_cast<const uint8_t*>(p.quants) + (row + o) * (p.in / 2) + c * kChunk / 2));
+      q[o] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, mask)),
+                                _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), 1);
+      const __m512 pair = _mm512_castps128_ps512(_mm_castpd_ps(
+          _mm_load_sd(reinterpret_cast<const double*>(scales + o * blocks + 2 * c))));
+      s[o] = _mm512_permutexvar_ps(pair_index, pair);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512i xv = _mm512_loadu_si512(p.xq.data() + (r0 + r) * p.in + c * kChunk);
+      const __m512 xs = _mm512_loadu_ps(p.x_scales.data() + ((r0 + r) * chunks + c) * kLanes);
+      for (int64_t o = 0; o < kOutStep; ++o) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[o], xv);
+        acc[r * kOutStep + o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                                _mm512_mul_ps(s[o], xs), acc[r * kOutStep + o]);
+      }
+    }
+  }
+  Lanes lanes[kLanes];
+  std::memcpy(lanes, acc, sizeof lanes);
+  float sums[kLanes];
+  store_lanes(sums, sum_each(lanes));
+  for (int r = 0; r < R; ++r)
+    for (int64_t o = 0; o < kOutStep; ++o) {
+      // The offsets' part: offset times the block's sum of x, for every block.
+      const float* x_sums = p.x_sums.data() + (r0 + r) * blocks;
+      float shift = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) shift += offsets[o * blocks + b] * x_sums[b];
+      out[r * p.outs + o] = sums[r * kOutStep + o] + shift;
+    }
+}
+
+template <bool kOffsets, typename S>
+void run_int8_unit(const Product& p, int64_t unit) {
+  const int64_t groups = p.outs / kOutStep, blocks = p.in / kNibbleBlock;
+  const int64_t first = unit * kGroupsPerUnit, last = std::min(groups, first + kGroupsPerUnit);
+  thread_local std::vector<float> scratch;
+  scratch.resize(2 * kOutStep * blocks);
+  float *scales = scratch.data(), *offsets = scales + kOutStep * blocks;
+  for (int64_t g = first; g < last; ++g) {
+    const int64_t row = g * kOutStep;
+    for (int64_t o = 0; o < kOutStep; ++o)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = (row + o) * blocks + b;
+        scales[o * blocks + b] = scalar(static_cast<const S*>(p.scales), at);
+        offsets[o * blocks + b] = kOffsets ? scalar(static_cast<const S*>(p.offsets), at)
+                                           : -8.0f * scales[o * blocks + b];
+      }
+    int64_t r = 0;
+    float* out = p.out + row;
+    for (; r + kRowBlock <= p.rows; r += kRowBlock)
+      int8_rows_by_blocks<kRowBlock>(p, r, row, scales, offsets, out + r * p.outs);
+    const int64_t left = p.rows - r;
+    if (left == 3) int8_rows_by_blocks<3>(p, r, row, scales, offsets, out + r * p.outs);
+    if (left == 2) int8_rows_by_blocks<2>(p, r, row, scales, offsets, out + r * p.outs);
+    if (left == 1) int8_rows_by_blocks<1>(p, r, row, scales, offsets, out + r * p.outs);
+  }
+}
+#else
+constexpr bool kInt8Rows = false;
+constexpr int64_t kChunk = 64;
+#endif
+
 template <int kBits, bool kOffsets, typename S>
 std::function<void(int64_t)> body(std::shared_ptr<Product> p) {
   return [p](int64_t u) { run_unit<kBits, kOffsets, S>(*p, u); };
 }
+
+#if defined(__AVX512VNNI__) && ETJAX_LANES == 16
+template <bool kOffsets, typename S>
+std::function<void(int64_t)> int8_body(std::shared_ptr<Product> p) {
+  return [p](int64_t u) { run_int8_unit<kOffsets, S>(*p, u); };
+}
+#endif
 
 template <typename S>
 std::function<void(int64_t)> body_for(std::shared_ptr<Product> p, int bits) {
@@ -241,7 +367,7 @@ std::function<void(int64_t)> body_for(std::shared_ptr<Product> p, int bits) {
 
 ffi::Error BlockProductsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer quants,
                              ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
-                             ffi::ResultBuffer<ffi::F32> out) {
+                             ffi::ResultBuffer<ffi::F32> out, int32_t int8_rows) {
   const auto x_dims = x.dimensions(), q_dims = quants.dimensions(), s_dims = scales.dimensions();
   if (x_dims.size() != 2 || q_dims.size() != 2 || s_dims.size() != 2)
     return ffi::Error::InvalidArgument("block products: expected x [M, K], quants and scales 2-D");
@@ -265,16 +391,20 @@ ffi::Error BlockProductsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
       Product{x.typed_data(), quants.untyped_data(), scales.untyped_data(),
               has_offsets ? offsets.untyped_data() : nullptr, out->typed_data(), x_dims[0], in,
               outs, block});
+  if (scales.element_type() != ffi::DataType::F32 && scales.element_type() != ffi::DataType::F16)
+    return ffi::Error::InvalidArgument("block products: scales must be f16 or f32");
+  const bool f16 = scales.element_type() == ffi::DataType::F16;
   std::function<void(int64_t)> run;
-  switch (scales.element_type()) {
-    case ffi::DataType::F32:
-      run = body_for<float>(product, bits);
-      break;
-    case ffi::DataType::F16:
-      run = body_for<_Float16>(product, bits);
-      break;
-    default:
-      return ffi::Error::InvalidArgument("block products: scales must be f16 or f32");
+  if (int8_rows && kInt8Rows && bits == 4 && block == kNibbleBlock && in % kChunk == 0) {
+#if defined(__AVX512VNNI__) && ETJAX_LANES == 16
+    quantize_rows(*product);
+    if (has_offsets)
+      run = f16 ? int8_body<true, _Float16>(product) : int8_body<true, float>(product);
+    else
+      run = f16 ? int8_body<false, _Float16>(product) : int8_body<false, float>(product);
+#endif
+  } else {
+    run = f16 ? body_for<_Float16>(product, bits) : body_for<float>(product, bits);
   }
   const int64_t groups = outs / kOutStep;
   run_units(std::make_shared<std::function<void(int64_t)>>(std::move(run)),
@@ -292,4 +422,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EtjaxBlockProductsCpu, BlockProductsImpl,
                                   .Arg<ffi::AnyBuffer>()         // scales
                                   .Arg<ffi::AnyBuffer>()         // offsets, or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<int32_t>("int8_rows")
 );
