@@ -1,5 +1,6 @@
-"""A step's inputs built on the host (etjax/engine/step_inputs.py), checked by hand: no model,
-no device program. Page size 4 keeps the arithmetic small enough to follow."""
+"""A step's inputs built on the host (etjax/engine/step_inputs.py) and a new row's fields
+(etjax/engine/row_store.py), checked by hand: no model, no device program. Page size 4 keeps
+the arithmetic small enough to follow."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import pytest
 
 from etjax.attention import XLA
 from etjax.engine.backend import PrefillJob
+from etjax.engine.row_store import SETTINGS, new_row
 from etjax.engine.step_inputs import StepGeometry, burst_inputs, mixed_inputs
 from etjax.pruning.config import PruningConfig
+from etjax.runtime.options import RequestSettings
 
 GEOMETRY = StepGeometry(
     page_size=4,
@@ -113,3 +116,15 @@ def test_pruned_burst_takes_whole_tables_and_a_kept_width():
     np.testing.assert_array_equal(burst.page_base, [0])
     assert burst.plan is None  # no sliding-window layers: the pruned path reads everything
     assert 1 <= burst.max_kept <= geometry.pruned_table_width
+
+
+def test_a_new_row_reads_the_device_fields_its_state_declares_from_the_settings():
+    # DecodeState declares which of its fields come from a request's settings
+    # (`from_settings`); the row store reads, inserts and empties exactly those.
+    settings = RequestSettings(max_new_tokens=7, ignore_eos=True, logprobs=3)
+    row = new_row(settings, [5, 9], 2, np.zeros(1, np.uint32), -1, 0.0, 0.0, 16, None)
+    assert set(SETTINGS) == {"max_new_tokens", "stop_on_eos", "logprobs"}
+    assert row.settings == {"max_new_tokens": 7, "stop_on_eos": False, "logprobs": 3}
+    assert row.settings["max_new_tokens"].dtype == np.int32
+    assert row.settings["stop_on_eos"].dtype == np.bool_
+    np.testing.assert_array_equal(np.nonzero(row.in_prompt[0])[0], [5, 9])

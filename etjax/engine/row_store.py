@@ -6,13 +6,15 @@ padding slots point at); the step programs gather the rows they run and scatter 
 
 - `NewRow`: what a new request's row starts with that the host knows (its settings, its
   prompt's tokens, its first mask, its prefill's cost), one pytree built by `new_row`.
-  A new request field the device reads is one field here plus its line in `DecodeState`
-  (etjax/runtime/state.py) and where it acts.
+  The row's description is `DecodeState` (etjax/runtime/state.py): the fields it declares
+  `from_settings` (`SETTINGS`) are read, inserted and emptied here from that declaration,
+  so a new request field the device reads is one line there and none here.
 - `empty_store`, `insert_new_row`, `restore_row`, `save_row`: the jitted programs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import flax
@@ -30,6 +32,14 @@ from etjax.runtime.steps import put_rows, take_rows
 from etjax.sampling.sampler import initial_sampler_state
 from etjax.sampling.settings import SamplerParams, pack_sampler_params
 
+# The DecodeState fields a row reads from its request's settings (`from_settings`): each
+# name with how it is read and its dtype.
+SETTINGS = {
+    f.name: (f.metadata["setting"], f.metadata["dtype"])
+    for f in dataclasses.fields(DecodeState)
+    if "setting" in f.metadata
+}
+
 
 @flax.struct.dataclass
 class NewRow:
@@ -37,9 +47,7 @@ class NewRow:
 
     length: jax.Array  # [] int32 tokens of context the row's KV pages hold
     sampler: SamplerParams  # [1] its sampler's settings
-    max_new_tokens: jax.Array  # [] int32
-    stop_on_eos: jax.Array  # [] bool
-    logprobs: jax.Array  # [] int32 top log-probabilities to report per token (0: none)
+    settings: dict[str, jax.Array]  # [] each: the `SETTINGS` fields, read from its settings
     allowed: jax.Array  # [W] uint32 the tokens it may draw first (its grammar's, or all)
     grammar: jax.Array  # [] int32 its constraint's matcher, -1 for none
     in_prompt: jax.Array  # [1, V] bool the tokens of its prompt (for penalties)
@@ -66,9 +74,7 @@ def new_row(
     return NewRow(
         length=np.int32(length),
         sampler=pack_sampler_params([settings.sampler], 1, xp=np),
-        max_new_tokens=np.int32(settings.max_new_tokens),
-        stop_on_eos=np.bool_(not settings.ignore_eos),
-        logprobs=np.int32(settings.logprobs),
+        settings={name: dtype(read(settings)) for name, (read, dtype) in SETTINGS.items()},
         allowed=allowed,
         grammar=np.int32(grammar),
         in_prompt=in_prompt,
@@ -90,18 +96,16 @@ def insert_new_row(
         page_table=None,
         active=jnp.ones(1, bool),
         num_generated=jnp.zeros(1, jnp.int32),
-        max_new_tokens=new.max_new_tokens[None],
-        stop_on_eos=new.stop_on_eos[None],
         eos_ids=None,
         token_counts=jnp.zeros((1, store.token_counts.shape[1]), jnp.int32),
         in_prompt=new.in_prompt,
-        logprobs=new.logprobs[None],
         allowed=new.allowed[None],
         grammar=new.grammar[None],
         sampler=new.sampler,
         sampler_state=initial_sampler_state(new.sampler),
         entropy=initial_entropy_state(new.prefill_flops[None], new.prefill_bytes[None]),
         calibration=new.calibration,
+        **{name: value[None] for name, value in new.settings.items()},
     )
     return put_rows(store, row[None], one)
 
@@ -139,16 +143,14 @@ def empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> Decode
         page_table=jnp.zeros((rows, 1), jnp.int32),
         active=jnp.zeros(rows, bool),
         num_generated=jnp.zeros(rows, jnp.int32),
-        max_new_tokens=jnp.zeros(rows, jnp.int32),
-        stop_on_eos=jnp.zeros(rows, bool),
         eos_ids=jnp.asarray(eos_ids, jnp.int32),
         token_counts=jnp.zeros((rows, cfg.vocab_size), jnp.int32),
         in_prompt=jnp.zeros((rows, cfg.vocab_size), bool),
-        logprobs=jnp.zeros(rows, jnp.int32),
         allowed=jnp.full((rows, mask_words(cfg.vocab_size)), ALL_TOKENS, jnp.uint32),
         grammar=jnp.full(rows, -1, jnp.int32),
         sampler=params,
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(jnp.asarray(zeros), jnp.asarray(zeros.copy())),
         calibration=identity_params(rows),
+        **{name: jnp.zeros(rows, dtype) for name, (_, dtype) in SETTINGS.items()},
     )

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import flax.struct
 import jax
+import numpy as np
 
 from etjax.calibration.signal import CalibrationParams
 from etjax.entropy.state import EntropyState
 from etjax.sampling.sampler import SamplerState
 from etjax.sampling.settings import SamplerParams
+
+
+def from_settings(read: Callable[[object], object], dtype: type) -> object:
+    """A `DecodeState` field a row reads from its request's settings (`RequestSettings`):
+    `read(settings)` as `dtype` when the row is inserted, 0 in an empty row
+    (etjax/engine/row_store.py writes both from this declaration alone)."""
+    return flax.struct.field(metadata={"setting": read, "dtype": dtype})
 
 
 @flax.struct.dataclass
@@ -18,7 +28,9 @@ class DecodeState:
     The state holds the logits of each row's next token rather than its last token: a step
     samples from them, then runs the model on the sampled token. Everything that varies between
     requests or steps is an array, never a Python value baked into the trace, so a new mix of
-    requests reuses the compiled step.
+    requests reuses the compiled step. A field read from the request's settings is declared
+    `from_settings`: a new request field the device reads is one such line here, its line in
+    etjax/request_fields.py (and `decode()`'s keyword), and the code where it acts.
     """
 
     logits: jax.Array  # [B, V] float32 distribution of the next token
@@ -26,14 +38,14 @@ class DecodeState:
     page_table: jax.Array  # [B, P] int32
     active: jax.Array  # [B] bool still generating
     num_generated: jax.Array  # [B] int32 tokens sampled so far
-    max_new_tokens: jax.Array  # [B] int32
-    stop_on_eos: jax.Array  # [B] bool (False with ignore_eos)
+    max_new_tokens: jax.Array = from_settings(lambda s: s.max_new_tokens, np.int32)  # [B]
+    stop_on_eos: jax.Array = from_settings(lambda s: not s.ignore_eos, np.bool_)  # [B]
     eos_ids: jax.Array  # [E] int32, shared by all rows
     token_counts: jax.Array  # [B, V] int32 occurrences of each token in the output
     in_prompt: jax.Array  # [B, V] bool token occurs in the prompt (repetition penalty)
     # [B] int32 top log-probabilities the row reports per token (0: none). An array, not a
     # static: any mix of k shares one program, which computes MAX_LOGPROBS and the host keeps k.
-    logprobs: jax.Array
+    logprobs: jax.Array = from_settings(lambda s: s.logprobs, np.int32)
     # [B, W] uint32 bitmask of the tokens the row's grammar allows next (W = ceil(V / 32);
     # all ones for an unconstrained row), and [B] int32 the id of its host matcher (-1: none).
     # Read only by programs compiled for constrained rows (etjax/runtime/token_mask.py).
