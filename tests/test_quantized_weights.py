@@ -25,6 +25,7 @@ from etjax.model.quantized import (
     weight_formats,
     weights_bytes,
 )
+from etjax.model.weights import abstract_weights
 from etjax.run_config import load_run_config
 from tests.conftest import relative_error
 from tests.gguf_builder import write_llama_gguf
@@ -144,6 +145,10 @@ def test_convert_saves_int8_and_the_next_load_reads_it(tiny_hf_dir, tmp_path):
     manifest = json.loads((destination / "etjax_model.json").read_text())
     assert manifest["format_version"] == 3 and manifest["matrices"][".embed"] == "int8"
     quantized = etjax.load_model(source, weights="int8")
+    # What a planner counts for weights="int8" is what the load holds.
+    planned = abstract_weights(quantized.config, "int8")
+    assert jax.tree.structure(planned) == jax.tree.structure(quantized.weights)
+    assert weights_bytes(planned) == weights_bytes(quantized.weights)
     restored = etjax.load_model(destination)
     jax.tree.map(np.testing.assert_array_equal, restored.weights, quantized.weights)
     as_float = etjax.load_model(destination, weights="float32")

@@ -12,7 +12,7 @@ of a fused matrix beside the matrix. The float32 to bfloat16 cast is the one num
 does on assignment: round to nearest even, bit for bit what `jnp.astype` gives.
 
 The `weights` option (etjax/model/quantized.py) decides how the matrices (projections, the
-embedding, the LM head: `kept_as_weights`) are held: "int8" quantizes each one as it is built
+embedding, the LM head: `Leaf.is_matrix`) are held: "int8" quantizes each one as it is built
 (in float32, one leaf at a time), "stored" keeps a GGUF tensor's blocks (`SourceTensor.blocks`)
 and refuses by name a block type the kernels cannot read, "float32" or "bfloat16" builds them
 in that dtype. Every other leaf is built as it always was.
@@ -31,7 +31,7 @@ import numpy as np
 from etjax.errors import ModelLoadError
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
-from etjax.model.leaves import ROUTED, STORED, Leaf, Part
+from etjax.model.leaves import STORED, Leaf, Part
 from etjax.model.quantized import (
     GGUF_BLOCK_TYPES,
     QuantizedWeight,
@@ -105,7 +105,7 @@ def assemble_weights(
                 f"gives {want}"
             )
         dtype = leaf.dtype(cfg)
-        if weights is None or not kept_as_weights(leaf):
+        if weights is None or not leaf.is_matrix:
             pass
         elif weights == "int8":
             return int8_weight(_host(leaf, parts, np.float32, want))
@@ -127,7 +127,7 @@ def assemble_weights(
 
 
 def reform_weights(weights: Weights, cfg: ModelConfig, storage: str) -> Weights:
-    """`weights` with its matrices (`kept_as_weights`) held as `storage` says ("int8",
+    """`weights` with its matrices (`Leaf.is_matrix`) held as `storage` says ("int8",
     "float32", "bfloat16"; "stored": as they are): what a checkpoint saved one way becomes when
     loaded another. int8 is quantized from the float32 values (a quantized matrix's own)."""
     if storage == "stored":
@@ -144,7 +144,7 @@ def reform_weights(weights: Weights, cfg: ModelConfig, storage: str) -> Weights:
         return _as_float(value, jax.numpy.dtype(storage))
 
     def table(tree, leaves):
-        kept = [name for name, leaf in leaves.items() if kept_as_weights(leaf)]
+        kept = [name for name, leaf in leaves.items() if leaf.is_matrix]
         return tree.replace(**{name: reform(getattr(tree, name)) for name in kept})
 
     layers = tuple(table(layer, fam.layer) for layer in weights.layers)
@@ -155,13 +155,6 @@ def _as_float(value, dtype) -> jax.Array:
     if isinstance(value, QuantizedWeight):
         return value.dequantize(dtype)
     return value.astype(dtype)
-
-
-def kept_as_weights(leaf: Leaf) -> bool:
-    """Whether the `weights` option decides how `leaf` is held: a matrix (a projection, the
-    embedding, the LM head), not a norm, a bias, a router or a mixture's stacked experts."""
-    matrix = len(leaf.dims) == 2 and not leaf.float32
-    return matrix and not leaf.per_expert and ROUTED not in leaf.dims
 
 
 def _host(leaf: Leaf, parts: Sequence[SourceTensor], dtype, shape: tuple[int, ...]) -> np.ndarray:

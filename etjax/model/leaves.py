@@ -153,6 +153,14 @@ class Leaf:
             return self.parts
         return tuple(p.of_expert(e) for e in range(cfg.num_experts) for p in self.parts)
 
+    @property
+    def is_matrix(self) -> bool:
+        """Whether the `weights` load option (etjax/model/quantized.py) decides how the leaf is
+        held: a matrix (a projection, the embedding, the LM head), not a norm, a bias, a
+        router or a mixture's stacked experts."""
+        matrix = len(self.dims) == 2 and not self.float32
+        return matrix and not self.per_expert and ROUTED not in self.dims
+
     def abstract(self, cfg: ModelConfig, layer: int | None = None) -> jax.ShapeDtypeStruct | None:
         """The leaf's shape and dtype, or None where the model (`layer`) has no such leaf."""
         if not self.has(cfg, layer):

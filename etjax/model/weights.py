@@ -23,6 +23,7 @@ import jax
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
 from etjax.model.leaves import HIDDEN, STORED, VOCAB, Leaf, Part, Table, axes_of
+from etjax.model.quantized import INT8, abstract_quantized
 
 
 def _untied(cfg: ModelConfig) -> bool:
@@ -61,15 +62,28 @@ class Weights:
     AXES: ClassVar[dict[str, tuple[str | None, ...]]] = axes_of(MODEL_LEAVES)
 
 
-def abstract_weights(cfg: ModelConfig) -> Weights:
+def abstract_weights(cfg: ModelConfig, weights: str | None = None) -> Weights:
     """A `Weights` tree of `jax.ShapeDtypeStruct`s (None where a leaf is absent) describing a
-    model with this config: orbax's restore target, and the truth shape checks compare with."""
+    model with this config: orbax's restore target, and the truth shape checks compare with.
+    `weights`: its matrices (`Leaf.is_matrix`) held as "int8" (abstract `QuantizedWeight`s),
+    "float32" or "bfloat16" (None: in cfg.dtype); what a planner counts for that option."""
     fam = family(cfg.architecture)
+
+    def abstract(leaf: Leaf, layer: int | None = None):
+        spec = leaf.abstract(cfg, layer)
+        if spec is None or weights is None or not leaf.is_matrix:
+            return spec
+        if weights == "int8":
+            return abstract_quantized(INT8, spec.shape)
+        if weights in ("float32", "bfloat16"):
+            return jax.ShapeDtypeStruct(spec.shape, weights)
+        raise ValueError(f"weights={weights!r}; abstract weights know int8, float32, bfloat16")
+
     layers = tuple(
-        fam.layer_type(**{name: leaf.abstract(cfg, i) for name, leaf in fam.layer.items()})
+        fam.layer_type(**{name: abstract(leaf, i) for name, leaf in fam.layer.items()})
         for i in range(cfg.num_layers)
     )
-    model = {name: leaf.abstract(cfg) for name, leaf in model_leaves(cfg).items()}
+    model = {name: abstract(leaf) for name, leaf in model_leaves(cfg).items()}
     return Weights(
         layers=layers,
         logit_softcap=cfg.final_logit_softcapping,
