@@ -36,6 +36,14 @@ from etjax.serve.metrics import engine_values
 from etjax.serve.responses import Shape
 from etjax.serve.state import READY, ServerState
 
+# A body up to this size is parsed and tokenized on the event loop (well under a millisecond);
+# a larger one on a worker thread, so a long prompt's tokenization never holds up the other
+# streams. The handoff to a thread and back costs two thread wakeups, which on a busy
+# machine are most of a short request's time before it reaches the engine. A body that may
+# hold a schema or grammar (checked by compiling it) always goes to a thread.
+INLINE_BODY_BYTES = 4096
+GRAMMAR_WORDS = (b"response_format", b"guided_", b"json_schema", b"regex", b"grammar", b"choices")
+
 
 def make_app(state: ServerState, on_failure=lambda: None) -> Starlette:
     """The application over `state`; its startup loads the model on a thread (the server
@@ -133,9 +141,11 @@ async def _generate(request: Request, url: str) -> Response:
     state.require_ready()
     raw = await _body(request)
     model = state.model
-    parsed = await run_in_threadpool(
-        read_body, raw, url, model, state.config, state.limits, state.served
-    )
+    arguments = (raw, url, model, state.config, state.limits, state.served)
+    if len(raw) <= INLINE_BODY_BYTES and not any(word in raw for word in GRAMMAR_WORDS):
+        parsed = read_body(*arguments)
+    else:
+        parsed = await run_in_threadpool(read_body, *arguments)
     state.check_fits(parsed)
     bridge = state.bridge
     ticket = bridge.open(parsed)
