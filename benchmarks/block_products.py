@@ -8,11 +8,13 @@ weight, so the weights stream from memory as in a step rather than sit in a cach
 LM head (49152x576) is timed alone; "the whole step" is every projection of a decode step
 (30 layers x 7 and the head) in one program. Weights are random, in Q4_1 (the file's format
 for the layers) and Q8_0 (the head), as pallas_kernels/block_products/formats.py keeps them;
-the float32 methods get the same weights dequantized. Rows: 1, 8, 32 (a decode step) and 256
-(a prompt chunk). Per method, milliseconds per program, median (min-max) over the timed
-calls after one untimed call, the methods alternating within each round and
-`block_until_ready` before each clock read. The row-products kernel takes at most 32 rows.
-The kernel's outputs are checked against XLA's. Writes the "block_products" section of
+the float32 methods get the same weights dequantized; XLA also dequantizes the blocks in the
+program (block_products_xla, the fallback). Rows: 1, 8, 32 (a decode step) and 256 (a prompt
+chunk). Per method, milliseconds per program, median (min-max) over the timed calls after
+one untimed call, the methods alternating within each round and `block_until_ready` before
+each clock read; CPU time (the process's, all threads) is recorded beside wall-clock time:
+on a shared machine it is the fairer comparison. The row-products kernel takes at most 32
+rows. The kernel's outputs are checked against XLA's. Writes the "block_products" section of
 docs/PERF.md with `--write`.
 
     .venv/bin/python benchmarks/block_products.py [--rounds 7] [--rows 1,8,32,256] [--write]
@@ -39,7 +41,7 @@ from benchmarks.perf_report import machine_line, median_spread, write_section
 from cpp_kernels import cpu_kernels_available
 from pallas_kernels.block_products import formats
 from pallas_kernels.block_products.cpu import block_products_cpu, block_products_cpu_takes
-from pallas_kernels.block_products.xla import dequantize_xla
+from pallas_kernels.block_products.xla import block_products_xla, dequantize_xla
 from pallas_kernels.row_products.cpu import row_products_cpu, row_products_cpu_takes
 from pallas_kernels.row_products.xla import row_products_xla
 
@@ -53,7 +55,7 @@ SHAPES = (
     ("down: 576x1536", (HIDDEN, MLP), LAYERS, formats.Q4_1),
     ("LM head: 49152x576", (VOCAB, HIDDEN), 1, formats.Q8_0),
 )
-METHODS = ("block kernel", "block kernel, int8 rows", "float32 row kernel", "XLA float32")
+METHODS = ("block kernel", "XLA dequantizing", "float32 row kernel", "XLA float32")
 
 
 def main() -> None:
@@ -120,15 +122,22 @@ def _programs(parts, rows):
     xs = {w: jnp.asarray(np.random.default_rng(w).standard_normal((rows, w)), jnp.float32)
           for w in widths}  # fmt: skip
 
-    def block_kernel(xs, quantized, int8_rows=False):
+    def block_kernel(xs, quantized):
         outs = []
         for p, weights in zip(parts, quantized, strict=True):
             x = xs[p["shape"][1]]
             for arrays in weights:
                 fmt = p["format"]
                 assert block_products_cpu_takes(x, *arrays, p["block"], fmt.bits, jnp.float32)
-                outs.append(block_products_cpu(x, *arrays, p["block"], fmt.bits, int8_rows))
+                outs.append(block_products_cpu(x, *arrays, p["block"], fmt.bits))
         return outs
+
+    def xla_dequantizing(xs, quantized):
+        return [
+            block_products_xla(xs[p["shape"][1]], *arrays, p["block"], p["format"].bits)
+            for p, weights in zip(parts, quantized, strict=True)
+            for arrays in weights
+        ]
 
     def row_kernel(xs, dense):
         pairs = zip(parts, dense, strict=True)
@@ -142,7 +151,7 @@ def _programs(parts, rows):
     dense = [p["f32"] for p in parts]
     programs = {
         "block kernel": (jax.jit(block_kernel), quantized),
-        "block kernel, int8 rows": (jax.jit(lambda xs, q: block_kernel(xs, q, True)), quantized),
+        "XLA dequantizing": (jax.jit(xla_dequantizing), quantized),
     }
     if all(row_products_cpu_takes(xs[w], parts[0]["f32"][0][:, :w], jnp.float32) for w in widths):
         programs["float32 row kernel"] = (jax.jit(row_kernel), dense)
@@ -184,37 +193,62 @@ def _case(name, parts, rows, rounds):
 
 def _markdown(raw) -> str:
     lines = [
-        "## Block products: float32 rows times 4- and 8-bit weight blocks on a CPU (SmolLM2-135M "
-        "shapes)",
+        "## Block products: float32 rows times 4- and 8-bit weight blocks on a CPU "
+        "(SmolLM2-135M shapes)",
         "",
-        f"Measured {raw['date']} on {raw['machine']}; load average {raw['load_before']:.2f} "
-        f"before the run and {raw['load_after']:.2f} after: **measured under load** (other "
-        f"work shared the 2 cores), so compare the ratios within a row, measured side by side. "
-        f"Command: `.venv/bin/python {raw['command']}`. Each row is one compiled program: "
-        "a shape's products for all 30 layers, each layer its own weight (so the weights "
-        "stream from memory, as in a step), the LM head alone, or every projection of a step; "
-        "Q4_1 layers and a Q8_0 head (the SmolLM2 Q4_1 file's formats), the float32 methods "
-        "on the same weights dequantized. Milliseconds per program, median (min-max) over the "
-        "timed calls after one untimed call, the methods alternating. Speed-up: the other "
-        "method's median over the block kernel's.",
+        f"Measured {raw['date']} on {raw['machine']}; load average {raw['load_before']:.1f} "
+        f"before the run and {raw['load_after']:.1f} after: **measured under load** (other "
+        "work shared the 2 cores, so a call's threads waited their turn and wall-clock times "
+        "are several times its CPU time). Compare the methods within a row, measured side by "
+        "side, by their CPU time (the process's, all threads), which the waiting does not "
+        f"count. Command: `.venv/bin/python {raw['command']}`. Each row is one compiled "
+        "program: a shape's products for all 30 layers, each layer its own weight (so the "
+        "weights stream from memory, as in a step), the LM head alone, or every projection of "
+        "a step (the number of products in brackets); Q4_1 layers and a Q8_0 head (the SmolLM2 "
+        "Q4_1 file's formats), random. Methods: the block kernel (pallas_kernels/"
+        "block_products/cpu.py), XLA dequantizing the blocks in the program then multiplying "
+        "(block_products_xla, the fallback), and on the same weights dequantized ahead to "
+        "float32 the row-products kernel (at most 32 rows) and XLA's product. Milliseconds per "
+        "program, median (min-max) over the timed calls after one untimed call, the methods "
+        "alternating; speed-up: the other method's median CPU time over the block kernel's.",
         "",
-        "| products | rows | block kernel ms | float32 row kernel ms | XLA float32 ms | "
-        "vs row kernel | vs XLA | weight MB, blocks / float32 | max difference / max |",
+        "| products | rows | block kernel: CPU ms / wall ms | XLA dequantizing | "
+        "float32 row kernel | XLA float32 | vs XLA dequantizing / row kernel / XLA float32 "
+        "| weight MB, blocks / float32 | max difference / max |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in raw["results"]:
-        ms = r["ms"]
-        block = statistics.median(ms["block kernel"])
-        row = ms.get("float32 row kernel")
+        cell, ratio = _cell(r), _ratio(r)
         lines.append(
-            f"| {r['name']} ({r['products']}) | {r['rows']} | {median_spread(ms['block kernel'])}"
-            f" | {median_spread(row) if row else '-'} | {median_spread(ms['XLA float32'])} | "
-            f"{f'{statistics.median(row) / block:.2f}x' if row else '-'} | "
-            f"**{statistics.median(ms['XLA float32']) / block:.2f}x** | "
+            f"| {r['name']} ({r['products']}) | {r['rows']} | {cell('block kernel')} | "
+            f"{cell('XLA dequantizing')} | {cell('float32 row kernel')} | "
+            f"{cell('XLA float32')} | {ratio('XLA dequantizing')} / "
+            f"{ratio('float32 row kernel')} / **{ratio('XLA float32')}** | "
             f"{r['quantized_bytes'] / 1e6:.1f} / {r['float32_bytes'] / 1e6:.0f} | "
             f"{r['max_relative_difference']:.1e} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _cell(result):
+    cpu, wall = result["cpu_ms"], result["ms"]
+
+    def cell(method):
+        if method not in cpu:
+            return "-"
+        return f"{median_spread(cpu[method])} / {statistics.median(wall[method]):.3g}"
+
+    return cell
+
+
+def _ratio(result):
+    cpu = result["cpu_ms"]
+    block = statistics.median(cpu["block kernel"])
+
+    def ratio(method):
+        return f"{statistics.median(cpu[method]) / block:.2f}x" if method in cpu else "-"
+
+    return ratio
 
 
 if __name__ == "__main__":

@@ -49,11 +49,6 @@ struct Product {
   const void* offsets;  // null: none
   float* out;
   int64_t rows, in, outs, block;
-  // With int8 rows (quantize_rows): x in int8, each 64 values reordered as the weights'
-  // nibbles come out of 32 bytes; per 64 values 16 lanes of x's block scales; per block of
-  // 32 the scale times the sum of its int8 values.
-  std::vector<int8_t> xq;
-  std::vector<float> x_scales, x_sums;
 };
 
 inline float scalar(const float* p, int64_t i) { return p[i]; }
@@ -128,56 +123,98 @@ inline void nibbles(const uint8_t* p, Lanes (&q)[32 / kLanes]) {
 }
 #endif
 
-// The kStep integer values of weight row `row` from value i on (a multiple of kStep), as
-// float32 lanes in order (4 bits: 0..15; in each 32, byte j holds value j in its low nibble
-// and j + 16 in its high one).
-template <int kBits>
-inline void load_values(const void* quants, int64_t in, int64_t row, int64_t i,
-                        Lanes (&q)[kSteps<kBits>]) {
-  if constexpr (kBits == 8)
-    q[0] = signed_bytes(static_cast<const int8_t*>(quants) + row * in + i);
-  else
-    nibbles(static_cast<const uint8_t*>(quants) + (row * in + i) / 2, q);
-}
-
-// A block's scale and offset as lanes (4 bits without offsets: value = scale * (q - 8), so
-// the offset is -8 * scale, exact).
+// The group's scales and offsets in float32, kOutStep x blocks each, converted once per
+// group (4 bits without offsets: value = scale * (q - 8), so the offset is -8 * scale,
+// exact; 8 bits: no offset).
 template <int kBits, bool kOffsets, typename S>
-inline void scale_offset(const Product& p, int64_t row, int64_t b, Lanes& scale, Lanes& offset) {
-  const int64_t at = row * (p.in / p.block) + b;
-  const float s = scalar(static_cast<const S*>(p.scales), at);
-  scale = Lanes{} + s;
-  if constexpr (kOffsets)
-    offset = Lanes{} + scalar(static_cast<const S*>(p.offsets), at);
-  else
-    offset = Lanes{} + (kBits == 4 ? -8.0f * s : 0.0f);
+void group_scales(const Product& p, int64_t row, float* scales, float* offsets) {
+  const int64_t blocks = p.in / p.block;
+  for (int64_t o = 0; o < kOutStep; ++o)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t at = (row + o) * blocks + b;
+      const float scale = scalar(static_cast<const S*>(p.scales), at);
+      scales[o * blocks + b] = scale;
+      if constexpr (kOffsets)
+        offsets[o * blocks + b] = scalar(static_cast<const S*>(p.offsets), at);
+      else
+        offsets[o * blocks + b] = kBits == 4 ? -8.0f * scale : 0.0f;
+    }
 }
 
-// Weight values q dequantized: one rounding (a fused multiply-add), the same in both paths.
-template <int kBits, bool kOffsets>
-inline Lanes dequantize(Lanes q, Lanes scale, Lanes offset) {
-  if constexpr (kBits == 8) return q * scale;
-  return q * scale + offset;
+#if ETJAX_LANES == 16
+// 4-bit values through a table: the block's 16 possible weights, scale * q + offset for q
+// = 0..15, computed once per block (one multiply-add) and looked up by each value's nibble
+// (a permute reads only the low 4 bits of its index, so the nibbles need no masking). The
+// table's entries are the same multiply-adds the values would get one by one.
+constexpr bool kTables = true;
+#else
+constexpr bool kTables = false;
+#endif
+
+// What dequantizes a block of one weight row: its table (kTables, 4 bits) or its scale and
+// offset as lanes.
+struct BlockLanes {
+  Lanes scale, offset;
+};
+
+template <int kBits>
+inline BlockLanes block_lanes(float scale, float offset) {
+  if constexpr (kBits == 4 && kTables) {
+    Lanes iota;
+    for (int64_t l = 0; l < kLanes; ++l) iota[l] = static_cast<float>(l);
+    return {iota * scale + offset, Lanes{}};
+  }
+  return {Lanes{} + scale, Lanes{} + offset};
+}
+
+// Weight row values [i, i + kStep) at `quants` (the row's start), dequantized: one rounding
+// (a fused multiply-add), the same in both paths.
+template <int kBits>
+inline void weight_values(const void* quants, int64_t i, const BlockLanes& d,
+                          Lanes (&w)[kSteps<kBits>]) {
+  if constexpr (kBits == 8) {
+    w[0] = signed_bytes(static_cast<const int8_t*>(quants) + i) * d.scale;
+  } else if constexpr (kTables) {
+#if ETJAX_LANES == 16
+    const __m128i bytes =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(quants) + i / 2));
+    __m512 table;
+    std::memcpy(&table, &d.scale, sizeof table);
+    const __m512 low = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(bytes), table);
+    const __m512 high = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(bytes, 4)), table);
+    std::memcpy(&w[0], &low, sizeof low);
+    std::memcpy(&w[1], &high, sizeof high);
+#endif
+  } else {
+    nibbles(static_cast<const uint8_t*>(quants) + i / 2, w);
+    for (int64_t k = 0; k < kSteps<kBits>; ++k) w[k] = w[k] * d.scale + d.offset;
+  }
+}
+
+// Bytes of quants per weight row.
+template <int kBits>
+inline int64_t row_bytes(int64_t in) {
+  return kBits == 4 ? in / 2 : in;
 }
 
 // R <= kRowBlock rows of x against weight rows [row, row + kOutStep), dequantized as they
 // are loaded, a block at a time; the same sums, in the same order, as row_blocks.h's
-// rows_by_group on the dequantized weights.
-template <int R, int kBits, bool kOffsets, typename S>
-inline void rows_by_blocks(const Product& p, const float* x, int64_t row, float* out) {
+// rows_by_group on the dequantized weights. scales/offsets: the group's (group_scales).
+template <int R, int kBits>
+inline void rows_by_blocks(const Product& p, const float* x, int64_t row, const float* scales,
+                           const float* offsets, float* out) {
   constexpr int64_t kN = kSteps<kBits>;
+  const int64_t blocks = p.in / p.block;
+  const uint8_t* quants = static_cast<const uint8_t*>(p.quants) + row * row_bytes<kBits>(p.in);
   Lanes acc[kRowBlock * kOutStep] = {};
-  for (int64_t b = 0, i = 0; b < p.in / p.block; ++b) {
-    Lanes scale[kOutStep], offset[kOutStep];
+  for (int64_t b = 0, i = 0; b < blocks; ++b) {
+    BlockLanes d[kOutStep];
     for (int64_t o = 0; o < kOutStep; ++o)
-      scale_offset<kBits, kOffsets, S>(p, row + o, b, scale[o], offset[o]);
+      d[o] = block_lanes<kBits>(scales[o * blocks + b], offsets[o * blocks + b]);
     for (const int64_t end = i + p.block; i < end; i += kStep<kBits>) {
       Lanes wl[kOutStep][kN];
-      for (int64_t o = 0; o < kOutStep; ++o) {
-        load_values<kBits>(p.quants, p.in, row + o, i, wl[o]);
-        for (int64_t k = 0; k < kN; ++k)
-          wl[o][k] = dequantize<kBits, kOffsets>(wl[o][k], scale[o], offset[o]);
-      }
+      for (int64_t o = 0; o < kOutStep; ++o)
+        weight_values<kBits>(quants + o * row_bytes<kBits>(p.in), i, d[o], wl[o]);
       for (int64_t k = 0; k < kN; ++k)
         for (int r = 0; r < R; ++r) {
           const Lanes xl = load_lanes(x + r * p.in + i + k * kLanes);
@@ -192,172 +229,58 @@ inline void rows_by_blocks(const Product& p, const float* x, int64_t row, float*
 }
 
 // Weight rows [row, row + kOutStep) dequantized into `w` (kOutStep x in floats).
-template <int kBits, bool kOffsets, typename S>
-inline void dequantize_group(const Product& p, int64_t row, float* w) {
-  for (int64_t o = 0; o < kOutStep; ++o)
-    for (int64_t b = 0, i = 0; b < p.in / p.block; ++b) {
-      Lanes scale, offset;
-      scale_offset<kBits, kOffsets, S>(p, row + o, b, scale, offset);
+template <int kBits>
+inline void dequantize_group(const Product& p, int64_t row, const float* scales,
+                             const float* offsets, float* w) {
+  const int64_t blocks = p.in / p.block;
+  for (int64_t o = 0; o < kOutStep; ++o) {
+    const uint8_t* quants =
+        static_cast<const uint8_t*>(p.quants) + (row + o) * row_bytes<kBits>(p.in);
+    for (int64_t b = 0, i = 0; b < blocks; ++b) {
+      const BlockLanes d = block_lanes<kBits>(scales[o * blocks + b], offsets[o * blocks + b]);
       for (const int64_t end = i + p.block; i < end; i += kStep<kBits>) {
-        Lanes q[kSteps<kBits>];
-        load_values<kBits>(p.quants, p.in, row + o, i, q);
+        Lanes values[kSteps<kBits>];
+        weight_values<kBits>(quants, i, d, values);
         for (int64_t k = 0; k < kSteps<kBits>; ++k)
-          store_lanes(w + o * p.in + i + k * kLanes, dequantize<kBits, kOffsets>(q[k], scale, offset));
+          store_lanes(w + o * p.in + i + k * kLanes, values[k]);
       }
     }
+  }
 }
 
 template <int kBits, bool kOffsets, typename S>
 void run_unit(const Product& p, int64_t unit) {
-  const int64_t groups = p.outs / kOutStep;
+  const int64_t groups = p.outs / kOutStep, blocks = p.in / p.block;
   const int64_t first = unit * kGroupsPerUnit, last = std::min(groups, first + kGroupsPerUnit);
   thread_local std::vector<float> scratch;
+  scratch.resize(2 * kOutStep * blocks + (p.rows > kRowBlock ? kOutStep * p.in : 0));
+  float *scales = scratch.data(), *offsets = scales + kOutStep * blocks;
+  float* weights = offsets + kOutStep * blocks;
   for (int64_t g = first; g < last; ++g) {
     const int64_t row = g * kOutStep;
+    float* out = p.out + row;
+    group_scales<kBits, kOffsets, S>(p, row, scales, offsets);
     if (p.rows <= kRowBlock) {
       // A decode step of a few rows: the weights are multiplied as they are dequantized.
-      if (p.rows == kRowBlock)
-        rows_by_blocks<kRowBlock, kBits, kOffsets, S>(p, p.x, row, p.out + row);
+      if (p.rows == kRowBlock) rows_by_blocks<kRowBlock, kBits>(p, p.x, row, scales, offsets, out);
       if constexpr (kRowBlock > 3)
-        if (p.rows == 3) rows_by_blocks<3, kBits, kOffsets, S>(p, p.x, row, p.out + row);
+        if (p.rows == 3) rows_by_blocks<3, kBits>(p, p.x, row, scales, offsets, out);
       if constexpr (kRowBlock > 2)
-        if (p.rows == 2) rows_by_blocks<2, kBits, kOffsets, S>(p, p.x, row, p.out + row);
+        if (p.rows == 2) rows_by_blocks<2, kBits>(p, p.x, row, scales, offsets, out);
       if constexpr (kRowBlock > 1)
-        if (p.rows == 1) rows_by_blocks<1, kBits, kOffsets, S>(p, p.x, row, p.out + row);
+        if (p.rows == 1) rows_by_blocks<1, kBits>(p, p.x, row, scales, offsets, out);
       continue;
     }
     // More rows: the group is dequantized once into L1 and multiplied as float32 weights.
-    scratch.resize(kOutStep * p.in);
-    dequantize_group<kBits, kOffsets, S>(p, row, scratch.data());
-    all_rows_by_group(p.x, p.rows, scratch.data(), p.in, p.out + row, p.outs);
+    dequantize_group<kBits>(p, row, scales, offsets, weights);
+    all_rows_by_group(p.x, p.rows, weights, p.in, out, p.outs);
   }
 }
-
-#if defined(__AVX512VNNI__) && ETJAX_LANES == 16
-constexpr bool kInt8Rows = true;
-constexpr int64_t kChunk = 64;  // values of a row multiplied per instruction
-
-// x's rows quantized to int8 per block of 32 (scale = max |x| / 127, rounded to nearest):
-// in each 64 values, blocks A and B are stored A 0-15, B 0-15, A 16-31, B 16-31, the order
-// of 32 bytes of nibbles split into low and high halves (nibbles() of two blocks at once).
-void quantize_rows(Product& p) {
-  const int64_t chunks = p.in / kChunk;
-  p.xq.resize(p.rows * p.in);
-  p.x_scales.resize(p.rows * chunks * kLanes);
-  p.x_sums.resize(p.rows * (p.in / kNibbleBlock));
-  for (int64_t r = 0; r < p.rows; ++r)
-    for (int64_t c = 0; c < chunks; ++c) {
-      float scale[2];
-      for (int64_t h = 0; h < 2; ++h) {
-        const float* x = p.x + r * p.in + c * kChunk + h * kNibbleBlock;
-        float top = 0.0f;
-        for (int64_t v = 0; v < kNibbleBlock; ++v) top = std::max(top, std::fabs(x[v]));
-        scale[h] = top / 127.0f;
-        const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-        int32_t sum = 0;
-        int8_t* q = p.xq.data() + r * p.in + c * kChunk;
-        for (int64_t v = 0; v < kNibbleBlock; ++v) {
-          const int8_t value = static_cast<int8_t>(std::nearbyint(x[v] * inverse));
-          q[(v / 16) * 32 + h * 16 + v % 16] = value;
-          sum += value;
-        }
-        p.x_sums[r * (p.in / kNibbleBlock) + 2 * c + h] = scale[h] * static_cast<float>(sum);
-      }
-      float* lanes = p.x_scales.data() + (r * chunks + c) * kLanes;
-      for (int64_t l = 0; l < kLanes; ++l) lanes[l] = scale[(l / 4) % 2];
-    }
-}
-
-// R <= kRowBlock int8 rows against 4-bit weight rows [row, row + kOutStep) with blocks of 32:
-// per 64 values and pair (row, weight row) one dot product of bytes into 16 int32 lanes
-// (each the sum of 4 products of one block), widened and scaled by both blocks' scales.
-// scales/offsets: the group's, kOutStep x blocks, in float32.
-template <int R>
-inline void int8_rows_by_blocks(const Product& p, int64_t r0, int64_t row, const float* scales,
-                                const float* offsets, float* out) {
-  const int64_t chunks = p.in / kChunk, blocks = p.in / kNibbleBlock;
-  const __m512i pair_index = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  __m512 acc[kRowBlock * kOutStep];
-  for (auto& a : acc) a = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512i q[kOutStep];
-    __m512 s[kOutStep];
-    for (int64_t o = 0; o < kOutStep; ++o) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-          static_cast<const uint8_t*>(p.quants) + (row + o) * (p.in / 2) + c * kChunk / 2));
-      q[o] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(bytes, mask)),
-                                _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask), 1);
-      const __m512 pair = _mm512_castps128_ps512(_mm_castpd_ps(
-          _mm_load_sd(reinterpret_cast<const double*>(scales + o * blocks + 2 * c))));
-      s[o] = _mm512_permutexvar_ps(pair_index, pair);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i xv = _mm512_loadu_si512(p.xq.data() + (r0 + r) * p.in + c * kChunk);
-      const __m512 xs = _mm512_loadu_ps(p.x_scales.data() + ((r0 + r) * chunks + c) * kLanes);
-      for (int64_t o = 0; o < kOutStep; ++o) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[o], xv);
-        acc[r * kOutStep + o] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                                _mm512_mul_ps(s[o], xs), acc[r * kOutStep + o]);
-      }
-    }
-  }
-  Lanes lanes[kLanes];
-  std::memcpy(lanes, acc, sizeof lanes);
-  float sums[kLanes];
-  store_lanes(sums, sum_each(lanes));
-  for (int r = 0; r < R; ++r)
-    for (int64_t o = 0; o < kOutStep; ++o) {
-      // The offsets' part: offset times the block's sum of x, for every block.
-      const float* x_sums = p.x_sums.data() + (r0 + r) * blocks;
-      float shift = 0.0f;
-      for (int64_t b = 0; b < blocks; ++b) shift += offsets[o * blocks + b] * x_sums[b];
-      out[r * p.outs + o] = sums[r * kOutStep + o] + shift;
-    }
-}
-
-template <bool kOffsets, typename S>
-void run_int8_unit(const Product& p, int64_t unit) {
-  const int64_t groups = p.outs / kOutStep, blocks = p.in / kNibbleBlock;
-  const int64_t first = unit * kGroupsPerUnit, last = std::min(groups, first + kGroupsPerUnit);
-  thread_local std::vector<float> scratch;
-  scratch.resize(2 * kOutStep * blocks);
-  float *scales = scratch.data(), *offsets = scales + kOutStep * blocks;
-  for (int64_t g = first; g < last; ++g) {
-    const int64_t row = g * kOutStep;
-    for (int64_t o = 0; o < kOutStep; ++o)
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t at = (row + o) * blocks + b;
-        scales[o * blocks + b] = scalar(static_cast<const S*>(p.scales), at);
-        offsets[o * blocks + b] = kOffsets ? scalar(static_cast<const S*>(p.offsets), at)
-                                           : -8.0f * scales[o * blocks + b];
-      }
-    int64_t r = 0;
-    float* out = p.out + row;
-    for (; r + kRowBlock <= p.rows; r += kRowBlock)
-      int8_rows_by_blocks<kRowBlock>(p, r, row, scales, offsets, out + r * p.outs);
-    const int64_t left = p.rows - r;
-    if (left == 3) int8_rows_by_blocks<3>(p, r, row, scales, offsets, out + r * p.outs);
-    if (left == 2) int8_rows_by_blocks<2>(p, r, row, scales, offsets, out + r * p.outs);
-    if (left == 1) int8_rows_by_blocks<1>(p, r, row, scales, offsets, out + r * p.outs);
-  }
-}
-#else
-constexpr bool kInt8Rows = false;
-constexpr int64_t kChunk = 64;
-#endif
 
 template <int kBits, bool kOffsets, typename S>
 std::function<void(int64_t)> body(std::shared_ptr<Product> p) {
   return [p](int64_t u) { run_unit<kBits, kOffsets, S>(*p, u); };
 }
-
-#if defined(__AVX512VNNI__) && ETJAX_LANES == 16
-template <bool kOffsets, typename S>
-std::function<void(int64_t)> int8_body(std::shared_ptr<Product> p) {
-  return [p](int64_t u) { run_int8_unit<kOffsets, S>(*p, u); };
-}
-#endif
 
 template <typename S>
 std::function<void(int64_t)> body_for(std::shared_ptr<Product> p, int bits) {
@@ -367,7 +290,7 @@ std::function<void(int64_t)> body_for(std::shared_ptr<Product> p, int bits) {
 
 ffi::Error BlockProductsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer quants,
                              ffi::AnyBuffer scales, ffi::AnyBuffer offsets,
-                             ffi::ResultBuffer<ffi::F32> out, int32_t int8_rows) {
+                             ffi::ResultBuffer<ffi::F32> out) {
   const auto x_dims = x.dimensions(), q_dims = quants.dimensions(), s_dims = scales.dimensions();
   if (x_dims.size() != 2 || q_dims.size() != 2 || s_dims.size() != 2)
     return ffi::Error::InvalidArgument("block products: expected x [M, K], quants and scales 2-D");
@@ -395,17 +318,7 @@ ffi::Error BlockProductsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
     return ffi::Error::InvalidArgument("block products: scales must be f16 or f32");
   const bool f16 = scales.element_type() == ffi::DataType::F16;
   std::function<void(int64_t)> run;
-  if (int8_rows && kInt8Rows && bits == 4 && block == kNibbleBlock && in % kChunk == 0) {
-#if defined(__AVX512VNNI__) && ETJAX_LANES == 16
-    quantize_rows(*product);
-    if (has_offsets)
-      run = f16 ? int8_body<true, _Float16>(product) : int8_body<true, float>(product);
-    else
-      run = f16 ? int8_body<false, _Float16>(product) : int8_body<false, float>(product);
-#endif
-  } else {
-    run = f16 ? body_for<_Float16>(product, bits) : body_for<float>(product, bits);
-  }
+  run = f16 ? body_for<_Float16>(product, bits) : body_for<float>(product, bits);
   const int64_t groups = outs / kOutStep;
   run_units(std::make_shared<std::function<void(int64_t)>>(std::move(run)),
             (groups + kGroupsPerUnit - 1) / kGroupsPerUnit, pool);
@@ -422,5 +335,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EtjaxBlockProductsCpu, BlockProductsImpl,
                                   .Arg<ffi::AnyBuffer>()         // scales
                                   .Arg<ffi::AnyBuffer>()         // offsets, or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()  // out
-                                  .Attr<int32_t>("int8_rows")
 );

@@ -186,19 +186,3 @@ def test_the_kernel_refuses_what_it_cannot_read_and_xla_takes_it():
     args = (jnp.asarray(rows), *_args(odd), 16, 8)
     assert not block_products_cpu_takes(*args, jnp.float32)
     _check(np.asarray(_xla(*args, None)), rows, odd, formats.Q6_K)
-
-
-@needs_kernels
-@pytest.mark.parametrize("fmt", [formats.Q4_0, formats.Q4_1], ids=lambda f: f.name)
-def test_int8_rows_are_the_product_of_the_rows_rounded_to_int8(fmt):
-    # With int8_rows, x is quantized per block of 32 (scale max |x| / 127, nearest) in the
-    # kernel: the result is the float64 product of those rounded rows, within float32's bound.
-    arrays = _weights(fmt, 44, 192, seed=5)
-    x = np.random.default_rng(5).standard_normal((5, 192)).astype(np.float32)
-    blocks = x.reshape(5, -1, 32)
-    top = np.abs(blocks).max(-1, keepdims=True)
-    rounded = np.rint(blocks * (np.float32(127) / top)) * (top / np.float32(127)).astype(np.float64)
-    rounded = rounded.reshape(5, 192)
-    got = np.asarray(block_products_cpu(jnp.asarray(x), *_args(arrays), 32, 4, True))
-    w = dequantize_reference(*arrays, 32, 4)
-    assert np.all(np.abs(got - rounded @ w.T) <= 2 * _bound(np.abs(x), w))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from cpp_kernels import cpu_kernels_available
 from cpp_kernels.targets import BLOCK_PRODUCTS
@@ -62,16 +61,10 @@ def block_products_cpu(
     offsets: jax.Array | None,
     block: int,
     bits: int,
-    int8_rows: bool = False,
 ) -> jax.Array:
     """x [..., in] float32 times the quantized weight [out, in] -> [..., out] float32 on the
     CPU kernel, for the shapes `block_products_cpu_takes` accepts (`block` and `bits` are
-    implied by the arrays' shapes and types, and taken for the package's one signature).
-
-    `int8_rows`: 4-bit weights in blocks of 32, `in` a multiple of 64, on a CPU with AVX-512
-    VNNI: x is quantized to int8 per block of 32 in the kernel and multiplied by the bytes'
-    dot-product instruction, as llama.cpp does (faster, and no longer float32's accuracy:
-    docs/PERF.md, "Block products"); elsewhere it is ignored."""
+    implied by the arrays' shapes and types, and taken for the package's one signature)."""
     del block, bits
     if not cpu_kernels_available():
         raise RuntimeError("the CPU kernels are not built (see the log's warning)")
@@ -85,6 +78,5 @@ def block_products_cpu(
         quants,
         scales,
         jnp.zeros((0,), scales.dtype) if offsets is None else offsets,
-        int8_rows=np.int32(int8_rows),
     )
     return out.reshape(*x.shape[:-1], quants.shape[0])
