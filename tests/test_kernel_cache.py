@@ -1,9 +1,10 @@
 """The C++ kernels' cache (cpp_kernels/build.py) trusts no file for its name: a
 truncated, planted, swapped or world-writable library is never loaded (rebuilt, or the XLA
 kernels run after one warning naming the file), a build under any umask is private, and a
-compiler that never answers is stopped. One real compile in all (the module's fixture); every
-other build runs a stand-in compiler that answers `--version` as the real one does (so the
-cache key is the same) and "builds" by copying that library, failing, or sleeping. Every
+compiler that never answers is stopped. No real compile here: the run compiled the kernels
+at their first use (or found them compiled from the same sources), and every build here runs
+a stand-in compiler that answers `--version` as the real one does (so the cache key is the
+same) and "builds" by copying that library, failing, or sleeping. Every
 cache is a temporary folder (ETJAX_KERNEL_CACHE), never the user's."""
 
 from __future__ import annotations
@@ -41,10 +42,16 @@ def compiler() -> str:
 
 
 @pytest.fixture(scope="module")
-def genuine(tmp_path_factory) -> Path:
-    """A cache built by etjax, in a fresh process under umask 000 (the one real compile)."""
-    cache = tmp_path_factory.mktemp("umask") / "parent" / "kernels"
-    env = subprocess_env() | {"ETJAX_KERNEL_CACHE": str(cache)}
+def genuine(tmp_path_factory, compiler) -> Path:
+    """A cache built by etjax, in a fresh process under umask 000. Its compiler is a stand-in
+    whose build copies the library this run compiled from the same sources, with the mode a
+    real link leaves under umask 000 (0777): the whole build path runs as for real, and the
+    suite compiles the kernels once, not twice (18 s)."""
+    _, library = build._library()
+    folder = tmp_path_factory.mktemp("umask")
+    cache = folder / "parent" / "kernels"
+    copying = _compiler_script(folder, library, compiler, COPY + " && chmod 777 $out")
+    env = subprocess_env() | {"ETJAX_KERNEL_CACHE": str(cache), "CXX": str(copying)}
     script = (
         "import os; os.umask(0); from cpp_kernels import cpu_kernels_available; "
         "print(cpu_kernels_available())"
@@ -54,6 +61,7 @@ def genuine(tmp_path_factory) -> Path:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True"], done.stderr
+    assert _only(cache, ".so").read_bytes() == library.read_bytes()
     return cache
 
 
@@ -94,8 +102,15 @@ def _only(folder: Path, suffix: str) -> Path:
 def _stand_in(
     tmp_path: Path, genuine: Path, compiler: str, build_step: str, version_step: str = ""
 ) -> Path:
+    # A compiler script whose builds may copy the genuine cache's library.
+    return _compiler_script(tmp_path, _only(genuine, ".so"), compiler, build_step, version_step)
+
+
+def _compiler_script(
+    tmp_path: Path, library: Path, compiler: str, build_step: str, version_step: str = ""
+) -> Path:
     # A compiler script: `--version` as `compiler` answers it (after `version_step`), anything
-    # else runs `build_step`, with $out the file the build must write.
+    # else runs `build_step` ({library} is `library`), with $out the file the build must write.
     script = tmp_path / f"stand-in-{len(list(tmp_path.glob('stand-in-*')))}"
     script.write_text(
         "#!/bin/sh\n"
@@ -104,7 +119,7 @@ def _stand_in(
         f"  exec {compiler} --version\n"
         "fi\n"
         'while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done\n'
-        f"{build_step.format(library=_only(genuine, '.so'))}\n"
+        f"{build_step.format(library=library)}\n"
     )
     script.chmod(0o700)
     return script
