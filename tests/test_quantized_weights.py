@@ -14,6 +14,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 import etjax
+from etjax.calibration.identity import weights_fingerprint
 from etjax.cli import _parser, main
 from etjax.errors import ConfigError, ModelLoadError
 from etjax.gguf_file import read_gguf
@@ -85,8 +86,10 @@ def test_stored_blocks_are_the_files_values(matrix_type, tiny_hf_dir, smollm2_pa
     stored = etjax.load_model(path, weights="stored")
     dequantized = etjax.load_model(path, weights="float32")
     assert set(weight_formats(stored.weights).values()) == {matrix_type.lower()}
-    # Equal weights: the same model (its greedy tokens on the kernels: the SmolLM2 test).
+    # Equal weights: the same model (its greedy tokens on the kernels: the SmolLM2 test),
+    # which a calibration file fitted on either recognises.
     _matrices_equal(stored.weights, dequantized.weights)
+    assert weights_fingerprint(stored.weights) == weights_fingerprint(dequantized.weights)
 
 
 def test_a_block_type_the_kernels_cannot_read_is_refused_by_name(

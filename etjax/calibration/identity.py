@@ -11,17 +11,23 @@ projection of every layer, so a fine-tune that moves any of them, a merged LoRA 
 changes it). Values are hashed rounded to bfloat16, the cast etjax's loaders make (round to
 nearest even, etjax/loaders/assemble.py), so the same weights give the same fingerprint
 whichever dtype they were loaded in and whether they came from safetensors, a GGUF file of
-the same values or a converted checkpoint. Weights quantized differently are other weights.
+the same values or a converted checkpoint. Weights quantized differently are other weights;
+a matrix kept in its blocks (`load_model(weights="stored")`) is hashed as the values it holds,
+so it fingerprints as its float32 dequantization does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from etjax.model.quantized import is_quantized
 
 # A leaf up to this many values is hashed whole; a larger one by its first row.
 _WHOLE = 65536
@@ -51,8 +57,12 @@ def model_identity(model: Any) -> dict[str, str | int]:
 def weights_fingerprint(weights: Any) -> str:
     """ "sha256:" and 16 hex digits, from every leaf's name, shape and sampled values."""
     digest = hashlib.sha256()
-    for path, leaf in jax.tree_util.tree_leaves_with_path(weights):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(weights, is_leaf=is_quantized):
         digest.update(f"{jax.tree_util.keystr(path)}{tuple(leaf.shape)};".encode())
+        if is_quantized(leaf):  # its values: whole, or its first row, as a float leaf's
+            small = math.prod(leaf.shape) <= _WHOLE
+            leaf = leaf.dequantize() if small else leaf.take_rows(jnp.zeros(1, jnp.int32))
+            leaf = leaf if small else leaf.dequantize()[0]
         digest.update(_sample(leaf).tobytes())
     return "sha256:" + digest.hexdigest()[:16]
 
