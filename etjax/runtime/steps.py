@@ -45,7 +45,7 @@ from etjax.runtime.rollback import retract_rejected
 from etjax.runtime.state import DecodeState, StepOutputs
 from etjax.runtime.target_logprobs import target_logprobs
 from etjax.runtime.token_mask import collect_masks, start_masks
-from etjax.runtime.verify import accept_drafts
+from etjax.runtime.verify import accept_drafts, precomputes_logits, row_and_draft_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +131,11 @@ def mixed_step(
             _run_ragged, weights, cache, store, batch, plan, statics, row_slots
         )
         start = state.lengths
+        head = None
+        if max_draft and precomputes_logits(rows.shape[0], max_draft, statics.constrained):
+            head = functools.partial(_joint_head, weights)
         state, cache, outputs, after = _decode_step(
-            weights, state, statics, thresholds, model, rows, batch.draft_len > 0
+            weights, state, statics, thresholds, model, rows, batch.draft_len > 0, head=head
         )
         outputs = jax.tree.map(lambda x: x[None], outputs)
         if max_draft:
@@ -206,7 +209,7 @@ def _verify_drafts(
     # state, the cache without the rejected drafts' keys (etjax/runtime/rollback.py) and the
     # outputs [1 + max_draft, Bm]. outputs [1, Bm]: the rows' tokens'; after: `_run_ragged`'s;
     # start [Bm]: the rows' lengths before the step.
-    _, draft_hidden, row_pages, _ = after
+    _, draft_hidden, row_pages, _, *joint = after  # joint: `_joint_head`'s draft logits
     fraction = state.entropy.budget  # the kept fraction the rows' tokens read with
     drafts = batch.tokens.at[row_slots[:, 1:]].get(mode="fill", fill_value=0)
     reads = None
@@ -224,11 +227,19 @@ def _verify_drafts(
         statics.cost,
         statics.constrained,
         reads,
+        draft_logits=joint[0] if joint else None,
     )
     outputs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), outputs, verified)
     written = jnp.sum(row_pages != 0, axis=1)
     cache = retract_rejected(cache, row_pages, start, written, state.lengths)
     return state, cache, outputs
+
+
+def _joint_head(weights, hidden, after):
+    # A verifying step's LM head: its rows' tokens [B, D] and their drafts (in `after`) in
+    # one product (verify.py `row_and_draft_logits`); the drafts' logits ride on in `after`.
+    logits, draft_logits = row_and_draft_logits(weights, hidden, after[1])
+    return logits, (*after, draft_logits)
 
 
 def _placed(statics, store, cache, logits=None, outputs=None):
@@ -385,14 +396,17 @@ def _attention(plan, sparse, statics):
     return plan.replace(sparse=sparse)
 
 
-def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying=None, groups=None):
+def _decode_step(
+    weights, state, statics, thresholds, run_model, rows, verifying=None, groups=None, head=None
+):
     # One step of every row of `state`: sample from its logits, run the model on the token
     # (`run_model(tokens [B], runs [B], sparse, row_k) -> (hidden [B, D], cache, after)`,
     # row_k [B] the experts each token runs or None for all), account.
     # Returns the state, the cache, the outputs and `after`, what run_model passed on.
     # `rows` [B]: the store rows of `state` (whose block mass pruning reads). `verifying` [B]
     # bool: rows whose drafts run after their token (which then runs all k experts). `groups`:
-    # pruned rows sharing a prefix (etjax/pruning/groups.py), or None.
+    # pruned rows sharing a prefix (etjax/pruning/groups.py), or None. `head(hidden, after)
+    # -> (next logits [B, V], after)`: a verifying step's LM head (`_joint_head`), or None.
     cost, active, raw_logits = statics.cost, state.active, state.logits
     # Under a grammar the raw logits stay the entropy signal's (`draw_rows`).
     state, tokens, info, sampler_state = draw_rows(state, statics.constrained)
@@ -408,10 +422,12 @@ def _decode_step(weights, state, statics, thresholds, run_model, rows, verifying
     )
     row_k = _row_experts(statics, info, verifying)
     hidden, cache, after = run_model(tokens, runs, sparse, row_k)
-    # The LM head only where a row runs on (its logits are kept only there).
-    next_logits = jax.lax.cond(
-        jnp.any(runs), lambda: logits_from_hidden(weights, hidden), lambda: state.logits
-    )
+    if head is not None:
+        next_logits, after = head(hidden, after)
+    else:  # the LM head only where a row runs on (its logits are kept only there)
+        next_logits = jax.lax.cond(
+            jnp.any(runs), lambda: logits_from_hidden(weights, hidden), lambda: state.logits
+        )
     if statics.constrained:  # after the model's pass, which the host's masks overlapped
         allowed = collect_masks(ticket, next_logits, *state.allowed.shape)
     flops, nbytes = cost.token_cost(
