@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from cpp_kernels.build import kernel_cache_dir
 from etjax.compilation_cache import chosen_directory
 from tests.subprocess_env import subprocess_env
 
@@ -42,6 +43,9 @@ def test_a_first_decode_fills_the_per_user_cache_unless_switched_off(tiny_hf_dir
         env = subprocess_env()
         del env["JAX_COMPILATION_CACHE_DIR"]
         env["XDG_CACHE_HOME"] = str(tmp_path / f"xdg{switch}")
+        # The C++ kernels stay where this run keeps them: under the moved XDG_CACHE_HOME each
+        # process would build them again (two builds, 40 s of the test's 57).
+        env.setdefault("ETJAX_KERNEL_CACHE", str(kernel_cache_dir()))
         env["ETJAX_COMPILATION_CACHE"] = switch
         command = [sys.executable, "-c", script, str(tiny_hf_dir("llama"))]
         subprocess.run(command, env=env, check=True, capture_output=True)
