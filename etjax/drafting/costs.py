@@ -12,10 +12,13 @@ own steps and the gate reads the ratio measured here where it has one:
 - a ragged step with drafts and no prefill chunk: its seconds, keyed by its row bucket and
   its token bucket (what the cost model prices it by), with the drafted positions it
   checked: a position is checked while some row still accepts (etjax/runtime/verify.py), and
-  each costs a sampling and a commit, so at batch 1 on a 2-core CPU a step whose 7 drafts
-  were all accepted cost 3.7 burst steps where one rejected at once cost about 2. The gate
-  asks for the positions it expects (rule.py, `expected_positions`), read off the measured
-  ones by linear interpolation (clamped to the range measured).
+  each costs a sampling and a commit (when each position also read the LM head, at batch 1
+  on a 2-core CPU a step whose 7 drafts were all accepted cost 3.7 burst steps where one
+  rejected at once cost about 2; with the head read once for all positions, a check is
+  about 0.1 ms of CPU time there, and the count stays in the key for machines and batches
+  where it is not). The gate asks for the positions it expects (rule.py,
+  `expected_positions`), read off the measured ones by linear interpolation (clamped to the
+  range measured).
 
 A call during which JAX traced or compiled anything is not a sample (the compiler, not the
 step; `compile_events`). Each key keeps its last `WINDOW` samples and is read as their median
