@@ -1,11 +1,19 @@
 """Speculation as a latency user meets it on this machine: batch 1, greedy, `decode()` with and
 without `speculation=True`, on copy-heavy and free-form prompts (SmolLM2-135M-Instruct).
 
-- copy-heavy: a passage of a Lee corpus article, then "Repeat the passage above word for
-  word." (prompt lookup should draft long runs and have them accepted); target: latency with
-  speculation at most 0.6x of without;
+- copy-heavy: an edit whose answer is mostly the prompt's own text (a JSON object
+  reformatted, a list copied, a paragraph and an email corrected); prompt lookup should
+  draft long runs and have them accepted; target: latency with speculation at most 0.6x of
+  without;
+- passage: issue 65's first copy-heavy prompts, a 96-token passage of a Lee corpus article
+  then "Repeat the passage above word for word." (SmolLM2 leaves some passages after a few
+  dozen tokens), against the same target;
 - free-form: an instruction with little to copy; target: at least 0.98x the speed without
   (the cost gate, on the step costs measured here, keeps speculation from costing).
+
+How copy-heavy each prompt is, is measured, not assumed: the fraction of the plain greedy
+output's tokens that lie in runs of at least `COPY_RUN` tokens found verbatim in the prompt
+(`copied_fraction`).
 
 Each prompt runs alone (one `decode()` call: batch 1, `max_new_tokens` new tokens, end of
 sequence ignored so every call does the same work), once per setting as a warm-up
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import statistics
 import sys
@@ -38,6 +47,34 @@ from etjax.drafting.costs import measured_tables
 from etjax.runtime.options import DRAFT_COUNTS
 
 SETTINGS = ("off", "on")
+KINDS = ("copy-heavy", "passage", "free-form")
+TARGETS = {
+    "copy-heavy": "<= 0.60x",
+    "passage": "<= 0.60x",
+    "free-form": "<= 1.02x (>= 0.98x the speed)",
+}
+# Edits whose answer SmolLM2 copies from the prompt (88-100% of its greedy output's tokens,
+# `copied_fraction`, when written).
+COPY_HEAVY = (
+    "Reformat this JSON with one key per line and two spaces of indentation:\n"
+    '{"name": "Ada Lovelace", "born": 1815, "died": 1852, "country": "United Kingdom", '
+    '"known_for": ["Analytical Engine", "first computer program", "Notes on the Menabrea '
+    'paper"], "father": "Lord Byron"}',
+    "Correct the grammar in this email and return the whole email:\n\nHi Sarah,\n\nThank "
+    "you for sending the report yesterday. I has read it carefully and I think the numbers "
+    "for the third quarter looks good. Could you please add a short summary at the beginning "
+    "and send it to the team before Friday? Let me know if you needs any help with the "
+    "charts.\n\nBest regards,\nDavid",
+    "Copy this shopping list exactly, one item per line:\n- 2 cartons of milk\n- a loaf of "
+    "whole wheat bread\n- 12 eggs\n- 3 ripe bananas\n- a bag of brown rice\n- olive oil\n"
+    "- 4 tomatoes\n- a block of cheddar cheese\n- ground coffee\n- dish soap",
+    "Correct the spelling mistakes in this paragraph and return the whole corrected "
+    "paragraph:\n\nThe river runs through the center of the old town, past the market "
+    "square and the church with the tall clock towre. Every morning the fishermen bring "
+    "their boats to the stone pier and sell their catch to the restaurants along the water. "
+    "In the evening the streets fill with families walking by the river and children "
+    "playing near the fountain.",
+)
 # Held-out articles of the Lee corpus for the passages (none of them is in the mixed
 # workload's first requests), and how many tokens of each.
 ARTICLES = (17, 58, 121, 203)
@@ -48,15 +85,45 @@ FREE_FORM = (
     "Give three tips for someone learning to cook, with a reason for each.",
     "Describe a busy market early in the morning.",
 )
+COPY_RUN = 4  # the shortest run of output tokens counted as copied from the prompt
 
 
 def prompts(tokenizer, articles: list[str], count: int) -> dict[str, list[str]]:
-    """`count` prompts of each kind: copy-heavy and free-form."""
-    copy = []
+    """`count` prompts of each kind (`KINDS`)."""
+    passages = []
     for index in ARTICLES[:count]:
         passage = tokenizer.decode(tokenizer.encode(articles[index])[:PASSAGE_TOKENS])
-        copy.append(f"{passage.strip()}\n\nRepeat the passage above word for word.")
-    return {"copy-heavy": copy, "free-form": list(FREE_FORM[:count])}
+        passages.append(f"{passage.strip()}\n\nRepeat the passage above word for word.")
+    return {
+        "copy-heavy": list(COPY_HEAVY[:count]),
+        "passage": passages,
+        "free-form": list(FREE_FORM[:count]),
+    }
+
+
+def copied_fraction(prompt: list[int], output: list[int], run: int = COPY_RUN) -> float:
+    """The fraction of `output`'s tokens that lie in runs of at least `run` tokens found
+    verbatim in `prompt`: from the start of the output, the longest run found in the prompt
+    is taken where it is that long, else one token is left uncopied."""
+    if not output:
+        return 0.0
+    copied, i = 0, 0
+    while i < len(output):
+        longest = max((_common_run(prompt, j, output, i) for j in range(len(prompt))), default=0)
+        if longest >= run:
+            copied += longest
+            i += longest
+        else:
+            i += 1
+    return copied / len(output)
+
+
+def _common_run(a: list[int], i: int, b: list[int], j: int) -> int:
+    # How many tokens a[i:] and b[j:] share from their starts.
+    n = 0
+    while i + n < len(a) and j + n < len(b) and a[i + n] == b[j + n]:
+        n += 1
+    return n
 
 
 def main() -> None:
@@ -69,6 +136,7 @@ def main() -> None:
     import etjax
     from etjax.bench.corpus import lee_articles
 
+    load_start = os.getloadavg()[0]
     model = etjax.load_model()
     kinds = prompts(model.tokenizer, lee_articles(), min(args.prompts, len(ARTICLES)))
     cases = [(kind, i, text) for kind, texts in kinds.items() for i, text in enumerate(texts)]
@@ -102,14 +170,19 @@ def main() -> None:
                 same = result.token_ids == first[(kind, i, "off")].token_ids
                 identical[(kind, i)] = identical.get((kind, i), True) and same
             print(kind, i, {s: f"{seconds[(kind, i, s)][-1]:.2f} s" for s in SETTINGS}, flush=True)
-    raw = _raw(args, cases, seconds, counts, identical)
+    copied = {
+        (kind, i): copied_fraction(result.prompt_token_ids, result.token_ids)
+        for (kind, i, setting), result in first.items()
+        if setting == "off"
+    }
+    raw = _raw(args, cases, seconds, counts, identical, copied, load_start)
     markdown = _markdown(raw)
     print(markdown)
     if not args.no_write:
         write_section("speculation_gate", markdown, raw)
 
 
-def _raw(args, cases, seconds, counts, identical) -> dict:
+def _raw(args, cases, seconds, counts, identical, copied, load_start) -> dict:
     rows = []
     for kind, i, text in cases:
         off, on = seconds[(kind, i, "off")], seconds[(kind, i, "on")]
@@ -124,6 +197,7 @@ def _raw(args, cases, seconds, counts, identical) -> dict:
                 "ratio": statistics.median(b / a for a, b in zip(off, on, strict=True)),
                 "counts": counts[(kind, i, "on")],
                 "identical": identical[(kind, i)],
+                "copied": copied[(kind, i)],
             }
         )
     costs = {key: table.medians() for key, table in measured_tables().items()}
@@ -133,42 +207,51 @@ def _raw(args, cases, seconds, counts, identical) -> dict:
         "command": shlex.join(sys.argv[1:]),
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
+        "copy_run": COPY_RUN,
+        "load": [load_start, os.getloadavg()[0]],  # 1-minute load averages, start and end
         "rows": rows,
         "step_costs": costs,  # the gate's measured inputs (seconds), per model shape
     }
 
 
 def _markdown(raw: dict) -> str:
+    load = raw["load"]
     lines = [
         "## Speculation at batch 1 on this machine: copy-heavy and free-form text "
         f"(SmolLM2-135M-Instruct, float32, greedy, {cpu_name(raw['machine'])})",
         "",
-        f"Measured {raw['date']} on {raw['machine']}. Command: `.venv/bin/python "
+        f"Measured {raw['date']} on {raw['machine']}; the load average (1 min) was "
+        f"{load[0]:.1f} at the start and {load[1]:.1f} at the end"
+        + (" (other processes loaded the machine)" if max(load) > 2.5 else "")
+        + ". Command: `.venv/bin/python "
         f"benchmarks/speculation_gate.py {raw['command']}`. Each prompt alone through "
         f"`decode(..., chat=True, max_new_tokens={raw['max_new_tokens']}, ignore_eos=True)` "
         "with `speculation` off and on; a warm-up call of each, then "
         f"{raw['repeats']} interleaved repetitions (the settings' order alternating), median "
-        "(min-max) seconds and the median of the paired on/off ratios. Copy-heavy: a "
-        '96-token passage of a Lee corpus article, then "Repeat the passage above word for '
-        'word."; free-form: an instruction with little to copy. Counts: what speculation did '
+        "(min-max) seconds and the median of the paired on/off ratios. Copy-heavy: an edit "
+        "whose answer is mostly the prompt's text (a JSON object reformatted, an email's "
+        "grammar and a paragraph's spelling corrected, a list copied); passage: issue 65's "
+        'first prompts, a 96-token passage of a Lee corpus article, then "Repeat the passage '
+        'above word for word."; free-form: an instruction with little to copy. Copied: the '
+        "fraction of the plain greedy output's tokens in runs of at least "
+        f"{raw['copy_run']} tokens found verbatim in the prompt. Counts: what speculation did "
         "in the last repetition (`Result` fields).",
         "",
-        "| kind | prompt | off s | on s | on / off | drafted | accepted | verifying passes | "
-        "model passes | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| kind | prompt | copied | off s | on s | on / off | drafted | accepted | "
+        "verifying passes | model passes | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in raw["rows"]:
         c = row["counts"]
         lines.append(
-            f"| {row['kind']} | {row['prompt']} | {_spread(row['off_s'])} | "
+            f"| {row['kind']} | {row['prompt']} | {row['copied']:.0%} | {_spread(row['off_s'])} | "
             f"{_spread(row['on_s'])} | {row['ratio']:.2f}x | {c['drafted_tokens']} | "
             f"{c['accepted_tokens']} | {c['verify_steps']} | {c['model_passes']} | "
             f"{'yes' if row['identical'] else 'NO'} |"
         )
     lines += ["", "| kind | on / off (median of prompts) | target | identical |"]
     lines.append("|---|---|---|---|")
-    targets = {"copy-heavy": "<= 0.60x", "free-form": "<= 1.02x (>= 0.98x the speed)"}
-    for kind, target in targets.items():
+    for kind, target in TARGETS.items():
         rows = [r for r in raw["rows"] if r["kind"] == kind]
         if rows:
             ratio = statistics.median(r["ratio"] for r in rows)
