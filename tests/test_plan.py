@@ -155,3 +155,17 @@ def test_a_libtpu_other_than_jaxs_is_refused_naming_the_one_to_install(monkeypat
     monkeypatch.setattr(topology.importlib.metadata, "version", lambda name: "0.0.40")
     with pytest.raises(ConfigError, match=r'libtpu 0\.0\.40 .* pip install "libtpu==0\.0\.42\.\*"'):
         topology.check_libtpu()
+
+
+def test_off_a_tpu_the_engine_sizes_its_pool_as_before():
+    # The TPU sizing (etjax/planning/pool.py) compiles nothing on a CPU: the builder's own
+    # sizing stands. The HBM share is checked where it is set.
+    from etjax.errors import FieldError
+    from etjax.planning.plan import model_config
+    from etjax.planning.pool import device_pool_pages
+    from etjax.runtime.options import RuntimeOptions
+
+    assert device_pool_pages(model_config(LLAMA_8B, "bfloat16"), RuntimeOptions()) is None
+    for bad in (0, 1.5, True, "0.9"):
+        with pytest.raises(FieldError, match=r"hbm_fraction=.*must be a number in \(0, 1\]"):
+            RuntimeOptions(hbm_fraction=bad)

@@ -17,7 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_attention import ragged_attention_reference, ragged_attention_xla
+from pallas_kernels.ragged_attention import (
+    pallas_tpu,
+    ragged_attention_reference,
+    ragged_attention_xla,
+)
 from pallas_kernels.ragged_attention.pallas_tpu import ragged_pass_tpu
 from pallas_kernels.ragged_attention.work_items import (
     Segment,
@@ -34,11 +38,14 @@ LENGTHS = [(40, 1), (13, 24), (5, 1), (0, 7)]
 
 
 @pytest.mark.parametrize(
-    "page_size, dtype, window, softcap",
-    [(4, jnp.float32, 9, 2.0), (16, jnp.bfloat16, 0, 0.0)],
-    ids=["float32-window-softcap", "bfloat16"],
+    "page_size, dtype, window, softcap, max_rows",
+    [(4, jnp.float32, 9, 2.0, 8), (16, jnp.bfloat16, 0, 0.0, pallas_tpu.MAX_ROWS)],
+    ids=["float32-window-softcap-row-blocks", "bfloat16"],
 )
-def test_tpu_pass_matches_the_reference(page_size, dtype, window, softcap):
+def test_tpu_pass_matches_the_reference(page_size, dtype, window, softcap, max_rows, monkeypatch):
+    # With blocks of 8 rows, a prefill tile's 48 rows (16 tokens x 3 heads) run as six
+    # programs, each reading the tile's pages.
+    monkeypatch.setattr(pallas_tpu, "MAX_ROWS", max_rows)
     args, truth = _case(LENGTHS, page_size, 2, 3, dtype, 2, 7, window=window, softcap=softcap)
     ours = ragged_attention_xla(*args, 16, jnp.int32(window), softcap, False, PASS)
     assert ours.dtype == dtype

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,7 @@ from jax.sharding import SingleDeviceSharding
 
 from etjax.errors import ConfigError
 from etjax.loaders.gguf_weights import gguf_model_config, open_gguf
-from etjax.planning.plan import plan
+from etjax.planning.pool import pool_plan
 from etjax.planning.programs import (
     burst_call,
     compile_only_backend,
@@ -122,23 +121,24 @@ def test_dense_decode_burst_compiles_for_v5e_on_the_ragged_pallas_pass(cfg):
     _check_memory(report, cfg)
 
 
-@pytest.mark.parametrize("chip", ["v5e-1", "v6e-1"])
-def test_ragged_pallas_pass_compiles_for_decode_and_prefill_tiles(chip):
-    # The dense kernel alone, as the engine runs it (xla.py's passes on the Mosaic kernel) at
-    # SmolLM2's heads and pages: a decode pass (one-token tiles, key tiles of 4 pages) and a
-    # prefill pass (64-token tiles) in one program; the pool stays where it is, never copied
-    # (the scratch is the queries' tiles and their outputs, under the 2.5 MB pool).
-    device = Topology.parse(chip).devices()[0]
+def test_ragged_pallas_pass_compiles_for_v6e_for_decode_and_prefill_tiles():
+    # The dense kernel alone (v5e builds it in the steps of the tests around), as the engine
+    # runs it (xla.py's passes on the Mosaic kernel) at SmolLM2's heads and pages, in one
+    # program: a decode pass (one-token tiles, key tiles of 4 pages), a prefill pass of
+    # 64-token tiles and one of 512-token tiles against 32 pages (1,536 rows a KV head,
+    # three blocks: whole, it ran out of VMEM). The pool stays where it is, never copied:
+    # the scratch is the queries' tiles and their outputs.
+    device = Topology.parse("v6e-1").devices()[0]
     on_chip = SingleDeviceSharding(device)
 
     def shape(dims, dtype):
         return jax.ShapeDtypeStruct(dims, dtype, sharding=on_chip)
 
-    def pass_shapes(q_tile):
-        segment = Segment(0, q_tile, 500, 500 + q_tile - 1, list(range(1, 41)))
+    def pass_shapes(q_tile, kv_tile):
+        segment = Segment(0, q_tile, 500, 500 + q_tile - 1, list(range(1, 80)))
         built = build_pass(
-            [segment], page_size=16, q_tile=q_tile, kv_tile=4, num_tokens=64, max_tiles=2,
-            max_items=16,
+            [segment], page_size=16, q_tile=q_tile, kv_tile=kv_tile, num_tokens=512,
+            max_tiles=2, max_items=16,
         )  # fmt: skip
         return jax.tree.map(lambda a: shape(a.shape, a.dtype), built)
 
@@ -146,13 +146,13 @@ def test_ragged_pallas_pass_compiles_for_decode_and_prefill_tiles(chip):
         kernel = ragged_pass_tpu
         return ragged_attention_xla(q, k, v, positions, passes, 16, window, 0.0, False, kernel)
 
-    pages = shape((400, 3, 16, 64), jnp.bfloat16)
-    arguments = (shape((64, 9, 64), jnp.bfloat16), pages, pages, shape((64,), jnp.int32))
-    passes = (pass_shapes(1), pass_shapes(64))
+    pages = shape((1024, 3, 16, 64), jnp.bfloat16)
+    arguments = (shape((512, 9, 64), jnp.bfloat16), pages, pages, shape((512,), jnp.int32))
+    passes = (pass_shapes(1, 4), pass_shapes(64, 4), pass_shapes(512, 32))
     with jax.default_device(device):
         compiled = jax.jit(attend).lower(*arguments, passes, shape((), jnp.int32)).compile()
     assert mosaic_kernels(compiled.as_text()) == (RAGGED,)
-    pool_bytes = 400 * 3 * 16 * 64 * 2
+    pool_bytes = 1024 * 3 * 16 * 64 * 2  # 6.3 MB of keys
     assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes
 
 
@@ -211,37 +211,37 @@ def test_burst_compiles_for_a_2x2_v5e_mesh(cfg, pruning):
     assert report.argument_bytes < 0.5 * (_weight_bytes(cfg) + _pool_bytes(cfg))
 
 
-def test_a_plan_compiles_the_engines_programs_and_counts_what_the_compiler_reports(tmp_path):
-    # etjax plan end to end, pruned, on a tiny Llama config (a config.json alone; ~10 s): both
-    # programs are built with the block-sparse Mosaic kernel, and the compiler's arguments
-    # are the weights and pool the plan counted from shapes (the tiled layouts pad some).
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "vocab_size": 1024,
-        "max_position_embeddings": 2048,
-        "tie_word_embeddings": True,
-    }
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    p = plan(tmp_path, "v5e-1", batch=4, context=256, pruning=True)
-    assert p.fits and p.compiled_layers == 2
-    assert [r.name for r in p.programs] == ["decode burst", "ragged step"]
-    for report in p.programs:
+def test_the_engine_on_a_v5e_sizes_its_pool_from_the_compiled_programs_and_the_hbm(cfg):
+    # The pool an engine on one v5e would allocate (etjax/planning/pool.py: `etjax plan`'s
+    # path over the engine's devices and options), pruned, 4 rows, the default token budget
+    # (a 508-token prompt chunk: the long prefill tiles that once ran out of VMEM).
+    options = dataclasses.replace(_options(pruning=True), hbm_fraction=0.9)
+    sized = pool_plan(cfg, options, Topology.parse("v5e-1").devices())
+    assert sized.compiled_layers == 2
+    assert [r.name for r in sized.programs] == ["decode burst", "ragged step"]
+    for report in sized.programs:
         assert BLOCK_SPARSE in report.kernels
         # The weights, pool and store in the compiler's layouts are its arguments, but for
-        # the call's few small inputs.
+        # the call's small inputs (the tokens, positions and passes: 92 KB beside a
+        # 508-token chunk).
         laid_out = sum(size for _, size in report.laid_out)
-        assert laid_out <= report.argument_bytes <= laid_out + 64 * 1024
-    # XLA puts a pool's page axis minor-most, in 128-wide tiles: 69 pages (4 rows of 17,
-    # the null page) take the room of 128, and the plan counts the pool as laid out.
-    pages = 4 * 17 + 1
-    assert p.kv_pool_pages == pages
-    keys_values = 2 * 2 * 2 * 16 * 64 * 2  # per page: layers, KV heads, page, head, bfloat16
-    assert p.kv_pool_bytes_per_chip >= 128 * keys_values
-    assert p.program_bytes_per_chip == max(r.temp_bytes + r.code_bytes for r in p.programs)
+        assert laid_out <= report.argument_bytes <= laid_out + 256 * 1024
+    assert RAGGED in sized.programs[1].kernels
+    # Against a count by hand: 90% of the chip's 16 GiB less the weights (the parameter
+    # count), the row store and the larger program's scratch and code, over a page's keys,
+    # values and key bounds (their shapes).
+    programs = max(r.temp_bytes + r.code_bytes for r in sized.programs)
+    assert sized.program_bytes_per_chip == programs
+    store = 9 * cfg.vocab_size * 9  # 2 x 4 resident rows and the pad row, 9 bytes a token
+    page = _pool_bytes(cfg) / NUM_PAGES
+    by_hand = (0.9 * 16 * 2**30 - _weight_bytes(cfg) - store - programs) / page
+    assert 0.99 * by_hand <= sized.max_pool_pages <= by_hand
+    # XLA puts a pool's page axis minor-most, in 128-wide tiles: the pool is whole tiles,
+    # and the 1,029 pages the 4 rows of 4K ask for (the null page too) take 1,152's room.
+    assert sized.max_pool_pages % 128 == 0
+    assert sized.kv_pool_pages == 4 * 257 + 1
+    assert sized.kv_pool_bytes_per_chip >= 1152 * page
+    # A fraction leaving less than the weights is refused by name.
+    with pytest.raises(ConfigError, match="the KV pool"):
+        small = dataclasses.replace(options, hbm_fraction=0.0005)
+        pool_plan(cfg, small, Topology.parse("v5e-1").devices())

@@ -25,6 +25,7 @@ from etjax.engine.engine import Engine
 from etjax.engine.policies import make_policy
 from etjax.model.config import ModelConfig
 from etjax.model.weights import Weights
+from etjax.planning.pool import device_pool_pages
 from etjax.runtime.options import RequestSettings, RuntimeOptions, SequenceOutput
 from etjax.tokenizer import Tokenizer
 
@@ -45,9 +46,10 @@ def build_engine(
     num_pages: int | None = None,
     clock: Callable[[], float] | None = None,
 ) -> Engine:
-    """An engine on the default device; `num_pages` overrides `options.num_pages`."""
+    """An engine on the default device; `num_pages` overrides `options.num_pages`, and
+    without either the pool on a TPU fills the chips' HBM (`device_pool_pages`)."""
     use_persistent_cache(options.compilation_cache)
-    pages = num_pages or options.num_pages or 4096
+    pages = num_pages or options.num_pages or device_pool_pages(cfg, options) or 4096
     eos = tuple(tokenizer.eos_token_ids)
     backend = DeviceBackend(weights, cfg, eos, options, pages)
     cost = backend.cost  # the one cost model of this engine's model, KV dtype and pages
@@ -119,6 +121,7 @@ def generate_ids(
     `SequenceOutput` per prompt, in order.
     """
     options = options or RuntimeOptions()
-    pages = options.num_pages or workload_pages(prompts, settings, options)
+    pages = options.num_pages or device_pool_pages(cfg, options)
+    pages = pages or workload_pages(prompts, settings, options)
     engine = build_engine(weights, cfg, tokenizer, options, num_pages=pages)
     return engine.generate(prompts, settings, on_text=on_text, on_done=on_done)

@@ -8,6 +8,7 @@ TPU topology (libtpu, no TPU needed), what each chip would hold, and what a step
   kernels built.
 - `plan.py`: `plan` (`etjax.plan`): weights, KV pool, row state and the programs' scratch per
   chip against HBM, the largest pool, batch and context that fit, a modelled decode step.
+- `pool.py`: the KV pool an engine on a TPU gets, from the same plan over its own devices.
 - `command.py`: `etjax plan`, the plan as text or JSON.
 
 docs/TPU.md says what is compiled, what is modelled and what has run on a device.

@@ -34,13 +34,15 @@ def add_plan(commands) -> None:
         "--layers", type=int, default=2, help="layers the programs are compiled with (0: all)"
     )
     cmd.add_argument("--no-compile", action="store_true", help="count only; compile nothing")
-    cmd.add_argument("--hbm-fraction", type=float, default=None, help="HBM share to plan")
+    cmd.add_argument(
+        "--hbm-fraction", type=float, default=None, help="HBM share to plan (default: config's)"
+    )
     cmd.add_argument("--json", action="store_true", help="print one JSON object")
     cmd.set_defaults(run=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from etjax.planning.plan import HBM_FRACTION, plan
+    from etjax.planning.plan import plan
 
     result = plan(
         args.model,
@@ -54,7 +56,7 @@ def run_plan(args: argparse.Namespace) -> int:
         mesh=args.mesh,
         layers=args.layers,
         compile_programs=not args.no_compile,
-        hbm_fraction=args.hbm_fraction or HBM_FRACTION,
+        hbm_fraction=args.hbm_fraction,
     )
     if args.json:
         print(json.dumps(result.as_dict()))

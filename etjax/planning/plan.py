@@ -46,14 +46,14 @@ from etjax.run_config import load_run_config
 from etjax.runtime.options import RuntimeOptions
 from pallas_kernels.ragged_attention.tiles import DECODE_KV_TILE
 
+# XLA lays a KV pool out with its page axis minor-most, in tiles of this many pages
+# (tests/test_tpu_compile.py): a pool takes the room of a whole number of them.
+POOL_TILE_PAGES = 128
+
 # The dense XLA kernel moves a row's KV three times a layer: it reads the pages to gather
 # them, writes the contiguous copy and reads that (pallas_kernels/ragged_attention/xla.py). A
 # TPU's engine runs it on a mesh; on one chip the Pallas pass reads the pages in place.
 XLA_GATHER_TRAFFIC = 3
-
-# The share of a chip's HBM a plan fills by default; the rest is left to the runtime's own
-# buffers and fragmentation (as other engines' memory-utilisation settings do).
-HBM_FRACTION = 0.95
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,12 @@ class Plan:
 
     @property
     def kv_pool_bytes_per_chip(self) -> int:
-        return self.kv_pool_pages * self.kv_bytes_per_page_per_chip
+        return self._laid_out_pages(self.kv_pool_pages) * self.kv_bytes_per_page_per_chip
+
+    def _laid_out_pages(self, pages: int) -> int:
+        # Compiled, a pool takes the room of whole tiles of `POOL_TILE_PAGES` pages.
+        tile = POOL_TILE_PAGES if self.programs else 1
+        return -(-pages // tile) * tile
 
     @property
     def program_bytes_per_chip(self) -> int:
@@ -116,9 +121,12 @@ class Plan:
 
     @property
     def max_pool_pages(self) -> int:
-        """The largest pool (pages, null page included) beside everything else."""
+        """The largest pool (pages, null page included) beside everything else; compiled,
+        whole tiles of `POOL_TILE_PAGES` pages (those it takes the room of)."""
         room = self.usable_bytes_per_chip - self.fixed_bytes_per_chip
-        return max(room // self.kv_bytes_per_page_per_chip, 0)
+        pages = max(room // self.kv_bytes_per_page_per_chip, 0)
+        tile = POOL_TILE_PAGES if self.programs and pages >= POOL_TILE_PAGES else 1
+        return pages // tile * tile
 
     def max_batch(self, context: int) -> int:
         """The most rows of `context` tokens the largest pool holds."""
@@ -211,7 +219,7 @@ def plan(
     mesh: str | None = None,
     layers: int = 2,
     compile_programs: bool = True,
-    hbm_fraction: float = HBM_FRACTION,
+    hbm_fraction: float | None = None,
 ) -> Plan:
     """Plan `model` (a GGUF file, or an HF folder or config.json; only the config is read) on
     `topology` ("v5e-1", "v6e-8", ...) at `dtype`, with the engine options of `config` (a
@@ -219,13 +227,27 @@ def plan(
     `context` tokens (default the config's `max_batch_size`, and 4096 or the model's context),
     `kv_dtype`, `pruning`, `mesh` ("DATAxMODEL"; default all chips on `model`). The step
     programs are compiled with `layers` layers (0: all) unless `compile_programs` is False or
-    the weights alone overflow the chips; `hbm_fraction` of each chip's HBM is planned.
-    Needs libtpu (`pip install etjax[tpu]`)."""
-    if not 0 < hbm_fraction <= 1:
-        raise ConfigError(f"hbm_fraction={hbm_fraction}; must be in (0, 1]")
+    the weights alone overflow the chips; `hbm_fraction` of each chip's HBM is planned
+    (default: the config's). Needs libtpu (`pip install etjax[tpu]`)."""
     topo = Topology.parse(topology)
     cfg = model_config(model, dtype)
-    options = _options(config, topo, batch, kv_dtype, pruning, mesh)
+    options = _options(config, topo, batch, kv_dtype, pruning, mesh, hbm_fraction)
+    return plan_config(cfg, topo, options, context, layers, compile_programs, str(model))
+
+
+def plan_config(
+    cfg: ModelConfig,
+    topo: Topology,
+    options: RuntimeOptions,
+    context: int | None = None,
+    layers: int = 2,
+    compile_programs: bool = True,
+    name: str = "",
+) -> Plan:
+    """`plan`'s work for a model config and an engine's options as they are (`plan` derives
+    them from files and flags; the engine's pool sizing, pool.py, passes its own), in
+    `options.hbm_fraction` of each chip's HBM."""
+    hbm_fraction = options.hbm_fraction
     context = context or min(cfg.max_position_embeddings, 4096)
     if context <= 0:
         raise ConfigError(f"context={context}; must be a positive number of tokens")
@@ -249,15 +271,18 @@ def plan(
     compiled = 0
     if compile_programs and weights_pc + state_pc < usable:
         compiled = layers if 0 < layers < cfg.num_layers else cfg.num_layers
-        programs = _compile(_cut(cfg, compiled), options, num_pages, topo, context)
+        # A pool of whole tiles of pages, so that its laid-out bytes a page are those of any
+        # large pool (the 69 pages of a small one took 128's room).
+        tiled = -(-num_pages // POOL_TILE_PAGES) * POOL_TILE_PAGES
+        programs = _compile(_cut(cfg, compiled), options, tiled, topo, context)
         # The pool and the row store as the compiler lays them out (its tiles pad the
         # minor dimensions), the pool scaled from the compiled layers to all of them.
         laid_out = dict(programs[0].laid_out)
         pool_pc = laid_out["cache"] * cfg.num_layers // compiled
-        page_pc = max(page_pc, -(-pool_pc // num_pages))
+        page_pc = max(page_pc, -(-pool_pc // tiled))
         state_pc = max(state_pc, laid_out["store"])
     return Plan(
-        model=str(model),
+        model=name,
         topology=topo,
         mesh=str(shape),
         dtype=cfg.dtype,
@@ -368,9 +393,12 @@ def _options(
     kv_dtype: str | None,
     pruning: bool | None,
     mesh: str | None,
+    hbm_fraction: float | None = None,
 ) -> RuntimeOptions:
     options = load_run_config(config or "default").options
     changes: dict = {"mesh": mesh or f"1x{topo.chips}"}
+    if hbm_fraction is not None:
+        changes["hbm_fraction"] = hbm_fraction
     if batch is not None:
         changes["max_batch_size"] = batch
     if kv_dtype is not None:

@@ -10,6 +10,7 @@ A name is `v5e-N` or `v6e-N` (N chips of one host: 1, 4 or 8), or JAX's own `v5e
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.metadata
 import os
@@ -42,13 +43,19 @@ CHIPS = {
 _GRIDS = {1: (1, 1), 4: (2, 2), 8: (2, 4)}
 
 
+# JAX's device_kind of each chip on a TPU host.
+_KINDS = {"TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
+
+
 @dataclass(frozen=True)
 class Topology:
-    """A named slice of one host: its chip and the chips' grid."""
+    """A named slice of one host: its chip and the chips' grid; `given`: the devices of a
+    real slice (`of_devices`), else the slice is described for compiling only."""
 
     chip: Chip
     x: int
     y: int
+    given: tuple = dataclasses.field(default=(), compare=False, repr=False)
 
     @property
     def chips(self) -> int:
@@ -85,8 +92,32 @@ class Topology:
         return cls(CHIPS[chip], x, y)
 
     def devices(self) -> list:
-        """The slice's devices (TPU devices of a topology description, for compiling only)."""
+        """The slice's devices: the real ones it was made of, or those of a topology
+        description (for compiling only)."""
+        if self.given:
+            return list(self.given)
         return list(_topology(self.jax_name, self.x, self.y).devices)
+
+    @classmethod
+    def of_devices(cls, devices) -> Topology:
+        """The slice these TPU devices form (an engine's own): the chip from their kind, its
+        HBM what the runtime says a device can hold (`memory_stats()["bytes_limit"]`), else
+        the chip's published figure; a ConfigError for a chip not in `CHIPS`."""
+        devices = list(devices)
+        kind = getattr(devices[0], "device_kind", "")
+        name = _KINDS.get(kind)
+        if name is None:
+            known = ", ".join(sorted(_KINDS))
+            raise ConfigError(f"device kind {kind!r}: etjax plans for {known} only")
+        chip = CHIPS[name]
+        try:
+            stats = devices[0].memory_stats()
+        except (AttributeError, RuntimeError):  # a described device holds nothing
+            stats = None
+        if stats and stats.get("bytes_limit"):
+            chip = dataclasses.replace(chip, hbm_bytes=int(stats["bytes_limit"]))
+        x, y = _GRIDS.get(len(devices), (1, len(devices)))
+        return cls(chip, x, y, tuple(devices))
 
 
 @functools.cache

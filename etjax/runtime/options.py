@@ -26,8 +26,13 @@ class RuntimeOptions:
     max_batch_size: device batch slots, the sequences one decode burst advances.
     max_resident: sequences holding KV pages at once (>= max_batch_size); the scheduler picks
       which of them fill the device batch each round. None = 2 x max_batch_size.
-    num_pages: KV pool size including the null page; None sizes it for the work at hand when
-      the engine is built for a known set of requests (`generate_ids`), else 4096.
+    num_pages: KV pool size including the null page; None sizes it: on a TPU the largest
+      pool beside the weights, the row store and the compiled programs' scratch in
+      `hbm_fraction` of each chip's HBM (etjax/planning/pool.py, as `etjax plan` counts it);
+      elsewhere for the work at hand when the engine is built for a known set of requests
+      (`generate_ids`), else 4096.
+    hbm_fraction: the share of each TPU chip's HBM the engine plans to fill (weights, pool,
+      row store, programs), the rest left to the runtime; read on a TPU only.
     steps_per_sync: decode steps per burst (one `lax.scan`) between scheduler decisions, in
       rounds with nothing to prefill. Larger amortises host work; smaller streams more
       smoothly and reacts faster.
@@ -78,6 +83,7 @@ class RuntimeOptions:
     max_batch_size: int = 32
     max_resident: int | None = None
     num_pages: int | None = None
+    hbm_fraction: float = 0.95
     prefill_chunk: int = 512
     max_prefill_rows: int = 8
     token_budget: int = 512
@@ -124,6 +130,10 @@ class RuntimeOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise FieldError(name, value, "a positive integer or omitted")
+        fraction = self.hbm_fraction
+        number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
+        if not number or not 0 < fraction <= 1:
+            raise FieldError("hbm_fraction", fraction, "a number in (0, 1]")
         MeshShape.parse(self.mesh)  # raises ConfigError naming the value
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise FieldError(

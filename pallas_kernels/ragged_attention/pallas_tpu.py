@@ -4,19 +4,21 @@ It takes the XLA backend's passes (work_items.py) and returns what its loops ret
 tiles' outputs and log-sum-exps), so xla.py runs it in their place (`native_pass`) for the
 `pallas_tpu` attention backend, with the same shared-prefix merge, windows and soft cap.
 
-One program per (query tile, KV head): the tile's rows for that head (its tokens times the G
-query heads sharing it, token-major, [Qt * G, hd]) stay in VMEM while a loop walks the tile's
-items (consecutive in the item list, as build_pass lays them out), a traced count. Each item's
-`kv_tile` pages stay in HBM (`memory_space=ANY`) and are copied by hand, one [page_size,
-head_dim] tile per page, into a two-slot VMEM buffer: the next item's copies start before the
-current item is scored, so the DMA of item i + 1 overlaps the products of item i. An online
-softmax (max, normaliser, weighted values, float32) runs in VMEM scratch. So the KV a pass
-reads is each tile's own pages, once, with nothing written back: a decode row reads its KV
-once a layer, where the XLA kernel's gather reads it, writes a contiguous copy and reads that.
+One program per query tile, KV head and block of the tile's rows for that head (its tokens
+times the G query heads sharing it, token-major, at most `MAX_ROWS` a block): the rows stay
+in VMEM while a loop walks the tile's items (consecutive in the item list, as build_pass lays
+them out), a traced count. Each item's `kv_tile` pages stay in HBM (`memory_space=ANY`) and
+are copied by hand, one [page_size, head_dim] tile per page, end to end into a two-slot VMEM
+buffer ([kv_tile * page_size, head_dim] a slot, so an item is one product): the next item's
+copies start before the current item is scored, so the DMA of item i + 1 overlaps the
+products of item i. An online softmax (max, normaliser, weighted values, float32) runs in
+VMEM scratch. So the KV a pass reads is each tile's own pages, once a row block, with
+nothing written back: a decode row (one block) reads its KV once a layer, where the XLA
+kernel's gather reads it, writes a contiguous copy and reads that.
 
-The grid has tiles x KV heads programs (a decode pass of 64 rows of Llama-3: 512), not one
-per page: a grid step costs a fixed overhead on a TPU that a one-page step (4 KB of keys)
-would not amortise.
+The grid has tiles x KV heads x row blocks programs (a decode pass of 64 rows of Llama-3:
+512), not one per page: a grid step costs a fixed overhead on a TPU that a one-page step (4
+KB of keys) would not amortise.
 
 Masked scores take a large finite negative and their weights are zeroed, as in the XLA
 backend, so a row that sees nothing stays at zero (its log-sum-exp the same negative).
@@ -36,6 +38,12 @@ from jax.experimental.pallas import tpu as pltpu
 from pallas_kernels.ragged_attention.work_items import TilePass
 
 _MASKED = -1e30
+# Rows of a program: a 512-token prefill tile of Llama-3 (4 query heads a KV head) is four
+# blocks. A block's float32 scores against a long prefill item (32 pages of 16) are 1 MB, its
+# accumulator, outputs and row state under 1 MB more: within the 16 MB of VMEM Mosaic lets a
+# kernel take by default on a v5e. A whole tile of 1,024 rows against 32 pages asked 48 MB
+# (scores a page apart, each padded to 128 lanes) and failed to compile.
+MAX_ROWS = 512
 
 
 def _kernel(
@@ -44,13 +52,13 @@ def _kernel(
     count_ref,  # [Nq] each tile's items
     pages_ref,  # [W * Kt] physical pages of the items, item-major
     key_start_ref,  # [W] position of each item's first key
-    q_ref,  # [R, hd] the tile's rows for this KV head
+    q_ref,  # [R, hd] a block of the tile's rows for this KV head
     pos_ref,  # [R, 1] their positions (-1: padding, sees nothing)
     k_hbm,  # [N, KVH, ps, hd] the pool, in HBM
     v_hbm,
     out_ref,  # [R, hd] float32
     lse_ref,  # [R, 1] float32
-    k_buf,  # [2, Kt, ps, hd] VMEM, two slots
+    k_buf,  # [2, Kt * ps, hd] VMEM, two slots of an item's keys, page after page
     v_buf,
     sems,  # DMA semaphores [2 slots, keys | values]
     best_ref,  # [R, 1] float32
@@ -66,14 +74,14 @@ def _kernel(
     first, count = first_ref[tile], count_ref[tile]
 
     def copies(item, slot):
-        # The item's pages for this head: one [ps, hd] tile each, keys and values.
+        # The item's pages for this head, one [ps, hd] tile each, keys and values, laid end
+        # to end in the slot: [Kt * ps, hd], one product per item.
         out = []
         for j in range(kv_tile):
-            page = pages_ref[item * kv_tile + j]
+            page, rows = pages_ref[item * kv_tile + j], pl.ds(j * page_size, page_size)
             for side, (pool, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                out.append(
-                    pltpu.make_async_copy(pool.at[page, head], buf.at[slot, j], sems.at[slot, side])
-                )
+                target = buf.at[slot, rows]
+                out.append(pltpu.make_async_copy(pool.at[page, head], target, sems.at[slot, side]))
         return out
 
     best_ref[...] = jnp.full(best_ref.shape, _MASKED, jnp.float32)
@@ -88,7 +96,7 @@ def _kernel(
     q = q_ref[...].astype(jnp.float32)
     positions = pos_ref[...]  # [R, 1]
     window = window_ref[0]
-    offsets = jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+    offsets = jax.lax.broadcasted_iota(jnp.int32, (1, kv_tile * page_size), 1)
 
     def body(n, carry):
         item, slot = first + n, n % 2
@@ -100,31 +108,21 @@ def _kernel(
             for copy in copies(item + 1, 1 - slot):
                 copy.start()
 
-        scores, seen = [], []
-        for j in range(kv_tile):  # static: the item's pages scored before one rescale
-            k = k_buf[slot, j].astype(jnp.float32)
-            s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ()))) * scale
-            if softcap:  # Gemma 2's cap on attention logits (static: no cost without one)
-                s = softcap * jnp.tanh(s / softcap)
-            key_pos = key_start_ref[item] + j * page_size + offsets  # [1, ps]
-            visible = (key_pos <= positions) & ((window <= 0) | (key_pos > positions - window))
-            scores.append(jnp.where(visible, s, _MASKED))
-            seen.append(visible)
+        k = k_buf[slot].astype(jnp.float32)  # [Kt * ps, hd]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ()))) * scale  # [R, Kt * ps]
+        if softcap:  # Gemma 2's cap on attention logits (static: no cost without one)
+            s = softcap * jnp.tanh(s / softcap)
+        key_pos = key_start_ref[item] + offsets
+        visible = (key_pos <= positions) & ((window <= 0) | (key_pos > positions - window))
+        s = jnp.where(visible, s, _MASKED)
         best = best_ref[...]
-        new_best = functools.reduce(
-            jnp.maximum, [jnp.max(s, axis=1, keepdims=True) for s in scores], best
-        )
+        new_best = jnp.maximum(best, jnp.max(s, axis=1, keepdims=True))
         rescale = jnp.exp(best - new_best)
-        norm = norm_ref[...] * rescale
-        acc = acc_ref[...] * rescale
-        for j, (s, visible) in enumerate(zip(scores, seen, strict=True)):
-            p = jnp.where(visible, jnp.exp(s - new_best), 0.0)
-            norm = norm + jnp.sum(p, axis=1, keepdims=True)
-            v = v_buf[slot, j].astype(jnp.float32)
-            acc = acc + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())))
+        p = jnp.where(visible, jnp.exp(s - new_best), 0.0)
+        norm_ref[...] = norm_ref[...] * rescale + jnp.sum(p, axis=1, keepdims=True)
+        v = v_buf[slot].astype(jnp.float32)
+        acc_ref[...] = acc_ref[...] * rescale + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())))
         best_ref[...] = new_best
-        norm_ref[...] = norm
-        acc_ref[...] = acc
         return carry
 
     jax.lax.fori_loop(0, count, body, 0)
@@ -161,40 +159,46 @@ def ragged_pass_tpu(
     nq, qt = tile_tokens.shape
     w, kt = item_pages.shape
     rows = qt * g
+    # Rows in blocks of at most MAX_ROWS, each a program reading the tile's pages.
+    block = rows if rows <= MAX_ROWS else MAX_ROWS
+    row_blocks = -(-rows // block)
+    pad = row_blocks * block - rows
     # Each tile's items: [first, first + count), consecutive by build_pass's construction.
     index = jnp.arange(w, dtype=jnp.int32)
     real = index < num_items
     count = jnp.zeros(nq, jnp.int32).at[item_tile].add(real.astype(jnp.int32))
     first = jnp.full(nq, w, jnp.int32).at[item_tile].min(jnp.where(real, index, w))
     first = jnp.where(count > 0, first, 0)
-    # The tile's rows per KV head, token-major: [Nq, KVH, Qt * G, hd]; positions [Nq, R, 1].
+    # The tile's rows per KV head, token-major and padded to whole blocks (padding rows at
+    # position -1 see nothing): [Nq, KVH, R, hd]; positions [Nq, R, 1].
     queries = q.at[tile_tokens].get(mode="fill", fill_value=0)
     queries = queries.reshape(nq, qt, kvh, g, hd).transpose(0, 2, 1, 3, 4)
-    queries = queries.reshape(nq, kvh, rows, hd)
+    queries = jnp.pad(queries.reshape(nq, kvh, rows, hd), ((0, 0), (0, 0), (0, pad), (0, 0)))
     positions = q_positions.astype(jnp.int32).at[tile_tokens].get(mode="fill", fill_value=-1)
-    positions = jnp.repeat(positions, g, axis=1)[..., None]
+    positions = jnp.pad(jnp.repeat(positions, g, axis=1), ((0, 0), (0, pad)), constant_values=-1)
+    positions = positions[..., None]
 
-    per_head = lambda t, hh, *_: (t, hh, 0, 0)  # noqa: E731
+    per_head = lambda t, hh, r, *_: (t, hh, r, 0)  # noqa: E731
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
-        grid=(nq, kvh),
+        grid=(nq, kvh, row_blocks),
         in_specs=[
-            pl.BlockSpec((None, None, rows, hd), per_head),
-            pl.BlockSpec((None, rows, 1), lambda t, hh, *_: (t, 0, 0)),
+            pl.BlockSpec((None, None, block, hd), per_head),
+            pl.BlockSpec((None, block, 1), lambda t, hh, r, *_: (t, r, 0)),
             pl.BlockSpec(memory_space=pl.ANY),
             pl.BlockSpec(memory_space=pl.ANY),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, rows, hd), per_head),
-            pl.BlockSpec((None, None, rows, 1), per_head),
+            pl.BlockSpec((None, None, block, hd), per_head),
+            pl.BlockSpec((None, None, block, 1), per_head),
         ],
         scratch_shapes=[
-            pltpu.VMEM((2, kt, ps, hd), k_pages.dtype),
-            pltpu.VMEM((2, kt, ps, hd), v_pages.dtype),
+            pltpu.VMEM((2, kt * ps, hd), k_pages.dtype),
+            pltpu.VMEM((2, kt * ps, hd), v_pages.dtype),
             pltpu.SemaphoreType.DMA((2, 2)),
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, 1), jnp.float32),
-            pltpu.VMEM((rows, hd), jnp.float32),
+            pltpu.VMEM((block, 1), jnp.float32),
+            pltpu.VMEM((block, 1), jnp.float32),
+            pltpu.VMEM((block, hd), jnp.float32),
         ],
     )
     kernel = functools.partial(
@@ -204,10 +208,12 @@ def ragged_pass_tpu(
         kernel,
         grid_spec=grid_spec,
         out_shape=[
-            jax.ShapeDtypeStruct((nq, kvh, rows, hd), jnp.float32),
-            jax.ShapeDtypeStruct((nq, kvh, rows, 1), jnp.float32),
+            jax.ShapeDtypeStruct((nq, kvh, row_blocks * block, hd), jnp.float32),
+            jax.ShapeDtypeStruct((nq, kvh, row_blocks * block, 1), jnp.float32),
         ],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel")
+        ),
         interpret=interpret,
         name="ragged_attention_tpu",
     )(
@@ -221,6 +227,6 @@ def ragged_pass_tpu(
         k_pages,
         v_pages,
     )
-    out = out.reshape(nq, kvh, qt, g, hd).transpose(0, 2, 1, 3, 4).reshape(nq, qt, h, hd)
-    lse = lse.reshape(nq, kvh, qt, g).transpose(0, 2, 1, 3).reshape(nq, qt, h)
-    return out, lse
+    out = out[:, :, :rows].reshape(nq, kvh, qt, g, hd).transpose(0, 2, 1, 3, 4)
+    lse = lse[:, :, :rows].reshape(nq, kvh, qt, g).transpose(0, 2, 1, 3)
+    return out.reshape(nq, qt, h, hd), lse.reshape(nq, qt, h)

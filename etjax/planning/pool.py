@@ -1,0 +1,61 @@
+"""The KV pool an engine on a TPU gets: the largest that fits each chip's HBM beside the
+weights, the row store and the compiled programs' scratch, counted as `etjax plan` counts it.
+
+On a TPU the pool is not sized for the work at hand (etjax/engine/build.py's buckets) but
+for the chips: `plan_config` compiles the engine's own step programs (at two layers, for
+the devices the engine runs on) and reads their memory analysis, and the pool is what is
+left of `hbm_fraction` of a chip's HBM, as other engines fill a set share of a GPU's memory.
+Elsewhere nothing is compiled and the caller sizes the pool as before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import jax
+
+from etjax.cache.page_allocator import pages_needed
+from etjax.errors import ConfigError
+from etjax.model.config import ModelConfig
+from etjax.planning.topology import Topology
+from etjax.runtime.options import RuntimeOptions
+
+if TYPE_CHECKING:
+    from etjax.planning.plan import Plan
+
+# Pools already sized in this process, by model and options: every `decode()` call builds an
+# engine, and the sizing compiles two programs.
+_SIZED: dict[str, int] = {}
+
+
+def pool_plan(cfg: ModelConfig, options: RuntimeOptions, devices: list, layers: int = 2) -> Plan:
+    """The plan (plan.py) of an engine with these options on `devices` (TPU devices, real or
+    described), its programs compiled at `layers` layers: `max_pool_pages` is the largest KV
+    pool that fits beside everything else in `options.hbm_fraction` of each chip's HBM. A
+    ConfigError when not even one row of the planned context fits."""
+    # plan.py builds the engine's device half: imported to size a pool, not with build.py.
+    from etjax.planning.plan import plan_config
+
+    topo = Topology.of_devices(devices)
+    found = plan_config(cfg, topo, options, layers=layers)
+    row = pages_needed(found.context + options.steps_per_sync, options.page_size)
+    if found.max_pool_pages < row + 1:
+        raise ConfigError(
+            f"the KV pool: {found.max_pool_pages} pages fit beside the weights and programs "
+            f"in {options.hbm_fraction:.0%} of {topo.name}'s HBM, fewer than one row of "
+            f"{found.context} tokens takes ({row}); etjax plan says what would fit"
+        )
+    return found
+
+
+def device_pool_pages(cfg: ModelConfig, options: RuntimeOptions) -> int | None:
+    """The pool an engine on this process's TPU gets (`pool_plan` over the devices its
+    mesh takes; sized once per model and options); None off a TPU, where the caller sizes
+    it."""
+    if jax.default_backend() != "tpu":
+        return None
+    key = repr((cfg, options))
+    if key not in _SIZED:
+        devices = jax.devices()[: options.mesh_shape.size]
+        _SIZED[key] = pool_plan(cfg, options, devices).max_pool_pages
+    return _SIZED[key]
