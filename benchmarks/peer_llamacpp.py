@@ -72,7 +72,11 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
-    parser.add_argument("--no-write", action="store_true", help="print only; leave PERF.md")
+    parser.add_argument(
+        "--no-write",
+        action="store_true",
+        help="leave PERF.md; print the raw results (JSON) after the section",
+    )
     args = parser.parse_args()
     formats = [w for w in args.weights.split(",") if w]
 
@@ -103,6 +107,8 @@ def main() -> None:
     if not args.no_write:
         write_section(SECTION, markdown, raw)
     print(markdown)
+    if args.no_write:  # what write_section would have kept in benchmarks/results
+        print(json.dumps(raw))
 
 
 def workload(tokenizer, articles: list[str]) -> dict[str, list[list[int]]]:
