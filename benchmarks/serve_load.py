@@ -14,6 +14,13 @@ also writes them as JSON.
 
 The load goes to loopback addresses only unless `--allow-remote` is given: a load test is
 aimed at a server you run, on purpose.
+
+`--targets` measures issue 64's targets instead, starting its own servers (`etjax serve`
+subprocesses on free loopback ports, SmolLM2) and writing the "serve" section of
+docs/PERF.md (benchmarks/serve_targets.py says how each figure is taken):
+
+    .venv/bin/python benchmarks/serve_load.py --targets            # about 10 minutes
+    .venv/bin/python benchmarks/serve_load.py --targets --no-write --repetitions 1  # smoke
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from urllib.parse import urlparse
 
 import httpx2
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PROMPTS = [
     "Explain in two sentences why the sky is blue.",
@@ -191,7 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
     parser.add_argument("--output", type=Path, default=None, help="also write the summary here")
     parser.add_argument("--allow-remote", action="store_true")
+    parser.add_argument("--targets", action="store_true", help="measure issue 64's targets")
+    parser.add_argument("--repetitions", type=int, default=3, help="--targets: (a)'s timed runs")
+    parser.add_argument("--online-repetitions", type=int, default=2, help="--targets: (c)'s")
+    parser.add_argument("--online-requests", type=int, default=12, help="--targets: of `mixed`")
+    parser.add_argument("--no-write", action="store_true", help="--targets: print only")
     args = parser.parse_args(argv)
+    if args.targets:
+        from benchmarks.serve_targets import run_targets
+
+        return run_targets(args)
     _check_target(args.url, args.allow_remote)
     summary = summarize(asyncio.run(run_load(args)))
     text = json.dumps(summary, indent=2)
