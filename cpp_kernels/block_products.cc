@@ -4,12 +4,14 @@
 //
 // A decode step is the read of every weight of the model; kept in 4 or 8 bits the read is
 // 6.4 or 3.8 times smaller than in float32. The kernel is row_products.cc's with the
-// weights widened as they are loaded: each group of 4 weight rows is dequantized kLanes
-// values at a time (bytes to int32 lanes to float32, times the block's scale, plus its
-// offset) and multiplied against a block of up to kRowBlock input rows (row_blocks.h). With
-// more rows than one block the group is dequantized once into an L1 scratch and every block
-// of rows is multiplied against that, so the dequantization is paid once per weight, not
-// once per block of rows.
+// weights dequantized as they are loaded: each group of 4 weight rows kLanes values at a
+// time (8 bits: bytes to int32 lanes to float32, times the block's scale; 4 bits: a permute
+// of nibbles into the block's table of its 16 values) and multiplied against a block of up
+// to kRowBlock input rows (row_blocks.h). With more rows than one block the group is
+// dequantized once into an L1 scratch and every block of rows multiplied against that, so
+// the dequantization is paid once per weight, not once per block of rows; past kPanelRows
+// (prompt chunks) 32 outputs at a time are dequantized, laid out input-major and multiplied
+// in a matrix product's register tiles, which beat XLA's float32 product there.
 //
 //   x [M, K] f32, quants s8 [N, K] (8 bits) | u8 [N, K / 2] (4 bits, GGUF's nibble order),
 //   scales f16 | f32 [N, K / block], offsets of the same type and shape, or empty (8 bits:
@@ -17,8 +19,9 @@
 //   of kLanes (32 for 4 bits), N of 4.
 //
 // A weight is scale * q + offset rounded once to float32 (a fused multiply-add) whichever
-// path computed it, and each output is one float32 sum over K in row_blocks.h's fixed order,
-// so a row's product does not depend on the rows beside it or on how many there are.
+// path computed it, and up to kPanelRows rows each output is one float32 sum over K in
+// row_blocks.h's fixed order, so a row's product does not depend on the rows beside it or on
+// how many there are (past it, on the tiles' order: as XLA's products do).
 
 #include <functional>
 #include <memory>
@@ -248,14 +251,82 @@ inline void dequantize_group(const Product& p, int64_t row, const float* scales,
   }
 }
 
+// Above this many rows (prompt chunks) a unit's 32 outputs are dequantized once, laid out
+// input-major, and multiplied as a matrix product's register tiles are (rows_by_panel): each
+// row's sums then take another order than the few-rows path's, so up to here, as in the
+// row-products kernel, a row's product does not depend on the rows beside it.
+constexpr int64_t kPanelRows = 32;
+constexpr int64_t kPanel = kGroupsPerUnit * kOutStep;  // outputs of a unit: 32
+constexpr int64_t kPanelLanes = 2;                     // registers of outputs a tile holds
+constexpr int64_t kPanelWidth = kPanelLanes * kLanes;  // outputs a tile computes
+// Rows of a tile: 2 x 12 accumulators and 2 weight registers of AVX-512's 32 (AVX2's 16: 2 x 6).
+constexpr int kTileRows = ETJAX_LANES == 16 ? 12 : 6;
+
+// R rows of x (in floats apart) times kPanelWidth outputs of `panel` ([in][kPanel] floats,
+// this tile's at panel + 0): out[r][0..kPanelWidth), each output one float32 sum in the
+// order of the inputs, x's values broadcast against the weights' lanes.
+template <int R>
+inline void rows_by_panel(const float* x, int64_t in, const float* panel, float* out,
+                          int64_t outs) {
+  Lanes acc[R][kPanelLanes] = {};
+  for (int64_t k = 0; k < in; ++k) {
+    Lanes w[kPanelLanes];
+    for (int64_t j = 0; j < kPanelLanes; ++j) w[j] = load_lanes(panel + k * kPanel + j * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * in + k];
+      for (int64_t j = 0; j < kPanelLanes; ++j) acc[r][j] += xv * w[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < kPanelLanes; ++j) store_lanes(out + r * outs + j * kLanes, acc[r][j]);
+}
+
+template <int R>
+inline void tile_rows(const Product& p, int64_t r, const float* panel, float* out) {
+  for (int64_t t = 0; t < kPanel; t += kPanelWidth)
+    rows_by_panel<R>(p.x + r * p.in, p.in, panel + t, out + r * p.outs + t, p.outs);
+}
+
+// The last R or fewer rows, from r on.
+template <int R>
+inline void last_tile(const Product& p, int64_t r, const float* panel, float* out) {
+  if constexpr (R > 0) {
+    if (p.rows - r == R)
+      tile_rows<R>(p, r, panel, out);
+    else
+      last_tile<R - 1>(p, r, panel, out);
+  }
+}
+
+// Every row against a unit's kPanel outputs from `row` on, dequantized into `rows` ([kPanel][in]
+// floats) and laid out input-major in `panel`.
+template <int kBits, bool kOffsets, typename S>
+void panel_unit(const Product& p, int64_t row, float* scales, float* offsets, float* rows,
+                float* panel) {
+  for (int64_t g = 0; g < kGroupsPerUnit; ++g) {
+    group_scales<kBits, kOffsets, S>(p, row + g * kOutStep, scales, offsets);
+    dequantize_group<kBits>(p, row + g * kOutStep, scales, offsets, rows + g * kOutStep * p.in);
+  }
+  for (int64_t k = 0; k < p.in; ++k)
+    for (int64_t o = 0; o < kPanel; ++o) panel[k * kPanel + o] = rows[o * p.in + k];
+  float* out = p.out + row;
+  int64_t r = 0;
+  for (; r + kTileRows <= p.rows; r += kTileRows) tile_rows<kTileRows>(p, r, panel, out);
+  last_tile<kTileRows - 1>(p, r, panel, out);
+}
+
 template <int kBits, bool kOffsets, typename S>
 void run_unit(const Product& p, int64_t unit) {
   const int64_t groups = p.outs / kOutStep, blocks = p.in / p.block;
   const int64_t first = unit * kGroupsPerUnit, last = std::min(groups, first + kGroupsPerUnit);
+  const bool panel = p.rows > kPanelRows && last - first == kGroupsPerUnit;
   thread_local std::vector<float> scratch;
-  scratch.resize(2 * kOutStep * blocks + (p.rows > kRowBlock ? kOutStep * p.in : 0));
+  scratch.resize(2 * kOutStep * blocks +
+                 (panel ? 2 * kPanel * p.in : p.rows > kRowBlock ? kOutStep * p.in : 0));
   float *scales = scratch.data(), *offsets = scales + kOutStep * blocks;
   float* weights = offsets + kOutStep * blocks;
+  if (panel) return panel_unit<kBits, kOffsets, S>(p, first * kOutStep, scales, offsets, weights,
+                                                   weights + kPanel * p.in);
   for (int64_t g = first; g < last; ++g) {
     const int64_t row = g * kOutStep;
     float* out = p.out + row;

@@ -127,7 +127,7 @@ def test_int8_per_channel_rounds_to_the_nearest_step():
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [5])
 def test_xla_products_match_numpy(fmt, rows):
     # Odd sizes: 13 outputs; one block of a row (32 values, 256 for K-quants) and several.
     for width in (32, 160) if fmt.block == 32 or fmt.block is None else (256,):
@@ -139,10 +139,10 @@ def test_xla_products_match_numpy(fmt, rows):
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("rows", [1, 3, 8, 37])
+@pytest.mark.parametrize("rows", [1, 3, 37])
 def test_kernel_products_match_numpy(fmt, rows):
     # 44 outputs: eleven groups of 4, more than one unit's 8; rows on both of the kernel's
-    # paths (dequantized in registers for a few, into L1 for more).
+    # paths (dequantized in registers for up to 4, into L1 for more: 9 blocks of 4 and 1).
     for width in (32, 160) if fmt.block == 32 or fmt.block is None else (256, 512):
         arrays = _weights(fmt, 44, width, seed=rows + width)
         x = np.random.default_rng(rows).standard_normal((rows, width)).astype(np.float32)

@@ -10,8 +10,12 @@ import jax.numpy as jnp
 from cpp_kernels import cpu_kernels_available
 from cpp_kernels.targets import BLOCK_PRODUCTS
 
-# The most rows the kernel is asked to take (docs/PERF.md, "Block products").
-MAX_KERNEL_ROWS = 512
+# The most rows the kernel is asked to take: every step of the engine (prompt chunks of 512
+# and the decode rows beside them). Its cost grows with the rows as XLA's float32 product's
+# does (1.3x that at 256 rows), and the fallback, XLA dequantizing the blocks in the program,
+# writes the whole weight in float32 first: 4-15x slower on a CPU (docs/PERF.md, "Block
+# products").
+MAX_KERNEL_ROWS = 4096
 # Values in a scale's block must fill whole vector registers: 16 floats with AVX-512.
 _LANES = 16
 
