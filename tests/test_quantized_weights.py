@@ -28,9 +28,7 @@ from etjax.model.quantized import (
 )
 from etjax.model.weights import abstract_weights
 from etjax.run_config import load_run_config
-from tests.conftest import relative_error
 from tests.gguf_builder import write_llama_gguf
-from tests.model_runner import full_logits
 
 PROMPT = "The history of the city begins"
 
@@ -115,14 +113,20 @@ def test_smollm2_q4_1_stored_is_the_file(smollm2, smollm2_path):
     tensor_bytes = sum(t.nbytes for t in read_gguf(smollm2_path).tensors)
     assert weights_bytes(stored.weights) <= 1.2 * tensor_bytes
     assert weights_bytes(smollm2.weights) > 5 * tensor_bytes  # float32: the 538 MB of today
-    _matrices_equal(stored.weights, smollm2.weights)
-    # Equal weights, so the logits differ by float32 summation order alone: at most
-    # n * 2^-24 of the sum of |terms| per product (n <= 1,536), which a relative error of
-    # 1e-4 over the logits covers with room.
-    ids = np.asarray([smollm2.tokenizer.encode(PROMPT)], np.int32)
-    ours = full_logits(stored.weights, stored.config, ids)
-    assert relative_error(ours, full_logits(smollm2.weights, smollm2.config, ids)) < 1e-4
-    assert _greedy(stored, 16) == _greedy(smollm2, 16)
+    # The embedding (Q8_0) and a first and a last layer (Q4_1; the tiny models check all).
+    some = lambda w: (w.embed, w.layers[0], w.layers[-1])  # noqa: E731
+    _matrices_equal(some(stored.weights), some(smollm2.weights))
+    # Equal weights, so the logits differ by float32 summation order alone (the kernels'
+    # against XLA's and the row-products kernel's): at most n * 2^-24 of the sum of |terms|
+    # of a product (n <= 1,536, about 1e-4 relative), which moves a log-probability by at
+    # most twice the largest logit's change: under 1e-2 for logits of magnitude < 30.
+    ours, reference = (
+        etjax.decode(PROMPT, model=m, max_new_tokens=16, ignore_eos=True, prompt_logprobs=True)[0]
+        for m in (stored, smollm2)
+    )
+    assert ours.token_ids == reference.token_ids  # greedy, 16 tokens
+    np.testing.assert_allclose(ours.prompt_logprobs[1:], reference.prompt_logprobs[1:], atol=1e-2)
+    np.testing.assert_allclose(ours.logprob, reference.logprob, atol=1e-2)
 
 
 def test_weights_option_in_toml_and_cli(tmp_path):
