@@ -16,7 +16,7 @@ import pytest
 
 from etjax.cli import main
 from etjax.planning.plan import plan
-from etjax.planning.programs import collectives, mosaic_kernels
+from etjax.planning.programs import collectives, layer_collectives, mosaic_kernels
 from etjax.planning.topology import LIBTPU_FOR_JAX
 
 CONFIGS = Path(__file__).parent.parent / "configs" / "models" / "plan"
@@ -139,6 +139,39 @@ def test_compiled_modules_are_read_for_kernels_and_collectives():
     assert mosaic_kernels(hlo) == ("block_sparse_attention_tpu",)
     reduce, permute = ("all-reduce", 2, 2 * 576 * 2 + 2 * 4), ("collective-permute", 1, 2 * 3 * 4)
     assert collectives(hlo) == (reduce, permute)
+
+
+def test_a_layers_collectives_are_told_from_the_steps_by_their_source_ops():
+    # A burst's lines as XLA:TPU prints them on a 1x4 mesh (tests/test_tpu_compile.py
+    # compiles real ones): the steps' scan, then the layer scan; each layer's two row-split
+    # projections in its branch of the layer switch, an all-reduce of [2, 576] bfloat16 each;
+    # an attention loop inside the layer; the sampling's all-gather outside the layers.
+    step = "jit(decode_steps)/while/body/closed_call/cond/branch_1_fun"
+    layer = f"{step}/while/body/closed_call"
+    mesh = "replica_groups=mesh['axis_0'=1,'axis_1'=4] {'axis_1'}"
+    hlo = "\n".join(
+        [
+            f"  %all-reduce.{i} = bf16[2,576]{{1,0}} all-reduce(%f), {mesh}, "
+            f'metadata={{op_name="{layer}/cond/branch_{b}_fun/...i,oi->...o/dot_general"}}'
+            for i, b in enumerate([0, 0, 1, 1])
+        ]
+        + [
+            f"  %all-reduce.9 = f32[4,3,3,64]{{3,2,1,0}} all-reduce(%s), {mesh}, "
+            f'metadata={{op_name="{layer}/while/body/ckrd,cksd->ckrs/dot_general"}}',
+            f"  %all-gather.1 = s32[2,4096]{{1,0}} all-gather(%i), {mesh}, dimensions={{1}}, "
+            f'metadata={{op_name="{step}/sort"}}',
+            f"  %all-reduce.7 = (f32[2]{{0}}, f32[2]{{0}}) all-reduce(%a, %b), {mesh}, "
+            f'metadata={{op_name="{step}/reduce_sum"}}',
+        ]
+    )
+    per_layer, per_step = layer_collectives(hlo, layer_depth=2)
+    loop = "dot_general (a trip of a loop in the layer)"
+    assert per_layer == (
+        ("all-reduce", "dot_general", 2 * 2 * 576 * 2),
+        ("all-reduce", loop, 4 * 3 * 3 * 64 * 4),
+    )
+    # The all-gather's shard (a quarter of the gathered 2 x 4,096 int32), the tuple's arrays.
+    assert per_step == (("all-gather", "sort", 2 * 4096 * 4 // 4), ("all-reduce", "reduce_sum", 16))
 
 
 def test_a_folder_with_config_json_alone_is_a_model(tmp_path):

@@ -207,6 +207,11 @@ def test_burst_compiles_for_a_2x2_v5e_mesh(cfg, pruning):
     # all-reduce of a [rows, hidden] bfloat16 block (2 x 576 x 2 bytes) among them.
     kinds = {kind: size for kind, _, size in report.collectives}
     assert kinds["all-reduce"] >= 2 * 576 * 2
+    # Read a layer at a time (programs.py `layer_collectives`), the two projections the
+    # split sums, the attention's output and the MLP's down projection, are each an
+    # all-reduce of the burst's 2 rows x 576 in bfloat16, by hand 4,608 bytes a layer.
+    layer = {(kind, op): size for kind, op, size in report.layer_collectives}
+    assert layer["all-reduce", "dot_general"] == 2 * (2 * 576 * 2)
     # Each chip holds a quarter of the split weights (the norms whole), far under all of them.
     assert report.argument_bytes < 0.5 * (_weight_bytes(cfg) + _pool_bytes(cfg))
 

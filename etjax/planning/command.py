@@ -96,6 +96,15 @@ def render(d: dict) -> str:
                 f"{c['count']} {c['kind']} ({c['bytes'] / 1e3:.1f} kB)" for c in p["collectives"]
             )
             lines.append(f"    collectives, each once as written: {named}")
+        if p["layer_collectives"]:
+            named = ", ".join(
+                f"{c['kind']} after {c['after']} ({c['bytes'] / 1e3:.1f} kB)"
+                for c in p["layer_collectives"]
+            )
+            lines.append(f"    a layer's collectives: {named}")
+            lines.append(
+                f"    collectives a step, all layers: {p['step_collective_bytes'] / 1e6:.2f} MB"
+            )
     for name, m in d["modelled"].items():
         lines.append(
             f"  modelled decode ({name}, {m['rows']} rows, {m['bound']}-bound): "

@@ -77,6 +77,7 @@ class Plan:
     state_bytes_per_chip: int
     programs: tuple[ProgramReport, ...]
     compiled_layers: int
+    full_layers: int  # the model's layers
     hbm_fraction: float
     modelled: dict  # "dense" and, under pruning, "pruned": step seconds and tokens/s
 
@@ -138,6 +139,13 @@ class Plan:
         pages = max(self.max_pool_pages - 1, 0) // self.batch
         return min(pages * self.page_size, self.max_position)
 
+    def step_collective_bytes(self, program: ProgramReport) -> int:
+        """Bytes a chip's collectives move in one step of `program` at the model's full
+        depth: each layer's (`layer_collectives`, a loop's inside a layer counted once) and
+        the step's own."""
+        per_layer = sum(size for _, _, size in program.layer_collectives)
+        return self.full_layers * per_layer + sum(size for _, _, size in program.step_collectives)
+
     def suggestions(self) -> list[str]:
         """What would fit, when this does not."""
         if self.fits:
@@ -197,6 +205,11 @@ class Plan:
                     "collectives": [
                         {"kind": kind, "count": n, "bytes": size} for kind, n, size in p.collectives
                     ],
+                    "layer_collectives": [
+                        {"kind": kind, "after": op, "bytes": size}
+                        for kind, op, size in p.layer_collectives
+                    ],
+                    "step_collective_bytes": self.step_collective_bytes(p),
                 }
                 for p in self.programs
             ],
@@ -299,6 +312,7 @@ def plan_config(
         state_bytes_per_chip=state_pc,
         programs=programs,
         compiled_layers=compiled,
+        full_layers=cfg.num_layers,
         hbm_fraction=hbm_fraction,
         modelled=modelled_decode(cfg, options, kv_dtype_name, topo, context),
     )

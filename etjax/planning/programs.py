@@ -51,6 +51,11 @@ class ProgramReport:
     # On a mesh, the collectives in the compiled module by kind: (count, payload bytes a
     # chip), each counted once as written (one inside a loop runs once an iteration).
     collectives: tuple[tuple[str, int, int], ...] = ()
+    # The collectives one layer runs (kind, the op they follow, bytes a chip: an all-gather's
+    # shard, any other's array), and those a step runs besides its layers
+    # (`layer_collectives`).
+    layer_collectives: tuple[tuple[str, str, int], ...] = ()
+    step_collectives: tuple[tuple[str, str, int], ...] = ()
     # Bytes a chip holds of the weights, the KV pool and the row store as the compiler lays
     # them out (its tiles pad the minor dimensions: a pool of 69 pages takes 128's room).
     laid_out: tuple[tuple[str, int], ...] = ()
@@ -119,6 +124,9 @@ def compile_program(
     """Lower and compile the program `name` ("ragged step" or "decode burst") for the
     topology's devices, with `arguments` from `ragged_call` or `burst_call`."""
     program = mixed_step if name == "ragged step" else decode_steps
+    # The layer scan is the first loop of a ragged step, the second of a burst (its steps'
+    # scan holds it).
+    layer_depth = 1 if name == "ragged step" else 2
     devices = topology.devices()
     if backend.placement is None:
         default = SingleDeviceSharding(devices[0])
@@ -135,6 +143,7 @@ def compile_program(
     seconds = time.perf_counter() - start
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
+    per_layer, per_step = layer_collectives(hlo, layer_depth)
     formats = compiled.input_formats[1]  # the program is called by keyword
     laid_out = tuple(
         (key, _laid_out_bytes(shaped[key], formats[key])) for key in ("weights", "cache", "store")
@@ -150,6 +159,8 @@ def compile_program(
         kernels=mosaic_kernels(hlo),
         collectives=collectives(hlo),
         laid_out=laid_out,
+        layer_collectives=per_layer,
+        step_collectives=per_step,
     )
 
 
@@ -204,6 +215,74 @@ def collectives(hlo: str) -> tuple[tuple[str, int, int], ...]:
     return tuple((kind, n, size) for kind, (n, size) in sorted(found.items()))
 
 
+def layer_collectives(hlo: str, layer_depth: int) -> tuple[tuple, tuple]:
+    """The collectives a compiled step runs once a layer, and once a step besides, from each
+    collective's source op (its `op_name`): those under the `layer_depth`-th `while/body` are
+    the layer scan's (those in a layer's own branch of its `lax.switch`, `cond/branch_K_fun`,
+    counted for one layer: their sum over the branches over the branches' count; those in a
+    loop inside a layer, once a trip, are named so), those under one loop fewer a step's.
+    Each a (kind, the op
+    they follow: the last name of its op_name, bytes a chip: an all-gather's shard, an
+    all-reduce's arrays, a collective-permute's sent array), merged by kind and op, sorted."""
+    layer: dict[tuple[str, str], float] = {}
+    branches: dict[tuple[str, str], dict[str, int]] = {}
+    step: dict[tuple[str, str], float] = {}
+    for line in hlo.splitlines():
+        match = _COLLECTIVE_LINE.search(line)
+        if match is None:
+            continue
+        types, kind = match.group(1), match.group(2)
+        name = _OP_NAME.search(line)
+        op_name = name.group(1) if name else ""
+        key = (kind, op_name.rsplit("/", 1)[-1])
+        size = _payload_bytes(types, kind, line)
+        parts = op_name.split("while/body/closed_call/")
+        if len(parts) > layer_depth:
+            inner = "while/body/closed_call/".join(parts[layer_depth:])
+            if "while/body" in inner:  # a loop inside the layer (attention's): once a trip
+                key = (kind, f"{key[1]} (a trip of a loop in the layer)")
+            branch = _BRANCH.match(inner)
+            if branch:
+                counts = branches.setdefault(key, {})
+                counts[branch.group(1)] = counts.get(branch.group(1), 0) + size
+            else:
+                layer[key] = layer.get(key, 0) + size
+        elif len(parts) == layer_depth:
+            step[key] = step.get(key, 0) + size
+    ids = {b for counts in branches.values() for b in counts}
+    for key, counts in branches.items():
+        layer[key] = layer.get(key, 0) + sum(counts.values()) / len(ids)
+
+    def listed(found: dict) -> tuple:
+        return tuple((kind, op, round(size)) for (kind, op), size in sorted(found.items()))
+
+    return listed(layer), listed(step)
+
+
+def _payload_bytes(types: str, kind: str, line: str) -> int:
+    # A chip's bytes of one collective: an all-reduce's arrays (a tuple of several reduces
+    # them all), an all-gather's shard (the result over the group), a permute's sent array.
+    arrays = _ARRAY.findall(types)
+    if kind == "all-reduce":
+        return sum(_array_bytes(dtype, dims) for dtype, dims in arrays)
+    size = _array_bytes(*arrays[0])
+    if kind == "all-gather":
+        size //= _group_size(line)
+    return size
+
+
+def _group_size(line: str) -> int:
+    # Devices in one replica group: "{{0,1},{2,3}}" or "mesh['axis_0'=1,'axis_1'=4] {'axis_1'}".
+    groups = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+    if groups:
+        return len(groups.group(1).split(","))
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if mesh:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh.group(2)))
+    return 1
+
+
 def _array_bytes(dtype: str, dims: str) -> int:
     sizes = [int(d) for d in dims.split(",") if d.strip()]
     bits = int(re.sub(r"\D", "", dtype) or 8) if dtype != "pred" else 8
@@ -215,6 +294,16 @@ _COLLECTIVE = re.compile(
     r"=\s*\(?([a-z]+\d*)\[([\d,]*)\][^=]*?\s"
     r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
 )
+
+
+# A collective's result types (one array or a tuple) and kind.
+_COLLECTIVE_LINE = re.compile(
+    r"=\s*(\(.*?\)|[a-z]+\d*\[[\d,]*\]\S*)\s"
+    r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
+)
+_ARRAY = re.compile(r"([a-z]+\d*)\[([\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_BRANCH = re.compile(r"cond/branch_(\d+)_fun/")
 
 
 # An HLO instruction's name without its numbering: "%block_sparse_attention_tpu.16 = ...".
