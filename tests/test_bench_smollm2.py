@@ -17,6 +17,7 @@ from etjax.cli import main
 pytestmark = pytest.mark.real_model  # the bench runs SmolLM2
 
 
+@pytest.mark.compile_bound  # etjax against itself over two short requests
 def test_bench_timing_only_run_writes_its_files(tmp_path, capsys):
     # The default suite's run: two configs, two short requests, no quality or reference.
     out = tmp_path / "bench"
