@@ -131,9 +131,7 @@ def mixed_step(
             _run_ragged, weights, cache, store, batch, plan, statics, row_slots
         )
         start = state.lengths
-        head = None
-        if max_draft and precomputes_logits(rows.shape[0], max_draft, statics.constrained):
-            head = functools.partial(_joint_head, weights)
+        head = _verify_head(weights, rows, max_draft, statics)
         state, cache, outputs, after = _decode_step(
             weights, state, statics, thresholds, model, rows, batch.draft_len > 0, head=head
         )
@@ -233,6 +231,15 @@ def _verify_drafts(
     written = jnp.sum(row_pages != 0, axis=1)
     cache = retract_rejected(cache, row_pages, start, written, state.lengths)
     return state, cache, outputs
+
+
+def _verify_head(weights, rows, max_draft, statics):
+    # A verifying step's LM head over its rows' tokens and their drafts at once
+    # (`_joint_head`) where verify.py would compute the drafts' logits in one product anyway
+    # (`precomputes_logits`); None: the plain head.
+    if max_draft and precomputes_logits(rows.shape[0], max_draft, statics.constrained):
+        return functools.partial(_joint_head, weights)
+    return None
 
 
 def _joint_head(weights, hidden, after):
