@@ -71,7 +71,7 @@ def _args(arrays):
 def _gguf_bytes(name: str, out: int, width: int) -> np.ndarray:
     qtype = gguf.GGMLQuantizationType[name]
     rng = np.random.default_rng(7)
-    if name in ("Q8_0", "Q4_0", "Q4_1"):  # the gguf package quantizes these itself
+    if name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0"):  # the gguf package quantizes these itself
         return gguf.quants.quantize(rng.standard_normal((out, width)).astype(np.float32), qtype)
     # K-quants: every byte drawn, then the float16 super-block scales set to finite values
     # from the subnormal to the large, where an inexact product would show.

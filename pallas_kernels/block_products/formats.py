@@ -18,6 +18,8 @@ blocks of 32 with float32 scales d * sc and offsets -(dmin * m), each product of
 a 6-bit integer exact in float32 (17 significant bits); a Q6_K super-block is sixteen 8-bit
 blocks of 16 (q in -32..31) with float32 scales d * sc (float16 times int8: 19 bits, exact).
 Only Q4_K's nibbles are reordered (its own order pairs value j with j + 32 of a 64).
+Q5_0 reads into Q8_0's layout: its 5-bit values q - 16 as int8 beside the same float16
+scale, exact (8 bits a value where the file has 5.5).
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ Q6_K = BlockFormat("q6_k", 8, 16, False, "float32")  # converted from GGUF's Q6_
 INT8 = BlockFormat("int8", 8, None, False, "float32")  # symmetric, per output channel
 
 # GGUF tensor types (gguf.GGMLQuantizationType names) read into a block format.
-GGUF_FORMATS = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K}
+GGUF_FORMATS = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K,
+                "Q5_0": Q8_0}  # fmt: skip
 # Bytes of one GGUF block, and the values it holds.
 _GGUF_BLOCKS = {"Q8_0": (34, 32), "Q4_0": (18, 32), "Q4_1": (20, 32), "Q4_K": (144, 256),
-                "Q6_K": (210, 256)}  # fmt: skip
+                "Q6_K": (210, 256), "Q5_0": (22, 32)}  # fmt: skip
 
 
 class BlockArrays(NamedTuple):
@@ -142,7 +145,20 @@ def _q6_k(blocks: np.ndarray) -> BlockArrays:
     return BlockArrays(_rows(q), _rows(d * sc), None)
 
 
-_CONVERTERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+def _q5_0(blocks: np.ndarray) -> BlockArrays:
+    # Block: d f16, 4 bytes whose bit j is value j's fifth bit, 16 bytes of nibbles (byte j:
+    # value j low, j + 16 high). Values q - 16 in -16..15: Q8_0's layout, the same scale.
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [out, blocks, 1]
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    nibbles = blocks[..., 6:22]
+    low = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    return BlockArrays(
+        _rows((low | (high << 4)).astype(np.int8) - np.int8(16)), _f16(blocks, 0), None
+    )
+
+
+_CONVERTERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k,
+               "Q5_0": _q5_0}  # fmt: skip
 
 
 def quantize_int8(w: np.ndarray) -> BlockArrays:
