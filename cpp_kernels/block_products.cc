@@ -216,8 +216,13 @@ inline void rows_by_blocks(const Product& p, const float* x, int64_t row, const 
       d[o] = block_lanes<kBits>(scales[o * blocks + b], offsets[o * blocks + b]);
     for (const int64_t end = i + p.block; i < end; i += kStep<kBits>) {
       Lanes wl[kOutStep][kN];
-      for (int64_t o = 0; o < kOutStep; ++o)
+      for (int64_t o = 0; o < kOutStep; ++o) {
+        // The next group's row o at the same offset, a line at a time: as row_blocks.h does
+        // for 16-bit weights, the hardware prefetcher begins each group's streams anew.
+        if (i % (kBits == 4 ? 128 : 64) == 0)
+          __builtin_prefetch(quants + (kOutStep + o) * row_bytes<kBits>(p.in) + i * kBits / 8);
         weight_values<kBits>(quants + o * row_bytes<kBits>(p.in), i, d[o], wl[o]);
+      }
       for (int64_t k = 0; k < kN; ++k)
         for (int r = 0; r < R; ++r) {
           const Lanes xl = load_lanes(x + r * p.in + i + k * kLanes);
