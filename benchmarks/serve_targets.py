@@ -479,6 +479,17 @@ def _capacity_run(at_once: dict) -> str:
     return f"{at_once['fcfs']['makespan_s']:.1f} s, its warm-up: compilation included"
 
 
+def _titled_cpu(raw: dict) -> str:
+    # "AMD EPYC (AVX2, AVX-512)" with its generation: "AMD EPYC Zen 4 (AVX2, AVX-512)".
+    from etjax.bench.perf_doc import cpu_name
+
+    name, generation = cpu_name(raw["machine"]), raw.get("cpu", "").split(",")[0]
+    if not generation.startswith("Zen"):
+        return name
+    model, _, extensions = name.partition(" (")
+    return f"{model} {generation}" + (f" ({extensions}" if extensions else "")
+
+
 def _runs(n: int) -> str:
     return f"{n} timed run{'s' if n > 1 else ''}"
 
@@ -498,8 +509,6 @@ def _load(raw: dict) -> str:
 
 def markdown_section(raw: dict) -> str:
     """The "serve" section of docs/PERF.md from a run's raw figures."""
-    from etjax.bench.perf_doc import cpu_name
-
     o, f, c = raw["overhead"], raw["first_token"], raw["online"]
     reps = len(o["ratios"])
     fcfs, ent = c["runs"]["fcfs"], c["runs"]["entropic"]
@@ -511,9 +520,9 @@ def markdown_section(raw: dict) -> str:
     mean_c, p99_c = statistics.median(c["mean_ratios"]), statistics.median(c["p99_ratios"])
     lines = [
         f"## `etjax serve` against decode(): overhead, first token, `online` "
-        f"(SmolLM2-135M-Instruct, float32, {cpu_name(raw['machine'])})",
+        f"(SmolLM2-135M-Instruct, float32, {_titled_cpu(raw)})",
         "",
-        f"Measured {raw['date']} on {raw['machine']} ({raw.get('cpu', '')}). Command: "
+        f"Measured {raw['date']} on {raw['machine']}; the CPU: {raw.get('cpu', '?')}. Command: "
         "`.venv/bin/python "
         f"benchmarks/serve_load.py {raw['command']}` ({raw['seconds'] / 60:.0f} min; how each "
         "figure is taken: benchmarks/serve_targets.py). Servers are `etjax serve` "
