@@ -171,6 +171,19 @@ def test_the_gate_prices_the_positions_it_expects_to_check():
     assert not verification_pays([4], [0.72], cfg, StepCosts({1: 0.04}, {(1, 8): 0.16}))
 
 
+def test_a_count_of_positions_seen_once_is_not_read_alone():
+    # Three steps, each checking a different count (1, 3, 7 positions), one of them slow:
+    # no count has 2 samples, so every count reads the median of all three (90 ms), not
+    # the slow call's 400 ms at 3 positions. A second step at 7 makes that count's median
+    # (90 and 94: 92 ms) the figure for every count.
+    costs = StepCosts()
+    for checked, seconds in ((1, 0.080), (3, 0.400), (7, 0.090)):
+        costs.record_verify(1, 7, checked, seconds)
+    assert [costs.verify_seconds(1, 7, None, c) for c in (1, 3, 7)] == pytest.approx([0.090] * 3)
+    costs.record_verify(1, 7, 7, 0.094)
+    assert [costs.verify_seconds(1, 7, None, c) for c in (1, 3, 7)] == pytest.approx([0.092] * 3)
+
+
 def test_the_gate_on_measured_costs_both_ways_and_its_debug_line(caplog):
     cfg = SpeculationConfig(enabled=True, max_draft=3)
     # 3 drafts at 0.72: 1 + 2.61 tokens per verifying step against 1 per burst step.

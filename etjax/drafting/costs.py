@@ -131,11 +131,18 @@ def _median(samples: deque[float] | None) -> float | None:
 
 
 def _by_positions(samples: deque[tuple[int, float]] | None) -> dict[int, float]:
-    # The median seconds at each count of positions checked (none before MIN_SAMPLES).
+    # The median seconds at each count of positions checked that has MIN_SAMPLES samples of
+    # its own; while none has, the median of them all, for any count (none before
+    # MIN_SAMPLES). A count seen once is one call's figure, and under load one ragged call
+    # can take several times its usual time.
     if not samples or len(samples) < MIN_SAMPLES:
         return {}
-    counts = sorted({checked for checked, _ in samples})
-    return {c: statistics.median(s for k, s in samples if k == c) for c in counts}
+    by = {}
+    for count in sorted({checked for checked, _ in samples}):
+        seconds = [s for k, s in samples if k == count]
+        if len(seconds) >= MIN_SAMPLES:
+            by[count] = statistics.median(seconds)
+    return by or {0: statistics.median(s for _, s in samples)}
 
 
 def _at_positions(samples: deque[tuple[int, float]] | None, checked: float) -> float | None:
