@@ -37,35 +37,36 @@ def test_mesh_shape_parsing_and_errors():
             MeshShape.parse(bad)
 
 
-def test_tiny_model_outputs_equal_on_every_mesh(tiny_hf_dir):
-    # Greedy and seeded sampling: the sampler draws with the same key per row and token
-    # whatever the sharding (threefry is partitionable), so tokens must match exactly. One
-    # worker for every mesh: a second would start JAX and compile the one-device run again.
-    meshes = ("1x8", "2x4", "8x1")
-    result = _run_worker(
+@pytest.fixture(scope="module")
+def tiny_on_meshes(tiny_hf_dir) -> dict:
+    # One worker for every mesh, dense and pruned: a second would start JAX, load the model
+    # and compile the one-device run again.
+    return _run_worker(
         "tests.mesh_worker",
         str(tiny_hf_dir("llama")),
         "--meshes",
-        ",".join(("1x1", *meshes)),
+        "1x1,1x8,2x4,8x1",
         "--temperatures",
         "0.0,0.8",
+        "--pruned-meshes",
+        "1x1,2x4",
     )
+
+
+def test_tiny_model_outputs_equal_on_every_mesh(tiny_on_meshes):
+    # Greedy and seeded sampling: the sampler draws with the same key per row and token
+    # whatever the sharding (threefry is partitionable), so tokens must match exactly.
+    result = tiny_on_meshes
     assert result["devices"] == 8
     for temperature in ("0.0", "0.8"):
         outputs = result["outputs"][temperature]
-        for mesh in meshes:
+        for mesh in ("1x8", "2x4", "8x1"):
             assert outputs[mesh] == outputs["1x1"], (temperature, mesh)
     assert result["outputs"]["0.8"]["1x1"] != result["outputs"]["0.0"]["1x1"]  # it sampled
 
 
-def test_tiny_model_pruned_outputs_equal_on_every_mesh(tiny_hf_dir):
-    outputs = _run_worker(
-        "tests.mesh_worker",
-        str(tiny_hf_dir("llama")),
-        "--meshes",
-        "1x1,2x4",
-        "--pruning",
-    )["outputs"]["0.0"]
+def test_tiny_model_pruned_outputs_equal_on_every_mesh(tiny_on_meshes):
+    outputs = tiny_on_meshes["pruned"]
     assert outputs["2x4"] == outputs["1x1"]
 
 
