@@ -48,6 +48,24 @@ def test_cost_constants_follow_the_stated_formula(tiny, tiny_hf_dir):
     assert cost.weight_bytes == 4 * hf.num_parameters()
 
 
+def test_an_engine_counts_the_bytes_its_int8_weights_hold(tiny_hf_dir):
+    # Weights kept in int8 are read as int8 each pass: an engine's cost model counts what the
+    # load holds, by hand from transformers' parameters (a matrix: a byte a weight and a
+    # float32 scale an output row; a norm: float32).
+    from transformers import AutoModelForCausalLM
+
+    from etjax.engine.device import DeviceBackend
+
+    model = etjax.load_model(tiny_hf_dir("llama"), weights="int8")
+    hf = AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama"))
+    held = sum(
+        p.numel() + 4 * p.shape[0] if p.ndim == 2 else 4 * p.numel() for p in hf.parameters()
+    )
+    options = RuntimeOptions(max_batch_size=1, page_size=4)
+    backend = DeviceBackend(model.weights, model.config, (), options, 8, compile_only=True)
+    assert backend.cost.weight_bytes == held < 4 * hf.num_parameters() / 3
+
+
 def test_cost_trace_of_a_single_sequence(tiny):
     cost = CostModel.for_model(tiny.config, page_size=4)
     w, kv = cost.weight_bytes, cost.kv_bytes_per_key

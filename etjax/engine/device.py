@@ -49,6 +49,7 @@ from etjax.engine.step_inputs import (
 from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError
 from etjax.model.config import ModelConfig
+from etjax.model.quantized import weights_bytes
 from etjax.model.weights import Weights
 from etjax.pruning.config import PruningThresholds
 from etjax.pruning.groups import PrunedGroups
@@ -127,7 +128,9 @@ class DeviceBackend:
         )
         # The one cost model of this engine's model, KV dtype and pages, and what a burst
         # reads by it (for the grouping: etjax/engine/burst_cost.py).
-        self.cost = CostModel.for_model(cfg, options.page_size, self.kv_dtype)
+        self.cost = CostModel.for_model(
+            cfg, options.page_size, self.kv_dtype, resident_bytes=weights_bytes(self.weights)
+        )
         self.burst_cost = BurstCost(self.cost, self.geometry)
 
     def _start_rows(self) -> None:

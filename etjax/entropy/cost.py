@@ -12,7 +12,8 @@ query heads, KVH KV heads, head dim hd, s bytes per cache element; K keys attend
 pages the paged kernel reads for this sequence (ceil(positions / page_size) * page_size, or the
 kept pages once attention is pruned), averaged over the layers: a sliding-window layer
 (Gemma 3's local layers) reads at most the pages its window spans, pruned or not; W bytes of
-weights, read once per forward pass and shared by the n sequences in it. The scalar cost C of
+weights as loaded (a matrix kept in 4-bit blocks counts its blocks), read once per forward pass
+and shared by the n sequences in it. The scalar cost C of
 d tau / d C is the bytes: decoding at the batch sizes that matter is bound by memory traffic,
 and bytes are what pruning and batching change. FLOPs are reported alongside.
 
@@ -62,8 +63,17 @@ class CostModel:
     expert_bytes: float = 0.0
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, page_size: int, kv_dtype: str | None = None) -> CostModel:
-        """kv_dtype: the KV cache's ("float32", "bfloat16"); None: the model's dtype."""
+    def for_model(
+        cls,
+        cfg: ModelConfig,
+        page_size: int,
+        kv_dtype: str | None = None,
+        resident_bytes: float | None = None,
+    ) -> CostModel:
+        """kv_dtype: the KV cache's ("float32", "bfloat16"); None: the model's dtype.
+        resident_bytes: what the loaded weights hold (etjax/model/quantized.py's
+        `weights_bytes`), for weights kept in blocks or another dtype than the model's; None:
+        every parameter in the model's dtype."""
         d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         attention = d * cfg.qkv_size + cfg.num_heads * cfg.head_dim * d
         sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
@@ -81,7 +91,12 @@ class CostModel:
         return cls(
             matmul_flops_per_token=2.0 * matmul_params,
             attention_flops_per_key=4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
-            weight_bytes=float((parameter_count(cfg) - unread) * itemsize),
+            weight_bytes=float(
+                (parameter_count(cfg) - unread) * itemsize
+                if resident_bytes is None
+                # The routed experts stay in the model's dtype whatever the weights option.
+                else resident_bytes - unread * itemsize
+            ),
             kv_bytes_per_key=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize,
             page_size=page_size,
             bound_bytes_per_page=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4,
