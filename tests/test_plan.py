@@ -77,6 +77,43 @@ def test_llama_8b_on_eight_v5e_chips_fits_with_the_pool_split_by_kv_head():
     assert p.max_pool_pages == pytest.approx(room / _page_bytes(1), rel=0.05)
 
 
+def _llama_8b_int8_bytes() -> int:
+    # weights="int8": every matrix [out, in] (projections, the embedding, the LM head) as one
+    # int8 a weight and a float32 scale an output row; the norms stay float32.
+    shapes = [(VOCAB, D)] * 2 + LAYERS * [
+        (HEADS * HD, D), (KV_HEADS * HD, D), (KV_HEADS * HD, D), (D, HEADS * HD),
+        (F, D), (F, D), (D, F),
+    ]  # fmt: skip
+    norms = LAYERS * 2 * D + D
+    return sum(out * width + 4 * out for out, width in shapes) + 4 * norms
+
+
+def test_int8_weights_hold_llama_8b_in_half_a_v5e_with_gigabytes_of_pool_beside(capsys):
+    p = plan(LLAMA_8B, "v5e-1", batch=8, context=4096, compile_programs=False, weights="int8")
+    assert p.weights_bytes == p.weights_bytes_per_chip == _llama_8b_int8_bytes()  # 8.03 GB
+    # bfloat16 left no row of 4K (above); int8 leaves a pool of over 2 GB (8.2 GB, 13 rows).
+    room = 0.95 * 16 * GIB - _llama_8b_int8_bytes() - _state_bytes(8)
+    assert p.max_pool_pages * _page_bytes(KV_HEADS) > 2e9
+    assert p.max_pool_pages == pytest.approx(room / _page_bytes(KV_HEADS), rel=0.01)
+    # A decode step reads the int8 weights once: the bfloat16 count less what int8 saves.
+    kv = 8 * 4096 * 2 * LAYERS * KV_HEADS * HD * 2
+    assert p.modelled["dense"]["weight_bytes"] == pytest.approx(
+        2 * 8_030_261_248 - (_llama_8b_weight_bytes() - _llama_8b_int8_bytes()), rel=1e-9
+    )
+    assert p.modelled["dense"]["step_bytes"] == pytest.approx(
+        p.modelled["dense"]["weight_bytes"] + kv, rel=1e-6
+    )
+    argv = ["plan", str(LLAMA_8B), "--weights", "int8", "--no-compile", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["weights"] == "int8" and out["weights_bytes"] == _llama_8b_int8_bytes()
+    # A file's own blocks are not planned: refused by name.
+    from etjax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="weights='stored'"):
+        plan(LLAMA_8B, "v5e-1", compile_programs=False, weights="stored")
+
+
 def test_modelled_decode_reads_the_weights_once_and_each_rows_kv():
     # Llama-3.1-8B, 64 rows of 2K tokens on a v6e: HBM-bound; a step reads the weights once
     # (the cost model counts 8,030,261,248 parameters at 2 bytes) and every row's 128 pages

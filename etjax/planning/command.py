@@ -22,6 +22,12 @@ def add_plan(commands) -> None:
     cmd.add_argument("model", help="a .gguf file, or a Hugging Face folder (config.json alone)")
     cmd.add_argument("--topology", default="v5e-1", help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-8, ...")
     cmd.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    cmd.add_argument(
+        "--weights",
+        default="auto",
+        choices=("auto", "int8", "bfloat16", "float32"),
+        help="how the matrices are held, as load_model's weights option (default: auto)",
+    )
     cmd.add_argument("--config", default=None, help="a name in configs/ or a .toml path")
     cmd.add_argument("--batch", type=int, default=None, help="rows (default: the config's)")
     cmd.add_argument("--context", type=int, default=None, help="tokens a row (default 4096)")
@@ -57,6 +63,7 @@ def run_plan(args: argparse.Namespace) -> int:
         layers=args.layers,
         compile_programs=not args.no_compile,
         hbm_fraction=args.hbm_fraction,
+        weights=args.weights,
     )
     if args.json:
         print(json.dumps(result.as_dict()))
@@ -72,8 +79,8 @@ def render(d: dict) -> str:
         return f"{n / _GIB:.2f} GiB"
 
     lines = [
-        f"{d['model']} on {d['topology']} (mesh {d['mesh']}), {d['dtype']}, KV "
-        f"{d['kv_dtype']}: {'fits' if d['fits'] else 'does not fit'}",
+        f"{d['model']} on {d['topology']} (mesh {d['mesh']}), {d['dtype']}, weights "
+        f"{d['weights']}, KV {d['kv_dtype']}: {'fits' if d['fits'] else 'does not fit'}",
         f"  per chip, of {gib(d['hbm_bytes_per_chip'])} HBM ({d['hbm_fraction']:.0%} planned):",
         f"    weights   {gib(d['weights_bytes_per_chip'])} (all chips {gib(d['weights_bytes'])})",
         f"    KV pool   {gib(d['kv_pool_bytes_per_chip'])} ({d['batch']} rows x "

@@ -32,6 +32,7 @@ from etjax.engine.row_store import empty_store
 from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError, ModelLoadError
 from etjax.model.config import ModelConfig
+from etjax.model.quantized import check_weights, resolve_weights
 from etjax.model.weights import abstract_weights
 from etjax.planning.programs import (
     ProgramReport,
@@ -80,6 +81,7 @@ class Plan:
     full_layers: int  # the model's layers
     hbm_fraction: float
     modelled: dict  # "dense" and, under pruning, "pruned": step seconds and tokens/s
+    weights: str = ""  # how the matrices are held: "int8", or a float dtype ("": `dtype`)
 
     @property
     def chips(self) -> int:
@@ -160,6 +162,8 @@ class Plan:
                 out.append("a chip with more HBM: v6e (32 GiB a chip)")
             if self.dtype == "float32":
                 out.append("a smaller dtype: --dtype bfloat16 (half the weights)")
+            if (self.weights or self.dtype) != "int8":
+                out.append("int8 weights: --weights int8 (one byte a weight)")
             if not out:
                 out.append("more than one host's chips (not planned here)")
             return out
@@ -178,6 +182,7 @@ class Plan:
             "mesh": self.mesh,
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
+            "weights": self.weights or self.dtype,
             "fits": self.fits,
             "chips": self.chips,
             "hbm_bytes_per_chip": self.hbm_bytes_per_chip,
@@ -233,6 +238,7 @@ def plan(
     layers: int = 2,
     compile_programs: bool = True,
     hbm_fraction: float | None = None,
+    weights: str = "auto",
 ) -> Plan:
     """Plan `model` (a GGUF file, or an HF folder or config.json; only the config is read) on
     `topology` ("v5e-1", "v6e-8", ...) at `dtype`, with the engine options of `config` (a
@@ -241,11 +247,28 @@ def plan(
     `kv_dtype`, `pruning`, `mesh` ("DATAxMODEL"; default all chips on `model`). The step
     programs are compiled with `layers` layers (0: all) unless `compile_programs` is False or
     the weights alone overflow the chips; `hbm_fraction` of each chip's HBM is planned
-    (default: the config's). Needs libtpu (`pip install etjax[tpu]`)."""
+    (default: the config's). `weights`, as `load_model`'s option (etjax/model/quantized.py):
+    how the matrices are held, "int8" (one byte a weight and a float32 scale an output, the
+    programs' products XLA's int8 x `dtype` ones), "float32", "bfloat16" or "auto" (as a load
+    resolves it); "stored" needs a file's blocks and is not planned. Needs libtpu (`pip
+    install etjax[tpu]`)."""
     topo = Topology.parse(topology)
     cfg = model_config(model, dtype)
     options = _options(config, topo, batch, kv_dtype, pruning, mesh, hbm_fraction)
-    return plan_config(cfg, topo, options, context, layers, compile_programs, str(model))
+    held = planned_weights(weights, cfg.dtype)
+    return plan_config(cfg, topo, options, context, layers, compile_programs, str(model), held)
+
+
+def planned_weights(weights: str, dtype: str) -> str | None:
+    """The `abstract_weights` option a plan counts for the load option `weights` of a model
+    of `dtype`: None where the matrices stay in `dtype`."""
+    held = resolve_weights(check_weights(weights), dtype)
+    if held == "stored":
+        raise ConfigError(
+            "weights='stored' keeps a file's own blocks, which a plan does not read; plan "
+            "--weights int8, bfloat16 or float32"
+        )
+    return None if held == dtype else held
 
 
 def plan_config(
@@ -256,10 +279,12 @@ def plan_config(
     layers: int = 2,
     compile_programs: bool = True,
     name: str = "",
+    weights: str | None = None,
 ) -> Plan:
     """`plan`'s work for a model config and an engine's options as they are (`plan` derives
     them from files and flags; the engine's pool sizing, pool.py, passes its own), in
-    `options.hbm_fraction` of each chip's HBM."""
+    `options.hbm_fraction` of each chip's HBM, the matrices held as `weights` says
+    (`abstract_weights`: None keeps cfg.dtype)."""
     hbm_fraction = options.hbm_fraction
     context = context or min(cfg.max_position_embeddings, 4096)
     if context <= 0:
@@ -270,15 +295,17 @@ def plan_config(
     # One chip places nothing; a mesh needs the topology's devices (libtpu).
     placement = None if shape.size == 1 else Placement(make_mesh(shape, topo.devices()))
     kv_dtype_name = options.kv_cache_dtype(cfg.dtype, "tpu")
-    weights = abstract_weights(cfg)
-    weights_pc = _bytes_per_chip(weights, placement and placement.weights(weights))
+    held = abstract_weights(cfg, weights)
+    weights_pc = _bytes_per_chip(held, placement and placement.weights(held))
     pool = jax.eval_shape(lambda: init_kv_cache(cfg, 2, ps, 1, 1, kv_dtype_name))
     pool = pool.replace(block_mass=None)  # per row, not per page: in the state
     page_pc = _bytes_per_chip(pool, placement and placement.cache(pool)) // 2
     store = jax.eval_shape(lambda: empty_store(cfg, options.resident_rows + 1, (0,)))
     store_sharding = placement and placement.state(store, cfg.vocab_size)
     state_pc = _bytes_per_chip(store, store_sharding)
-    weights_all = sum(_nbytes(leaf) for leaf in jax.tree.leaves(weights))
+    weights_all = _tree_bytes(held)
+    # What the held form saves on the cost model's bytes, which count every weight in cfg.dtype.
+    saved = _tree_bytes(abstract_weights(cfg)) - weights_all
     usable = topo.chip.hbm_bytes * hbm_fraction
     programs: tuple[ProgramReport, ...] = ()
     compiled = 0
@@ -287,7 +314,7 @@ def plan_config(
         # A pool of whole tiles of pages, so that its laid-out bytes a page are those of any
         # large pool (the 69 pages of a small one took 128's room).
         tiled = -(-num_pages // POOL_TILE_PAGES) * POOL_TILE_PAGES
-        programs = _compile(_cut(cfg, compiled), options, tiled, topo, context)
+        programs = _compile(_cut(cfg, compiled), options, tiled, topo, context, weights)
         # The pool and the row store as the compiler lays them out (its tiles pad the
         # minor dimensions), the pool scaled from the compiled layers to all of them.
         laid_out = dict(programs[0].laid_out)
@@ -314,7 +341,8 @@ def plan_config(
         compiled_layers=compiled,
         full_layers=cfg.num_layers,
         hbm_fraction=hbm_fraction,
-        modelled=modelled_decode(cfg, options, kv_dtype_name, topo, context),
+        modelled=modelled_decode(cfg, options, kv_dtype_name, topo, context, saved),
+        weights=weights or "",
     )
 
 
@@ -343,6 +371,7 @@ def modelled_decode(
     kv_dtype: str | None,
     topology: Topology,
     context: int,
+    saved_weight_bytes: float = 0.0,
 ) -> dict:
     """A decode step of `max_batch_size` rows of `context` tokens on the topology's chips, by
     the roofline: max(bytes / bandwidth, FLOPs / peak) per chip, each chip reading its share of
@@ -357,14 +386,17 @@ def modelled_decode(
       copy every layer: the KV is read twice and written once (`XLA_GATHER_TRAFFIC`);
     - "pruned": the block-sparse Pallas kernel at the pruning's floor (`min_fraction` of the
       blocks, with its sink and recent blocks: the most pruning saves), plus the float32 key
-      bounds of every page that block selection scores."""
+      bounds of every page that block selection scores.
+
+    `saved_weight_bytes`: what the weights' held form (int8) saves on the cost model's count
+    of every weight in cfg.dtype, read once a step less."""
     cost = CostModel.for_model(cfg, options.page_size, kv_dtype)
     rows, chip, n = options.max_batch_size, topology.chip, topology.chips
     # A step of many rows reads the union of their experts (between k and all of them per
     # layer), not one row's k (etjax/entropy/cost.py).
     experts = cfg.num_experts_per_tok
     extra_experts = min(cfg.num_experts - experts, (rows - 1) * experts) if experts else 0
-    weight_bytes = cost.weight_bytes + extra_experts * cost.expert_bytes
+    weight_bytes = cost.weight_bytes + extra_experts * cost.expert_bytes - saved_weight_bytes
     ps = options.page_size
     blocks = pages_needed(context, ps)
     floor = np.float32(options.pruning.min_fraction)
@@ -443,11 +475,16 @@ def _cut(cfg: ModelConfig, layers: int) -> ModelConfig:
 
 
 def _compile(
-    cfg: ModelConfig, options: RuntimeOptions, num_pages: int, topo: Topology, context: int
+    cfg: ModelConfig,
+    options: RuntimeOptions,
+    num_pages: int,
+    topo: Topology,
+    context: int,
+    weights: str | None,
 ) -> tuple[ProgramReport, ...]:
     # The engine's largest programs of this batch and context: a burst of every row, and a
     # ragged step of every row beside a chunk filling the token budget.
-    backend = compile_only_backend(cfg, options, num_pages, topo)
+    backend = compile_only_backend(cfg, options, num_pages, topo, weights)
     rows = options.max_batch_size
     chunk = min(max(options.token_budget - rows, 1), options.prefill_chunk)
     calls = {
@@ -474,6 +511,10 @@ def _no_persistent_cache():
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+
+
+def _tree_bytes(tree) -> int:
+    return sum(_nbytes(leaf) for leaf in jax.tree.leaves(tree))
 
 
 def _nbytes(leaf) -> int:

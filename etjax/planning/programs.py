@@ -69,12 +69,17 @@ class ProgramReport:
 
 
 def compile_only_backend(
-    cfg: ModelConfig, options: RuntimeOptions, num_pages: int, topology: Topology
+    cfg: ModelConfig,
+    options: RuntimeOptions,
+    num_pages: int,
+    topology: Topology,
+    weights: str | None = None,
 ) -> DeviceBackend:
-    """The engine's device half for `topology`, holding shapes: abstract weights of `cfg` and a
-    pool of `num_pages` pages."""
+    """The engine's device half for `topology`, holding shapes: abstract weights of `cfg`
+    (their matrices held as `weights` says: `abstract_weights`) and a pool of `num_pages`
+    pages."""
     return DeviceBackend(
-        abstract_weights(cfg),
+        abstract_weights(cfg, weights),
         cfg,
         (0,),
         options,
