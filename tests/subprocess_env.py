@@ -31,4 +31,8 @@ def subprocess_env(forced_devices: int | None = None) -> dict[str, str]:
     if env.get(compile_level.ENV) == "1":  # the test compiles cheaply, and so does its child
         flags.append(compile_level.LOOP_EMITTERS)
     env["XLA_FLAGS"] = " ".join(flags)
+    # Every program a child compiles goes into the run's cache, however fast it compiled: a
+    # child starts cold, and the next one (a rerun, a resumed job, another test's job) would
+    # compile it again. The test process itself keeps the engine's threshold.
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return env
