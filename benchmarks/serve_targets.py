@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -265,7 +266,9 @@ def measure_first_token(model, served: Served, repetitions: int, log) -> dict:
 
     ids = model.tokenizer.encode(CACHED_PROMPT)
     settings = RequestSettings(max_new_tokens=TTFT_TOKENS, ignore_eos=True)
-    options = RuntimeOptions()  # decode()'s defaults
+    # decode()'s defaults, with the model's entropy calibration as decode() and the server
+    # apply it
+    options = dataclasses.replace(RuntimeOptions(), calibration=model.calibration)
     engine = build_engine(model.weights, model.config, model.tokenizer, options, SMALL_POOL)
     body = {"prompt": CACHED_PROMPT, "max_tokens": TTFT_TOKENS, "ignore_eos": True}
     body["temperature"] = 0.0
