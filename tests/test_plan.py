@@ -107,6 +107,17 @@ def test_int8_weights_hold_llama_8b_in_half_a_v5e_with_gigabytes_of_pool_beside(
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["weights"] == "int8" and out["weights_bytes"] == _llama_8b_int8_bytes()
+    # The engine's pool sizing (etjax/planning/pool.py) passes the weights it loaded: an int8
+    # tree counts as the option does.
+    from etjax.model.weights import abstract_weights
+    from etjax.planning.plan import _options, model_config, plan_config
+    from etjax.planning.topology import Topology
+
+    cfg, topo = model_config(LLAMA_8B, "bfloat16"), Topology.parse("v5e-1")
+    tree = abstract_weights(cfg, "int8")
+    held = plan_config(cfg, topo, _options(None, topo, 8, None, None, None), 4096,
+                       compile_programs=False, weights=tree)  # fmt: skip
+    assert held.weights == "int8" and held.weights_bytes == _llama_8b_int8_bytes()
     # A file's own blocks are not planned: refused by name.
     from etjax.errors import ConfigError
 

@@ -49,7 +49,7 @@ def build_engine(
     """An engine on the default device; `num_pages` overrides `options.num_pages`, and
     without either the pool on a TPU fills the chips' HBM (`device_pool_pages`)."""
     use_persistent_cache(options.compilation_cache)
-    pages = num_pages or options.num_pages or device_pool_pages(cfg, options) or 4096
+    pages = num_pages or options.num_pages or device_pool_pages(cfg, options, weights) or 4096
     eos = tuple(tokenizer.eos_token_ids)
     backend = DeviceBackend(weights, cfg, eos, options, pages)
     cost = backend.cost  # the one cost model of this engine's model, KV dtype and pages
@@ -121,7 +121,7 @@ def generate_ids(
     `SequenceOutput` per prompt, in order.
     """
     options = options or RuntimeOptions()
-    pages = options.num_pages or device_pool_pages(cfg, options)
+    pages = options.num_pages or device_pool_pages(cfg, options, weights)
     pages = pages or workload_pages(prompts, settings, options)
     engine = build_engine(weights, cfg, tokenizer, options, num_pages=pages)
     return engine.generate(prompts, settings, on_text=on_text, on_done=on_done)

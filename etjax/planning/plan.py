@@ -32,8 +32,8 @@ from etjax.engine.row_store import empty_store
 from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError, ModelLoadError
 from etjax.model.config import ModelConfig
-from etjax.model.quantized import check_weights, resolve_weights
-from etjax.model.weights import abstract_weights
+from etjax.model.quantized import check_weights, resolve_weights, weight_formats
+from etjax.model.weights import Weights, abstract_weights
 from etjax.planning.programs import (
     ProgramReport,
     burst_call,
@@ -279,12 +279,13 @@ def plan_config(
     layers: int = 2,
     compile_programs: bool = True,
     name: str = "",
-    weights: str | None = None,
+    weights: str | Weights | None = None,
 ) -> Plan:
     """`plan`'s work for a model config and an engine's options as they are (`plan` derives
     them from files and flags; the engine's pool sizing, pool.py, passes its own), in
-    `options.hbm_fraction` of each chip's HBM, the matrices held as `weights` says
-    (`abstract_weights`: None keeps cfg.dtype)."""
+    `options.hbm_fraction` of each chip's HBM, the matrices held as `weights` says: an
+    `abstract_weights` option (None keeps cfg.dtype), or a loaded `Weights` tree (an engine's:
+    its arrays' shapes and dtypes, whatever form they are in)."""
     hbm_fraction = options.hbm_fraction
     context = context or min(cfg.max_position_embeddings, 4096)
     if context <= 0:
@@ -295,7 +296,7 @@ def plan_config(
     # One chip places nothing; a mesh needs the topology's devices (libtpu).
     placement = None if shape.size == 1 else Placement(make_mesh(shape, topo.devices()))
     kv_dtype_name = options.kv_cache_dtype(cfg.dtype, "tpu")
-    held = abstract_weights(cfg, weights)
+    held = _held(cfg, weights)
     weights_pc = _bytes_per_chip(held, placement and placement.weights(held))
     pool = jax.eval_shape(lambda: init_kv_cache(cfg, 2, ps, 1, 1, kv_dtype_name))
     pool = pool.replace(block_mass=None)  # per row, not per page: in the state
@@ -314,7 +315,8 @@ def plan_config(
         # A pool of whole tiles of pages, so that its laid-out bytes a page are those of any
         # large pool (the 69 pages of a small one took 128's room).
         tiled = -(-num_pages // POOL_TILE_PAGES) * POOL_TILE_PAGES
-        programs = _compile(_cut(cfg, compiled), options, tiled, topo, context, weights)
+        cut = held.replace(layers=held.layers[:compiled])
+        programs = _compile(_cut(cfg, compiled), options, tiled, topo, context, cut)
         # The pool and the row store as the compiler lays them out (its tiles pad the
         # minor dimensions), the pool scaled from the compiled layers to all of them.
         laid_out = dict(programs[0].laid_out)
@@ -342,7 +344,7 @@ def plan_config(
         full_layers=cfg.num_layers,
         hbm_fraction=hbm_fraction,
         modelled=modelled_decode(cfg, options, kv_dtype_name, topo, context, saved),
-        weights=weights or "",
+        weights=_held_name(held),
     )
 
 
@@ -480,7 +482,7 @@ def _compile(
     num_pages: int,
     topo: Topology,
     context: int,
-    weights: str | None,
+    weights: Weights,
 ) -> tuple[ProgramReport, ...]:
     # The engine's largest programs of this batch and context: a burst of every row, and a
     # ragged step of every row beside a chunk filling the token budget.
@@ -511,6 +513,18 @@ def _no_persistent_cache():
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", enabled)
+
+
+def _held(cfg: ModelConfig, weights: str | Weights | None) -> Weights:
+    # The weights a plan counts and compiles, as shapes.
+    if weights is None or isinstance(weights, str):
+        return abstract_weights(cfg, weights)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), weights)
+
+
+def _held_name(weights: Weights) -> str:
+    # The block formats of quantized matrices ("int8", "q4_1"), "" when every one is float.
+    return ",".join(sorted(set(weight_formats(weights).values())))
 
 
 def _tree_bytes(tree) -> int:

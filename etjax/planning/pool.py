@@ -17,6 +17,8 @@ import jax
 from etjax.cache.page_allocator import pages_needed
 from etjax.errors import ConfigError
 from etjax.model.config import ModelConfig
+from etjax.model.quantized import weight_formats, weights_bytes
+from etjax.model.weights import Weights
 from etjax.planning.topology import Topology
 from etjax.runtime.options import RuntimeOptions
 
@@ -28,16 +30,23 @@ if TYPE_CHECKING:
 _SIZED: dict[str, int] = {}
 
 
-def pool_plan(cfg: ModelConfig, options: RuntimeOptions, devices: list, layers: int = 2) -> Plan:
+def pool_plan(
+    cfg: ModelConfig,
+    options: RuntimeOptions,
+    devices: list,
+    layers: int = 2,
+    weights: Weights | None = None,
+) -> Plan:
     """The plan (plan.py) of an engine with these options on `devices` (TPU devices, real or
     described), its programs compiled at `layers` layers: `max_pool_pages` is the largest KV
-    pool that fits beside everything else in `options.hbm_fraction` of each chip's HBM. A
-    ConfigError when not even one row of the planned context fits."""
+    pool that fits beside everything else in `options.hbm_fraction` of each chip's HBM.
+    `weights`: the engine's own (int8 matrices take half of bfloat16's room); None: every
+    weight in cfg.dtype. A ConfigError when not even one row of the planned context fits."""
     # plan.py builds the engine's device half: imported to size a pool, not with build.py.
     from etjax.planning.plan import plan_config
 
     topo = Topology.of_devices(devices)
-    found = plan_config(cfg, topo, options, layers=layers)
+    found = plan_config(cfg, topo, options, layers=layers, weights=weights)
     row = pages_needed(found.context + options.steps_per_sync, options.page_size)
     if found.max_pool_pages < row + 1:
         raise ConfigError(
@@ -48,14 +57,17 @@ def pool_plan(cfg: ModelConfig, options: RuntimeOptions, devices: list, layers: 
     return found
 
 
-def device_pool_pages(cfg: ModelConfig, options: RuntimeOptions) -> int | None:
+def device_pool_pages(
+    cfg: ModelConfig, options: RuntimeOptions, weights: Weights | None = None
+) -> int | None:
     """The pool an engine on this process's TPU gets (`pool_plan` over the devices its
-    mesh takes; sized once per model and options); None off a TPU, where the caller sizes
-    it."""
+    mesh takes, beside `weights`, the engine's; sized once per model, weights' form and
+    options); None off a TPU, where the caller sizes it."""
     if jax.default_backend() != "tpu":
         return None
-    key = repr((cfg, options))
+    form = None if weights is None else (weights_bytes(weights), weight_formats(weights))
+    key = repr((cfg, options, form))
     if key not in _SIZED:
         devices = jax.devices()[: options.mesh_shape.size]
-        _SIZED[key] = pool_plan(cfg, options, devices).max_pool_pages
+        _SIZED[key] = pool_plan(cfg, options, devices, weights=weights).max_pool_pages
     return _SIZED[key]

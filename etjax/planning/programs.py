@@ -24,7 +24,7 @@ from etjax.cache.page_allocator import pages_needed
 from etjax.engine.backend import PrefillJob
 from etjax.engine.device import DeviceBackend
 from etjax.model.config import ModelConfig
-from etjax.model.weights import abstract_weights
+from etjax.model.weights import Weights, abstract_weights
 from etjax.planning.topology import Topology
 from etjax.runtime.options import RuntimeOptions
 from etjax.runtime.steps import decode_steps, mixed_step
@@ -73,13 +73,12 @@ def compile_only_backend(
     options: RuntimeOptions,
     num_pages: int,
     topology: Topology,
-    weights: str | None = None,
+    weights: Weights | None = None,
 ) -> DeviceBackend:
-    """The engine's device half for `topology`, holding shapes: abstract weights of `cfg`
-    (their matrices held as `weights` says: `abstract_weights`) and a pool of `num_pages`
-    pages."""
+    """The engine's device half for `topology`, holding shapes: `weights` (a tree of shapes;
+    default `abstract_weights(cfg)`) and a pool of `num_pages` pages."""
     return DeviceBackend(
-        abstract_weights(cfg, weights),
+        abstract_weights(cfg) if weights is None else weights,
         cfg,
         (0,),
         options,
