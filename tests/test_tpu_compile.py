@@ -181,6 +181,39 @@ def test_block_sparse_kernel_compiles_at_float16_kv(chip):
     assert BLOCK_SPARSE in mosaic_kernels(compiled.as_text())
 
 
+@pytest.mark.parametrize("chip", ["v5e-1", "v6e-1"])
+def test_int8_weights_enter_the_matrix_product_as_int8(chip):
+    # weights="int8" (etjax/model/quantized.py): the XLA product (block_products_xla) widens
+    # the int8 weight inside the product. Compiled, the product (a convolution on a TPU) takes
+    # the s8 weight as its operand and the scale multiplies its float32 output; no bfloat16
+    # copy of the weight exists anywhere in the module (one would cost twice the int8 bytes
+    # in HBM and a read and a write a step). Llama's down projection shape; about a second.
+    from pallas_kernels.block_products.xla import block_products_xla
+
+    device = Topology.parse(chip).devices()[0]
+    on_chip = SingleDeviceSharding(device)
+    x = jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16, sharding=on_chip)
+    quants = jax.ShapeDtypeStruct((512, 1024), jnp.int8, sharding=on_chip)
+    scales = jax.ShapeDtypeStruct((512, 1), jnp.float32, sharding=on_chip)
+
+    def product(x, quants, scales):
+        return block_products_xla(x, quants, scales, None, 1024, 8)
+
+    with jax.default_device(device):
+        compiled = jax.jit(product).lower(x, quants, scales).compile()
+    hlo = compiled.as_text()
+    products = [line for line in hlo.splitlines() if " convolution(" in line or " dot(" in line]
+    assert products, hlo
+    # The fused computation holding the product takes the weight as s8 and nothing widens it
+    # to a whole bfloat16 or float32 matrix.
+    assert "s8[512,1024]" in hlo
+    for wide in ("bf16[512,1024]", "f32[512,1024]"):
+        assert wide not in hlo
+    memory = compiled.memory_analysis()
+    assert memory.argument_size_in_bytes < 512 * 1024 * 1.1 + 8 * 1024 * 2 + 512 * 4 * 128
+    assert memory.temp_size_in_bytes < 512 * 1024  # less than the int8 weight itself
+
+
 def test_float16_kv_is_refused_on_a_tpu_by_name(cfg):
     # The kernel reads float16 tiles (above), but Mosaic takes no float16 operand: the pool
     # would reach it through a conversion XLA makes a copy of the whole pool at every layer
