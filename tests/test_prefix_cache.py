@@ -275,6 +275,7 @@ def test_any_interleaving_keeps_refcounts_shares_read_only_and_leaks_nothing(
 # pass over their prompt and output computes.
 
 
+@pytest.mark.compile_bound  # etjax's cached decode against its own full pass
 def test_questions_and_samples_on_one_document_match_full_passes_on_smollm2(smollm2, lee):
     # Three greedy questions, then three seeded samples of one of them, on one 300-token
     # document. Decode bursts read the shared pages once for the rows holding them
