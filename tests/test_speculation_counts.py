@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from etjax.drafting import SpeculationConfig, StepCosts, compile_events
+from etjax.drafting.costs import STALE_BURSTS
 from etjax.drafting.rule import expected_positions, step_cost_ratio, verification_pays
 from etjax.engine.engine import Engine
 from etjax.engine.policies import make_policy
@@ -182,6 +183,27 @@ def test_a_count_of_positions_seen_once_is_not_read_alone():
     assert [costs.verify_seconds(1, 7, None, c) for c in (1, 3, 7)] == pytest.approx([0.090] * 3)
     costs.record_verify(1, 7, 7, 0.094)
     assert [costs.verify_seconds(1, 7, None, c) for c in (1, 3, 7)] == pytest.approx([0.092] * 3)
+
+
+def test_verifying_figures_not_refreshed_for_stale_bursts_are_forgotten():
+    # Two verifying steps timed under load (400 ms against 40 ms bursts: the gate stays
+    # shut, so no verifying step refreshes them): after STALE_BURSTS bursts of the same row
+    # bucket without one they are dropped and the cost model decides again; a verifying
+    # step in between restarts the count; another row bucket's bursts do not count.
+    costs = StepCosts()
+    for _ in range(2):
+        costs.record_verify(1, 7, 1, 0.400)
+    for _ in range(STALE_BURSTS - 1):
+        costs.record_burst(1, 0.040)
+        costs.record_burst(4, 0.060)
+    assert costs.verify_seconds(1, 7, None, 1) == pytest.approx(0.400)
+    costs.record_verify(1, 7, 1, 0.400)  # measured again: the count restarts
+    for _ in range(STALE_BURSTS - 1):
+        costs.record_burst(1, 0.040)
+    assert costs.verify_seconds(1, 7, None, 1) == pytest.approx(0.400)
+    costs.record_burst(1, 0.040)
+    assert costs.verify_seconds(1, 7, None, 1) is None
+    assert costs.burst_seconds(1) == pytest.approx(0.040)
 
 
 def test_the_gate_on_measured_costs_both_ways_and_its_debug_line(caplog):

@@ -27,6 +27,12 @@ A verifying shape not measured yet is priced from one measured at the same row b
 by the cost model's ratio of the two token buckets; with no burst or no verifying step
 measured at a row bucket, the constants decide.
 
+A gate that turns drafts down on measured costs measures no verifying step after that, so
+one inflated figure (a verifying step timed while other processes loaded the machine) would
+keep it shut for the rest of the process. A row bucket's verifying figures are forgotten
+after `STALE_BURSTS` bursts of it without one; the constants decide until it has been
+measured again.
+
 One table per process and model shape (`measured_costs`): engines built one after another in
 a process (each `decode()` call builds one) start from what earlier ones measured.
 """
@@ -41,6 +47,10 @@ from etjax.buckets import batch_bucket, ragged_token_bucket
 
 WINDOW = 16  # samples kept per shape: the recent ones (the context grows, the cost with it)
 MIN_SAMPLES = 2  # samples a shape needs before the gate reads it
+# Bursts of a row bucket without a verifying step of it, after which its verifying figures
+# are forgotten: at batch 1, 256 tokens; a gate shut on costs that hold pays the cost
+# model's verifying steps (two, to measure again) once in that many bursts.
+STALE_BURSTS = 32
 
 
 class StepCosts:
@@ -63,6 +73,7 @@ class StepCosts:
         # (row bucket, token bucket) -> (positions checked, seconds) samples; a given table's
         # have no position count (0), and one count alone stands for every count.
         self._verify: dict[tuple[int, int], deque[tuple[int, float]]] = {}
+        self._since_verify: dict[int, int] = {}  # row bucket -> bursts since its last verify
         for rows, seconds in (burst or {}).items():
             self._burst[rows] = deque([seconds] * MIN_SAMPLES, WINDOW)
         for shape, seconds in (verify or {}).items():
@@ -70,10 +81,15 @@ class StepCosts:
 
     def record_burst(self, rows: int, seconds_per_step: float) -> None:
         """One burst over `rows` rows took `seconds_per_step` per step."""
-        if not self.frozen:
-            self._burst.setdefault(batch_bucket(rows), deque(maxlen=WINDOW)).append(
-                seconds_per_step
-            )
+        if self.frozen:
+            return
+        bucket = batch_bucket(rows)
+        self._burst.setdefault(bucket, deque(maxlen=WINDOW)).append(seconds_per_step)
+        self._since_verify[bucket] = self._since_verify.get(bucket, 0) + 1
+        if self._since_verify[bucket] >= STALE_BURSTS:
+            self._since_verify[bucket] = 0
+            for shape in [shape for shape in self._verify if shape[0] == bucket]:
+                del self._verify[shape]
 
     def record_verify(self, rows: int, drafted: int, checked: int, seconds: float) -> None:
         """One ragged step of `rows` rows verifying `drafted` tokens (no prefill), which
@@ -81,6 +97,7 @@ class StepCosts:
         if not self.frozen:
             shape = (batch_bucket(rows), ragged_token_bucket(rows + drafted))
             self._verify.setdefault(shape, deque(maxlen=WINDOW)).append((checked, seconds))
+            self._since_verify[shape[0]] = 0
 
     def burst_seconds(self, rows: int) -> float | None:
         """A burst step over `rows` rows, in seconds; None until measured."""
