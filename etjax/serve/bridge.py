@@ -34,12 +34,6 @@ from etjax.serve.metrics import Metrics
 
 log = logging.getLogger("etjax")
 
-# How long an idle engine thread, woken by a request, waits for the requests right behind it
-# (`EngineBridge._gather`): a gap of GATHER_GAP seconds ends the wait, GATHER_MAX bounds it.
-# A round costs tens to hundreds of milliseconds, so this is at most a few percent of the
-# first token's time, and 16 clients sending together share one prefill round.
-GATHER_GAP, GATHER_MAX = 0.003, 0.02
-
 
 @dataclass
 class Delta:
@@ -163,10 +157,7 @@ class EngineBridge:
     def _run(self) -> None:
         try:
             while True:
-                idle = not self._tickets
-                if not self._take_commands(wait=idle):
-                    break
-                if idle and self._tickets and not self._gather():
+                if not self._take_commands(wait=not self._tickets):
                     break
                 if self.engine.live:
                     self._step()
@@ -192,37 +183,17 @@ class EngineBridge:
         except queue.Empty:
             return True
         while True:
-            if not self._command(command):
+            kind, ticket = command
+            if kind == "stop":
                 return False
+            if kind == "submit":
+                self._submit(ticket)
+            elif kind == "cancel" and ticket in self._tickets:
+                self._drop(ticket, "cancelled")
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 return True
-
-    def _gather(self) -> bool:
-        # Woken from idle by a request: the requests arriving right behind it (clients that
-        # send together, a burst) join the same first round, as decode()'s prompts do, rather
-        # than one more prefill round each. It waits while they keep coming, GATHER_GAP
-        # apart at most, GATHER_MAX in all. False on "stop".
-        deadline = time.monotonic() + GATHER_MAX
-        while (left := deadline - time.monotonic()) > 0:
-            try:
-                command = self._inbox.get(timeout=min(GATHER_GAP, left))
-            except queue.Empty:
-                return True
-            if not self._command(command):
-                return False
-        return True
-
-    def _command(self, command: tuple) -> bool:
-        kind, ticket = command
-        if kind == "stop":
-            return False
-        if kind == "submit":
-            self._submit(ticket)
-        elif kind == "cancel" and ticket in self._tickets:
-            self._drop(ticket, "cancelled")
-        return True
 
     def _submit(self, ticket: Ticket) -> None:
         request = ticket.request
