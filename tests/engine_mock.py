@@ -67,6 +67,7 @@ class MockBackend:
         self.prefill_tokens = 0  # tokens run by prefill jobs
         self.forks = 0  # rows that took another row's prefill result
         self.decode_log: list[list[int]] = []  # request ids of each decode burst
+        self.burst_cost = self  # its own row_width and burst_bytes below
 
     def entropy_of(self, request_id: int, step: int) -> float:
         start, slope = self.entropy.get(request_id, (3.0, 0.0))

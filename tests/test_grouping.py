@@ -62,7 +62,7 @@ def test_split_by_hand():
 
 
 def _burst_cost(device, rows):
-    return device.burst_bytes([n for n, _ in rows], [b for _, b in rows])
+    return device.burst_cost.burst_bytes([n for n, _ in rows], [b for _, b in rows])
 
 
 @pytest.fixture(scope="module")

@@ -45,9 +45,21 @@ class RowInit:
     grammar: int = -1  # the id of its constraint's matcher (etjax/constraints), -1 for none
 
 
+class BurstEstimate(Protocol):
+    """What a decode burst reads, estimated on the host for the grouping (grouping.py);
+    the device's is `BurstCost` (etjax/engine/burst_cost.py)."""
+
+    def row_width(self, length: int, budget: float) -> int:
+        """The attention width a row reads at this length and budget."""
+
+    def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
+        """Bytes one burst over rows of these lengths and budgets reads."""
+
+
 class Backend(Protocol):
     num_pages: int  # the KV pool, page 0 (the null page) included
     vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
+    burst_cost: BurstEstimate  # what a burst reads, for the grouping
 
     def mixed(
         self,
@@ -93,9 +105,3 @@ class Backend(Protocol):
 
     def release(self, row: int) -> None:
         """Forget the row (finished, cancelled or preempted)."""
-
-    def row_width(self, length: int, budget: float) -> int:
-        """The attention width a row reads at this length and budget (for grouping)."""
-
-    def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
-        """Bytes one burst over rows of these lengths and budgets reads (for grouping)."""

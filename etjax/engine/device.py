@@ -316,14 +316,6 @@ class DeviceBackend:
 
     # Decode -----------------------------------------------------------------------------
 
-    def row_width(self, length: int, budget: float) -> int:
-        """`BurstCost.row_width` of this engine (`self.burst_cost`)."""
-        return self.burst_cost.row_width(length, budget)
-
-    def burst_bytes(self, lengths: list[int], budgets: list[float]) -> float:
-        """`BurstCost.burst_bytes` of this engine (`self.burst_cost`)."""
-        return self.burst_cost.burst_bytes(lengths, budgets)
-
     def decode(self, rows, pages, lengths, budgets, tokens_left=None):
         """`Backend.decode` (its arguments and results): `steps_per_sync` steps on `rows`.
         `tokens_left` chooses the burst's row bucket (`burst_rows`)."""

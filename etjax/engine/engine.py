@@ -26,7 +26,7 @@ A round (`step`):
      host streams the new tokens, applies stop strings and frees finished sequences.
 
 The host loop is plain, single-threaded Python over a small backend interface (`mixed`,
-`decode`, insert, fork, save, release, and row_width / burst_bytes for the grouping), so the same
+`decode`, insert, fork, save, release, and a burst's estimated bytes for the grouping), so the same
 code runs on the device (`DeviceBackend`) and on a mock with hand-computable outputs in the tests.
 """
 
@@ -703,11 +703,11 @@ class Engine:
     def _decode(self, batch: list[Sequence]) -> float:
         # Rows of very different attention widths run as separate bursts when that reads
         # fewer bytes (grouping.py); every row of the batch still advances this round.
-        backend = self.backend
+        estimate = self.backend.burst_cost
         groups = split_by_width(
             batch,
-            lambda s: backend.row_width(s.length, s.budget),
-            lambda g: backend.burst_bytes([s.length for s in g], [s.budget for s in g]),
+            lambda s: estimate.row_width(s.length, s.budget),
+            lambda g: estimate.burst_bytes([s.length for s in g], [s.budget for s in g]),
             self.options.max_batch_groups,
         )
         self.decode_rounds += 1

@@ -7,7 +7,7 @@ the sparse path, score and pad to) 6K tokens of KV. Running the long rows in a b
 own reads the weights once more but can save far more KV traffic; this module decides when.
 
 Rows are sorted by the width they need and cut into at most `max_groups` contiguous groups
-that minimise the sum of the bursts' estimated bytes (`burst_bytes` of the device backend,
+that minimise the sum of the bursts' estimated bytes (the backend's `burst_cost`,
 which mirrors the shapes `decode` will use). With n <= 32 rows the exact dynamic programme
 over cut points costs a few thousand cost evaluations on the host.
 """
