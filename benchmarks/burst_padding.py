@@ -45,8 +45,8 @@ def main() -> None:
 
 def _bursts(model, width: int, bursts: int) -> list[float]:
     # Seconds of each decode burst of one request, its bursts forced to `width` rows.
-    from etjax.engine.build import MIN_POOL_PAGES, build_engine
     from etjax.engine.device import DeviceBackend
+    from etjax.engine_build import MIN_POOL_PAGES, build_engine
     from etjax.runtime.options import RequestSettings, RuntimeOptions
 
     options = RuntimeOptions()

@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import etjax
 from etjax.bench.corpus import lee_articles
-from etjax.engine.build import RequestSettings, RuntimeOptions, build_engine
 from etjax.engine.sequence import Status
+from etjax.engine_build import RequestSettings, RuntimeOptions, build_engine
 
 LONG = "[a-z ]{1000}"  # never complete within the run: every step is masked
 

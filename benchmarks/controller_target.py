@@ -46,7 +46,7 @@ def main() -> None:
     import etjax
     from etjax.bench.corpus import lee_articles
     from etjax.bench.workloads import mixed
-    from etjax.engine.build import RequestSettings, generate_ids
+    from etjax.engine_build import RequestSettings, generate_ids
     from etjax.sampling import SamplerSettings
 
     model = etjax.load_model(MODEL)

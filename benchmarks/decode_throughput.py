@@ -112,7 +112,7 @@ class _Engines:
         self.torch = torch
 
     def run_etjax(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        from etjax.engine.build import RequestSettings, generate_ids
+        from etjax.engine_build import RequestSettings, generate_ids
 
         settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
         outs = generate_ids(
@@ -138,7 +138,7 @@ class _Engines:
         return time.perf_counter() - started
 
     def prefill_rates(self, lee: list[str], repeats: int) -> dict:
-        from etjax.engine.build import RequestSettings, generate_ids
+        from etjax.engine_build import RequestSettings, generate_ids
 
         tokens = self.model.tokenizer.encode(" ".join(lee[:20]))[:PREFILL_TOKENS]
         settings = [RequestSettings(max_new_tokens=1, ignore_eos=True)]
@@ -223,7 +223,7 @@ def _memory_probe(engine: str, new_tokens: int, model: str) -> None:
     prompts = [tokenizer.encode(lee[i])[:PROMPT_TOKENS] for i in range(8)]
     if engine == "etjax":
         import etjax
-        from etjax.engine.build import RequestSettings, generate_ids
+        from etjax.engine_build import RequestSettings, generate_ids
 
         loaded = etjax.load_model(path, dtype="float32")
         settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * 8

@@ -44,7 +44,7 @@ def _time(fn, *args, repeats: int = 20) -> list[float]:
 
 def main() -> None:
     import etjax
-    from etjax.engine.build import RequestSettings, RuntimeOptions
+    from etjax.engine_build import RequestSettings, RuntimeOptions
     from etjax.entropy import estimators as est
     from etjax.sampling.sampler import initial_sampler_state, sample_next
     from etjax.sampling.settings import SamplerSettings, pack_sampler_params

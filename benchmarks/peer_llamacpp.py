@@ -153,7 +153,7 @@ class EtjaxEngine:
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
         """(seconds, greedy token ids per prompt) of one call, eos ignored."""
-        from etjax.engine.build import RequestSettings, generate_ids
+        from etjax.engine_build import RequestSettings, generate_ids
 
         settings = [RequestSettings(max_new_tokens=new_tokens, ignore_eos=True)] * len(prompts)
         m = self.model

@@ -37,8 +37,8 @@ from benchmarks.perf_report import machine_line, write_section
 from etjax.attention import AttentionBackend
 from etjax.bench.measure import request_settings
 from etjax.bench.workloads import long
-from etjax.engine.build import build_engine, workload_pages
 from etjax.engine.sequence import Status
+from etjax.engine_build import build_engine, workload_pages
 from etjax.pruning.config import PruningConfig
 from etjax.run_config import load_run_config
 

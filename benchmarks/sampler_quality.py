@@ -47,7 +47,7 @@ def main() -> None:
 
     import etjax
     from etjax.bench.corpus import lee_articles
-    from etjax.engine.build import RequestSettings, generate_ids
+    from etjax.engine_build import RequestSettings, generate_ids
     from etjax.sampling import SamplerSettings
 
     model = etjax.load_model()

@@ -261,7 +261,7 @@ def measure_overhead(model, served: Served, repetitions: int, log) -> dict:
 
 
 def measure_first_token(model, served: Served, repetitions: int, log) -> dict:
-    from etjax.engine.build import build_engine, generate_ids
+    from etjax.engine_build import build_engine, generate_ids
     from etjax.runtime.options import RequestSettings, RuntimeOptions
 
     ids = model.tokenizer.encode(CACHED_PROMPT)

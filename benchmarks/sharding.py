@@ -47,7 +47,7 @@ def main() -> None:
     import etjax
     from benchmarks.perf_report import machine_line, median_spread, write_section
     from etjax.bench.corpus import lee_articles
-    from etjax.engine.build import generate_ids
+    from etjax.engine_build import generate_ids
     from etjax.runtime.options import RequestSettings, RuntimeOptions
 
     model = etjax.load_model()

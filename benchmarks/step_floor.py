@@ -47,7 +47,7 @@ from cpp_kernels import cpu_kernels_available
 from etjax.attention import PlanSizes, padded_batch_plan, plan_segments, resolve_backend
 from etjax.bench.perf_doc import cpu_name
 from etjax.cache.kv_cache import init_kv_cache
-from etjax.engine.build import MIN_POOL_PAGES
+from etjax.engine_build import MIN_POOL_PAGES
 from etjax.entropy.cost import CostModel
 from etjax.model.families import family
 from etjax.model.layers import rms_norm

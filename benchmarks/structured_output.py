@@ -66,8 +66,8 @@ from etjax.bench.corpus import lee_articles
 from etjax.bench.perf_doc import machine_line, replace_section
 from etjax.constraints import matcher
 from etjax.drafting import SpeculationConfig
-from etjax.engine.build import RequestSettings, RuntimeOptions, build_engine, workload_pages
 from etjax.engine.sequence import Status
+from etjax.engine_build import RequestSettings, RuntimeOptions, build_engine, workload_pages
 
 RECORDS = 32
 MAX_NEW_TOKENS = 96

@@ -40,8 +40,8 @@ from etjax.bench.measure import request_settings
 from etjax.bench.workloads import long, mixed
 from etjax.drafting import DraftHistory, SpeculationConfig
 from etjax.drafting.rule import burst_step_cost, verify_step_cost
-from etjax.engine.build import build_engine, workload_pages
 from etjax.engine.sequence import Status
+from etjax.engine_build import build_engine, workload_pages
 from etjax.run_config import load_run_config
 
 KINDS = ("burst step", "ragged, no draft", "ragged, 1 draft", "ragged, max_draft drafts")

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from etjax.drafting import SpeculationConfig
-from etjax.engine.build import RuntimeOptions, generate_ids
+from etjax.engine_build import RuntimeOptions, generate_ids
 from etjax.errors import RequestError
 from etjax.experts.config import ExpertConfig
 from etjax.loaders.loaded_model import Model

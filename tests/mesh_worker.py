@@ -54,7 +54,7 @@ def main() -> None:
 
 def _run_meshes(model, prompts, meshes: str, temperatures: str, new: int, pruning=None):
     # ({temperature: {mesh: outputs}}, {mesh: expert layout}) of one model on each mesh.
-    from etjax.engine.build import build_engine, workload_pages
+    from etjax.engine_build import build_engine, workload_pages
     from etjax.pruning.config import PruningConfig
     from etjax.runtime.options import RequestSettings, RuntimeOptions
     from etjax.sampling.settings import SamplerSettings

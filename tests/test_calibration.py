@@ -20,7 +20,7 @@ from etjax.calibration.file import Calibration, load_calibration, save_calibrati
 from etjax.calibration.identity import model_identity
 from etjax.calibration.signal import CalibrationParams, calibrated_entropy
 from etjax.cli import main
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.errors import CalibrationError
 from etjax.pruning.budget import kept_block_count, kept_fraction
 from etjax.pruning.config import PruningConfig

@@ -18,7 +18,7 @@ import etjax
 from etjax.attention import PlanSizes, plan_decode, plan_segments
 from etjax.attention import cascade as cascade_module
 from etjax.attention.cascade import blocks_read_for_others, shared_prefixes
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.entropy.estimators import exact_entropy
 from pallas_kernels.ragged_attention import (
     Segment,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.engine.build import RequestSettings, RuntimeOptions, build_engine, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, build_engine, generate_ids
 from etjax.pruning.config import PruningConfig
 from etjax.sampling import SamplerSettings
 from tests.compile_counter import counting_new_programs

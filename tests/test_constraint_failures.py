@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import etjax
 from etjax.constraints import matcher
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.errors import FieldError
 from etjax.jobs import openai_format
 from etjax.jobs.batch import run_batch

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from etjax.constraints import matcher
 from etjax.drafting import SpeculationConfig
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.sampling import SamplerSettings
 from tests.hypothesis_profiles import examples
 from tests.json_schemas import SCHEMAS as DRAWN_SCHEMAS

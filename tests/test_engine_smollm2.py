@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from etjax.cache.page_allocator import pages_needed
-from etjax.engine.build import MIN_POOL_PAGES, build_engine, pool_pages
+from etjax.engine_build import MIN_POOL_PAGES, build_engine, pool_pages
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 
 # Preemption needs sequences that outgrow their pool while they decode: 48 tokens (at 24 the

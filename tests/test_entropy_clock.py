@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.entropy.cost import CostModel
 from etjax.entropy.state import advance_tau, initial_entropy_state
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import etjax
-from etjax.engine.build import RuntimeOptions, build_engine
+from etjax.engine_build import RuntimeOptions, build_engine
 from etjax.errors import ConfigError, ModelLoadError, RequestError
 from etjax.runtime.footprint import check_fits, engine_bytes
 

@@ -135,7 +135,7 @@ def test_tiny_gemma3_converted_checkpoint_restores_the_same_model(tiny_gemma3_di
 def _greedy(model_dir, prompts, pruning, new_tokens=16):
     # The engine with ragged prefill in 16-token chunks (mixed steps) and decode bursts.
     import etjax
-    from etjax.engine.build import MIN_POOL_PAGES, build_engine
+    from etjax.engine_build import MIN_POOL_PAGES, build_engine
     from etjax.runtime.options import RuntimeOptions
 
     model = etjax.load_model(model_dir)
@@ -235,7 +235,7 @@ def test_tiny_gemma3_cost_counts_only_the_window_in_local_layers(tiny_gemma3_dir
     import math
 
     import etjax
-    from etjax.engine.build import generate_ids
+    from etjax.engine_build import generate_ids
     from etjax.entropy.cost import CostModel
     from etjax.runtime.options import RuntimeOptions
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import etjax
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.sampling import SamplerSettings
 from tests.model_runner import full_logits
 

@@ -16,7 +16,7 @@ import torch
 
 import etjax
 from etjax.cache.kv_cache import init_kv_cache, kv_cache_bytes, page_pool, write_kv
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.entropy.estimators import exact_entropy
 from etjax.errors import FieldError
 

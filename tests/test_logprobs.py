@@ -13,7 +13,7 @@ import torch
 
 import etjax
 from etjax.drafting import SpeculationConfig
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.errors import FieldError
 from etjax.jobs import openai_format
 from etjax.jobs.batch import run_batch

@@ -17,8 +17,8 @@ import etjax
 from etjax.buckets import pages_bucket
 from etjax.cache.page_allocator import OutOfPagesError
 from etjax.cache.prefix_cache import PrefixCache
-from etjax.engine.build import workload_pages
 from etjax.engine.sequence import Status
+from etjax.engine_build import workload_pages
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 from tests.engine_mock import PAGE, K, mock_engine, token_of

@@ -9,7 +9,7 @@ import pytest
 
 import etjax
 from etjax.attention import AttentionBackend, resolve_backend
-from etjax.engine.build import RequestSettings, RuntimeOptions, generate_ids
+from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.entropy.estimators import exact_entropy
 from etjax.errors import RequestError
 from etjax.pruning.config import PruningConfig

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import etjax
-from etjax.engine.build import RequestSettings, SequenceOutput, generate_ids
+from etjax.engine_build import RequestSettings, SequenceOutput, generate_ids
 from etjax.errors import RequestError
 from etjax.sampling.filters import apply_penalties, truncate
 from etjax.sampling.sampler import initial_sampler_state, sample_next

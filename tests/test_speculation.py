@@ -23,7 +23,7 @@ from etjax.drafting.rule import (
     verification_pays,
     wanted_length,
 )
-from etjax.engine.build import MIN_POOL_PAGES, build_engine
+from etjax.engine_build import MIN_POOL_PAGES, build_engine
 from etjax.errors import ConfigError
 from etjax.run_config import load_run_config
 from etjax.runtime.options import RequestSettings, RuntimeOptions

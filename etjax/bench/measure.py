@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from etjax.bench.workloads import WorkloadRequest
-from etjax.engine.build import build_engine, workload_pages
+from etjax.engine_build import build_engine, workload_pages
 from etjax.entropy.cost import CostModel
 from etjax.plot import DEFAULT_FIELDS
 from etjax.run_config import RunConfig

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 
 from etjax import path_checks
-from etjax.engine.build import build_engine, pool_pages, request_pages
 from etjax.engine.engine import Engine, RequestHandle
 from etjax.engine.feed import run_fed
+from etjax.engine_build import build_engine, pool_pages, request_pages
 from etjax.errors import ConfigError, JobError, JobInterrupted, RequestError
 from etjax.jobs import openai_format, result_checks
 from etjax.jobs.input_lines import input_lines

@@ -1,7 +1,7 @@
 """The KV pool an engine on a TPU gets: the largest that fits each chip's HBM beside the
 weights, the row store and the compiled programs' scratch, counted as `etjax plan` counts it.
 
-On a TPU the pool is not sized for the work at hand (etjax/engine/build.py's buckets) but
+On a TPU the pool is not sized for the work at hand (etjax/engine_build.py's buckets) but
 for the chips: `plan_config` compiles the engine's own step programs (at two layers, for
 the devices the engine runs on) and reads their memory analysis, and the pool is what is
 left of `hbm_fraction` of a chip's HBM, as other engines fill a set share of a GPU's memory.
@@ -42,7 +42,7 @@ def pool_plan(
     pool that fits beside everything else in `options.hbm_fraction` of each chip's HBM.
     `weights`: the engine's own (int8 matrices take half of bfloat16's room); None: every
     weight in cfg.dtype. A ConfigError when not even one row of the planned context fits."""
-    # plan.py builds the engine's device half: imported to size a pool, not with build.py.
+    # plan.py builds the engine's device half: imported to size a pool, not with engine_build.py.
     from etjax.planning.plan import plan_config
 
     topo = Topology.of_devices(devices)

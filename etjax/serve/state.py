@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from etjax.engine.build import build_engine, request_pages
+from etjax.engine_build import build_engine, request_pages
 from etjax.loaders.embedded import EMBEDDED_MODEL_NAME
 from etjax.loaders.loaded_model import Model
 from etjax.request_fields import RequestSettings
