@@ -58,7 +58,7 @@ def smollm2(smollm2_path):
     """etjax's float32 SmolLM2-135M-Instruct."""
     import etjax
 
-    return etjax.load_model(smollm2_path)
+    return etjax.load_model(smollm2_path, weights="float32")
 
 
 @pytest.fixture(scope="session")

@@ -37,7 +37,7 @@ def main() -> None:
     from etjax.bench.corpus import lee_articles
     from etjax.pruning.config import PruningConfig
 
-    model = etjax.load_model(args.model)
+    model = etjax.load_model(args.model, weights="float32")
     articles = lee_articles()
     prompts = [model.tokenizer.encode(articles[i])[: 24 + 40 * i] for i in range(3)]
     # The first prompt again, drawn with another seed: it forks from the first's prefill (its

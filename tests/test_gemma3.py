@@ -272,7 +272,7 @@ NEW = 16  # greedy tokens per prompt
 def gemma3_270m(gemma3_270m_path):
     import etjax
 
-    return etjax.load_model("gemma3-270m", dtype="float32")
+    return etjax.load_model("gemma3-270m", dtype="float32", weights="float32")
 
 
 @pytest.fixture(scope="module")

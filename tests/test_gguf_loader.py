@@ -43,7 +43,7 @@ def test_gguf_logits_match_transformers(matrix_type, tiny_hf_dir, smollm2_path, 
     path = tmp_path / f"tiny-{matrix_type}.gguf"
     write_llama_gguf(source, path, smollm2_path, GGMLQuantizationType[matrix_type])
 
-    ours = etjax.load_model(path)
+    ours = etjax.load_model(path, weights="float32")
     reference_model = AutoModelForCausalLM.from_pretrained(
         tmp_path, gguf_file=path.name, dtype=torch.float32
     )

@@ -20,9 +20,11 @@ from etjax.errors import ConfigError, ModelLoadError
 from etjax.gguf_file import read_gguf
 from etjax.model.quantized import (
     QuantizedWeight,
+    auto_weights,
     dequantize_weights,
     int8_weight,
     is_quantized,
+    resolve_weights,
     weight_formats,
     weights_bytes,
 )
@@ -106,6 +108,40 @@ def test_a_block_type_the_kernels_cannot_read_is_refused_by_name(
         assert named in str(refused.value)
     with pytest.raises(ModelLoadError, match=r"weights='int4'.*allowed"):
         etjax.load_model(path, weights="int4")
+    # "auto" never refuses a file: what it cannot keep as blocks loads as floats.
+    assert weight_formats(etjax.load_model(path).weights) == {}
+
+
+def test_auto_keeps_blocks_only_on_one_cpu_device_in_float32():
+    # The rule, against the cases worked out by hand: blocks the kernels read, float32, one
+    # CPU device, kernels built; anything else keeps float matrices in the model's dtype.
+    assert auto_weights("float32", {"Q4_1", "Q8_0"}, "cpu", 1, True) == "stored"
+    assert auto_weights("float32", {"Q4_K", "Q6_K", "Q5_K"}, "cpu", 1, True) == "stored"
+    assert auto_weights("float32", {"Q5_1"}, "cpu", 1, True) == "float32"  # none readable
+    assert auto_weights("float32", (), "cpu", 1, True) == "float32"  # a float file, HF folder
+    assert auto_weights("bfloat16", {"Q4_1"}, "cpu", 1, True) == "bfloat16"
+    assert auto_weights("float32", {"Q4_1"}, "cpu", 8, True) == "float32"  # a mesh
+    assert auto_weights("float32", {"Q4_1"}, "cpu", 1, False) == "float32"  # no kernels
+    for platform in ("tpu", "gpu"):
+        assert auto_weights("bfloat16", {"Q4_1"}, platform, 1, True) == "bfloat16"
+    assert resolve_weights("auto", "bfloat16") == "bfloat16"  # a plan: no file's blocks
+    assert resolve_weights("int8", "float32", block_types={"Q4_1"}) == "int8"  # asked for
+
+
+@pytest.mark.parametrize("matrix_type, held", [("Q8_0", {"q8_0"}), ("F32", set())])
+def test_auto_loads_a_quantized_gguf_as_blocks_on_this_cpu(
+    matrix_type, held, tiny_hf_dir, smollm2_path, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    from cpp_kernels import cpu_kernels_available
+
+    path = tmp_path / f"tiny-{matrix_type}.gguf"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama"))
+    write_llama_gguf(hf, path, smollm2_path, GGMLQuantizationType[matrix_type])
+    expected = held if cpu_kernels_available() else set()  # without kernels: floats
+    assert set(weight_formats(etjax.load_model(path).weights).values()) == expected
+    assert weight_formats(etjax.load_model(tiny_hf_dir("llama")).weights) == {}
 
 
 def test_smollm2_q4_1_stored_is_the_file(smollm2, smollm2_path):

@@ -74,7 +74,10 @@ def _auth() -> dict[str, str]:
 def server(tmp_path_factory, smollm2):
     # A pool of 256 pages, as decode() sizes it for small workloads: the same step programs.
     config = tmp_path_factory.mktemp("serve") / "serve.toml"
-    config.write_text(f"[engine]\nnum_pages = 256\n[request]\nmax_new_tokens = {MAX_TOKENS}\n")
+    config.write_text(  # float32 matrices, as the `smollm2` reference's
+        f'[model]\nweights = "float32"\n[engine]\nnum_pages = 256\n'
+        f"[request]\nmax_new_tokens = {MAX_TOKENS}\n"
+    )
     command = [sys.executable, "-m", "etjax.cli", "serve", "--port", "0", "--config", str(config)]
     command += ["--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--grace-period", "60"]
     process = subprocess.Popen(

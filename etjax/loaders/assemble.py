@@ -34,6 +34,7 @@ from etjax.model.families import family
 from etjax.model.leaves import STORED, Leaf, Part
 from etjax.model.quantized import (
     GGUF_BLOCK_TYPES,
+    GGUF_FORMATS,
     QuantizedWeight,
     concatenate_rows,
     from_block_arrays,
@@ -77,7 +78,11 @@ FindTensor = Callable[[Part, int | None], SourceTensor]
 
 
 def assemble_weights(
-    cfg: ModelConfig, find: FindTensor, origin: str, weights: str | None = None
+    cfg: ModelConfig,
+    find: FindTensor,
+    origin: str,
+    weights: str | None = None,
+    strict: bool = True,
 ) -> Weights:
     """The `Weights` of a model with config `cfg`, leaf by leaf as the tables describe them
     (etjax/model/weights.py `MODEL_LEAVES`, the family's layer table), in their final dtypes.
@@ -86,7 +91,8 @@ def assemble_weights(
     `cfg.dtype`, as every other leaf). Layers come first, then the embedding and LM head,
     whose chunks are the largest. Raises ModelLoadError naming `origin`, the leaf and its
     tensors when the tensors' shapes do not give the leaf's shape from the config, and with
-    "stored" a quantized tensor the kernels cannot read or parts of different block types.
+    "stored" a quantized tensor the kernels cannot read or parts of different block types
+    (unless not `strict`, weights="auto"'s choice: then that matrix is built in `cfg.dtype`).
     """
     fam = family(cfg.architecture)
 
@@ -111,7 +117,7 @@ def assemble_weights(
             return int8_weight(_host(leaf, parts, np.float32, want))
         elif weights == "stored":
             where = name if layer is None else f"layer {layer} {name}"
-            kept = _stored_blocks(parts, origin, where, want)
+            kept = _stored_blocks(parts, origin, where, want, strict)
             if kept is not None:
                 return kept
         else:  # "float32" or "bfloat16"
@@ -164,11 +170,18 @@ def _host(leaf: Leaf, parts: Sequence[SourceTensor], dtype, shape: tuple[int, ..
     return _output_major_host(parts, dtype, shape)
 
 
-def _stored_blocks(parts: Sequence[SourceTensor], origin: str, where: str, shape):
+def _stored_blocks(
+    parts: Sequence[SourceTensor], origin: str, where: str, shape, strict: bool = True
+):
     # The leaf's blocks as the file holds them (None: float tensors, built as floats). Every
-    # part quantized in one type the kernels read, else a ModelLoadError naming it.
+    # part quantized in one type the kernels read, else a ModelLoadError naming it (not
+    # `strict`: None, floats).
     quantized = [p for p in parts if p.block_type is not None]
     if not quantized:
+        return None
+    unreadable = any(p.block_type is None or p.blocks is None for p in parts)
+    mixed = len({GGUF_FORMATS.get(p.block_type) for p in parts}) > 1
+    if not strict and (unreadable or mixed):
         return None
     for p in parts:
         if p.block_type is None or p.blocks is None:

@@ -301,14 +301,25 @@ def gguf_tensors(reader: GGUFFile) -> GGUFTensors:
     return GGUFTensors(path=reader.path, stored=stored)
 
 
+def gguf_matrix_types(tensors: GGUFTensors) -> frozenset[str]:
+    """The quantized types of a GGUF file's matrices ("Q4_1", ...; empty for a float file):
+    what weights="auto" reads (etjax/model/quantized.py `auto_weights`)."""
+    return frozenset(
+        t.tensor_type.name
+        for t in tensors.stored.values()
+        if len(t.shape) == 2 and t.tensor_type.name not in _FLOAT_TYPES
+    )
+
+
 def load_gguf_weights(
-    tensors: GGUFTensors, cfg: ModelConfig, weights: str | None = None
+    tensors: GGUFTensors, cfg: ModelConfig, weights: str | None = None, strict: bool = True
 ) -> Weights:
     """Dequantize every tensor and fuse it into etjax's layout, in `cfg.dtype`; `weights`
     says how the matrices are held instead (etjax/loaders/assemble.py): with "stored", a
     quantized matrix keeps its blocks, read raw and converted by
     pallas_kernels/block_products/formats.py (its rows reordered like the float rows, which
-    moves whole rows of blocks and loses nothing).
+    moves whole rows of blocks and loses nothing); unless `strict`, a matrix "stored" cannot
+    keep as blocks loads as floats in `cfg.dtype` instead of being refused.
 
     Each tensor is dequantized to float32 a chunk of rows at a time and written straight into
     its final leaf (etjax/loaders/assemble.py), so no float32 copy of the model is ever held.
@@ -336,7 +347,7 @@ def load_gguf_weights(
             blocks = functools.partial(_read_blocks, tensors.path, name, stored, order)
         return SourceTensor(name, stored.shape, read, block_type=type_name, blocks=blocks)
 
-    return assemble_weights(cfg, find, str(tensors.path), weights)
+    return assemble_weights(cfg, find, str(tensors.path), weights, strict)
 
 
 def _expert_slice(tensors: GGUFTensors, name: str, expert: int, num_experts: int) -> SourceTensor:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
+import jax
+
+from cpp_kernels import cpu_kernels_available
 from etjax.calibration.file import load_calibration
 from etjax.calibration.identity import model_identity
 from etjax.distributed.mesh import MeshShape, make_mesh
@@ -14,6 +18,8 @@ from etjax.loaders import checkpoint, hub
 from etjax.loaders.embedded import EMBEDDED_MODEL_NAME, smollm2_gguf_path
 from etjax.loaders.gemma_package import GEMMA3_270M_NAME, gemma3_270m_gguf_path
 from etjax.loaders.gguf_weights import (
+    GGUFTensors,
+    gguf_matrix_types,
     gguf_model_config,
     gguf_tensors,
     load_gguf_weights,
@@ -60,8 +66,11 @@ def load_model(
     entropy of this model (sampling is unchanged).
     `weights` says how the matrices are held (etjax/model/quantized.py): "stored" (a GGUF
     file's blocks as it has them; a block type the kernels cannot read is refused by name),
-    "int8" (per output channel, from any source), "float32", "bfloat16", or "auto" (today:
-    float matrices in `dtype`). `dtype` stays the activations' and everything else's.
+    "int8" (per output channel, from any source), "float32", "bfloat16", or "auto": "stored"
+    for a block-quantized GGUF (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) in float32 on one CPU device
+    with the C++ kernels built, else float matrices in `dtype`; a checkpoint as it was saved
+    (quantized.py `auto_weights` says why). `dtype` stays the activations' and everything
+    else's.
     """
     checked = None
     if calibration is not None:  # a bad file fails in a millisecond, not after the load
@@ -95,12 +104,15 @@ def _load(
         raise ModelLoadError(f"weights={weights!r} is not supported; allowed: {WEIGHTS_CHOICES}")
     dtype = resolve_dtype(dtype)
     # None: matrices in `dtype` like every leaf, the loaders' path of before `weights` existed.
+    # A source with no blocks (a Hugging Face folder): "auto" is floats in `dtype`.
     storage = resolve_weights(weights, dtype)
     storage = None if storage == dtype else storage
+    devices = 1 if placement is None else placement.mesh.size
+    gguf = functools.partial(_load_gguf, dtype=dtype, weights=weights, devices=devices)
     if name_or_path is None or str(name_or_path).lower() in _EMBEDDED_ALIASES:
-        return _load_gguf(smollm2_gguf_path(), dtype, EMBEDDED_MODEL_NAME, storage)
+        return gguf(smollm2_gguf_path(), name=EMBEDDED_MODEL_NAME)
     if str(name_or_path).lower() == GEMMA3_270M_NAME:  # optional: its packages say how
-        return _load_gguf(gemma3_270m_gguf_path(), dtype, GEMMA3_270M_NAME, storage)
+        return gguf(gemma3_270m_gguf_path(), name=GEMMA3_270M_NAME)
     path = Path(name_or_path).expanduser()
     if not path.exists() and hub.is_hub_id(str(name_or_path)):
         directory = hub.fetch(str(name_or_path), revision)
@@ -113,7 +125,7 @@ def _load(
         raise ModelLoadError(f"{path}: GGUF file not found")
     if path.is_file():
         if path.suffix == ".gguf":
-            return _load_gguf(path, dtype, path.stem, storage)
+            return gguf(path, name=path.stem)
         raise ModelLoadError(
             f"{path}: unrecognised model file; expected a .gguf file or a model directory"
         )
@@ -137,14 +149,31 @@ def _load(
     )
 
 
-def _load_gguf(path: Path, dtype: str, name: str, storage: str | None = None) -> Model:
+def _load_gguf(path: Path, *, dtype: str, name: str, weights: str, devices: int) -> Model:
     reader = open_gguf(path)
     cfg = gguf_model_config(reader, dtype)
     tokenizer = Tokenizer.from_gguf(reader)
     tensors = gguf_tensors(reader)
     del reader  # its parsed metadata (~150 MB for SmolLM2) must not live through the weights' load
-    weights = load_gguf_weights(tensors, cfg, storage)
-    return Model(cfg, weights, tokenizer, name=name, source=path)
+    storage = _gguf_storage(tensors, weights, dtype, devices)
+    # "auto" picked blocks where they help; a matrix it cannot keep so loads as floats.
+    held = load_gguf_weights(tensors, cfg, storage, strict=weights != "auto")
+    return Model(cfg, held, tokenizer, name=name, source=path)
+
+
+def _gguf_storage(tensors: GGUFTensors, weights: str, dtype: str, devices: int) -> str | None:
+    # `weights` resolved for this file (None: matrices in `dtype`); "auto" by the file's block
+    # types and this machine (etjax/model/quantized.py `auto_weights`).
+    platform = jax.default_backend()
+    facts = {
+        "block_types": gguf_matrix_types(tensors),
+        "platform": platform,
+        "devices": devices,
+        # Asked only where it decides: on a TPU host it would compile the CPU kernels.
+        "kernels": platform == "cpu" and devices == 1 and cpu_kernels_available(),
+    }
+    storage = resolve_weights(weights, dtype, **facts)
+    return None if storage == dtype else storage
 
 
 def _load_hf_dir(

@@ -17,8 +17,10 @@ embedding gathers the rows of its tokens and dequantizes only those (`embedding_
     "int8"      symmetric int8 per output channel, quantized at load from the float32 values
                 of any source (a Hugging Face folder, a float or quantized GGUF, a checkpoint).
     "float32", "bfloat16"   float matrices of that dtype; activations stay in `dtype`.
-    "auto"      `AUTO_WEIGHTS` (below), or float matrices in the model's dtype: today's
-                behaviour, until the kernels are measured faster end to end (docs/PERF.md).
+    "auto"      what `auto_weights` (below) derives from the file and the machine: "stored"
+                for a GGUF whose matrices are blocks the kernels read, run in float32 on one CPU
+                device; else float matrices in the model's dtype. Where "auto" picked "stored",
+                a matrix it cannot keep as blocks loads as floats instead of being refused.
 
 `dtype` stays what it was: the dtype of activations, the KV cache (unless `kv_dtype` says
 otherwise), norms' arithmetic and every leaf `weights` does not cover. `weights` says only how
@@ -30,6 +32,7 @@ reads float experts only).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import flax.struct
 import jax
@@ -53,9 +56,6 @@ from pallas_kernels.block_products.formats import (
 from pallas_kernels.block_products.xla import dequantize_xla
 
 WEIGHTS_CHOICES = ("auto", "stored", "int8", "float32", "bfloat16")
-# What "auto" picks: None keeps today's float matrices in the model's dtype. This one line
-# decides; set it to "stored" once the block kernels beat float32 end to end (docs/PERF.md).
-AUTO_WEIGHTS: str | None = None
 
 # The GGUF tensor types weights="stored" keeps as blocks.
 GGUF_BLOCK_TYPES = tuple(GGUF_FORMATS)
@@ -70,13 +70,38 @@ def check_weights(weights: object, field: str = "weights") -> str:
     return weights
 
 
-def resolve_weights(weights: str, dtype: str) -> str:
+def auto_weights(
+    dtype: str,
+    block_types: Collection[str] = (),
+    platform: str = "cpu",
+    devices: int = 1,
+    kernels: bool = True,
+) -> str:
+    """What weights="auto" holds a model's matrices as, for a model of (resolved) `dtype` whose
+    source's matrices are quantized in `block_types` (a GGUF's tensor type names, "Q4_1"; none
+    for a float file, a Hugging Face folder or a plan), run on `devices` devices of `platform`
+    ("cpu", "gpu", "tpu") where the C++ kernels are built or not (`kernels`): "stored" where
+    the matrices are blocks the kernels read (GGUF_BLOCK_TYPES), the model runs in float32 on
+    one CPU device and the kernels are built, else `dtype` (float matrices).
+
+    Why only there: the block-products C++ kernels are what was measured faster than float32
+    end to end (SmolLM2 Q4_1: 1.5x llama.cpp at batch 1 where float32 is 0.8x, docs/PERF.md);
+    they take float32 activations on one device (the engine's "cpu" backend). A mesh, a GPU or
+    a TPU would run XLA's product of the blocks dequantized in the program (slower than float
+    matrices on a CPU, unmeasured elsewhere), and there int8 is the format to ask for."""
+    readable = any(t in GGUF_BLOCK_TYPES for t in block_types)
+    on_cpu_kernels = platform == "cpu" and devices == 1 and kernels
+    return "stored" if readable and on_cpu_kernels and dtype == "float32" else dtype
+
+
+def resolve_weights(weights: str, dtype: str, **facts) -> str:
     """The storage `weights` means for a model of (resolved) `dtype`: "stored", "int8",
-    "float32" or "bfloat16"; "auto" is `AUTO_WEIGHTS`, else `dtype` (today's float weights)."""
+    "float32" or "bfloat16"; "auto" is `auto_weights(dtype, **facts)` (without facts: `dtype`,
+    float matrices, as for a source with no blocks)."""
     check_weights(weights)
     if weights != "auto":
         return weights
-    return AUTO_WEIGHTS or dtype
+    return auto_weights(dtype, **facts)
 
 
 @flax.struct.dataclass
