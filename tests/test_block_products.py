@@ -139,10 +139,11 @@ def test_xla_products_match_numpy(fmt, rows):
 
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("rows", [1, 3, 7, 37])
 def test_kernel_products_match_numpy(fmt, rows):
-    # 44 outputs: eleven groups of 4, more than one unit's 8; rows on both of the kernel's
-    # paths (dequantized in registers for up to 4, into L1 for more: 9 blocks of 4 and 1).
+    # 44 outputs: eleven groups of 4, more than one unit's 8; rows on each of the kernel's
+    # paths (dequantized in registers for up to 4 rows, and with AVX-512 a pair of weight
+    # rows at a time for up to 8; into L1 for more: 9 blocks of 4 and 1).
     for width in (32, 160) if fmt.block == 32 or fmt.block is None else (256, 512):
         arrays = _weights(fmt, 44, width, seed=rows + width)
         x = np.random.default_rng(rows).standard_normal((rows, width)).astype(np.float32)
@@ -154,7 +155,8 @@ def test_kernel_products_match_numpy(fmt, rows):
 @needs_kernels
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it():
     # Bit for bit: a row alone (weights dequantized in registers) equals the same row among
-    # eleven (weights dequantized into L1 first).
+    # eight (a pair of weight rows at a time, with AVX-512) and among eleven (weights
+    # dequantized into L1 first).
     fmt = formats.Q4_1
     arrays = _args(_weights(fmt, 8, 64, seed=0))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((11, 64)), jnp.float32)
@@ -163,6 +165,7 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it():
         alone = np.asarray(_cpu(x[i : i + 1], *arrays, 32, 4))[0]
         np.testing.assert_array_equal(alone, together[i])
     np.testing.assert_array_equal(np.asarray(_cpu(x[3:5], *arrays, 32, 4)), together[3:5])
+    np.testing.assert_array_equal(np.asarray(_cpu(x[2:10], *arrays, 32, 4)), together[2:10])
 
 
 def test_the_kernel_refuses_what_it_cannot_read_and_xla_takes_it():
