@@ -231,10 +231,12 @@ def test_bytes_and_flops_per_token_by_hand_and_their_roofline():
     assert predicted_tokens_per_s(v5e, 819e6, 1e9) == pytest.approx(1000.0)
     assert predicted_tokens_per_s(v5e, 1.0, 1.97e12) == pytest.approx(100.0)
     raw = {"summary": {"baseline": [s], "other": [s | {"kv_mb_per_token": 0.0}]}}
+    raw["weights"] = "q4_1+q8_0"
     table = cost_table(raw)
     # 100.25 MB (10 MB of KV over 40 tokens) and 1.25 GFLOP per token: memory-bound on all
     # three; an H100 reads it 3,350e9 / 100.25e6 = 33,416 times a second.
-    assert "| baseline | 100.0 | 0.2 | 1.25 | 1.00 | 8,170 | 16,359 | 33,416 |" in table
+    row = "| baseline | q4_1+q8_0 | 100.0 | 0.2 | 1.25 | 1.00 | 8,170 | 16,359 | 33,416 |"
+    assert row in table
     assert "roofline model, not a measurement" in table
 
 

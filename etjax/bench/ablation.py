@@ -129,6 +129,7 @@ def run_ablation(plan: BenchPlan, on_progress: Callable[[str], None] = lambda _:
     at_once = np.array([r.arrival for r in workload])  # a file's own arrivals; else zeros
     raw: dict = {
         "model": f"{model.name}, {model.config.dtype}",
+        "weights": model.weights_format,  # how the matrices are held: "q4_1+q8_0", "float32"
         "plan": dataclasses.asdict(plan),
         "workload": [dataclasses.asdict(r) for r in workload],
     }

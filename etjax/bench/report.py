@@ -158,17 +158,21 @@ def additivity(raw: dict) -> str:
 
 def cost_table(raw: dict) -> str:
     """Per generated token: bytes and FLOPs as measured, and what a roofline model of named
-    accelerators makes of them (etjax/bench/accelerators.py). Empty for records without them."""
+    accelerators makes of them (etjax/bench/accelerators.py), beside the weights' format (the
+    model's, "q4_1+q8_0" or "float32"; "-" in records from before it). Empty for records
+    without them."""
     meds = medians(raw)
     if not all("weight_mb_per_token" in m for m in meds.values()):
         return ""
     chips = [f"{chip.name} tok/s (model)" for chip in ACCELERATORS]
-    head = ["weights MB / token", "KV MB / token", "GFLOP / token", "passes / token", *chips]
+    head = ["weights", "weights MB / token", "KV MB / token", "GFLOP / token", "passes / token"]
+    head += chips
     lines = ["| config | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
     for name, m in meds.items():
         nbytes = (m["weight_mb_per_token"] + m["kv_mb_per_token"]) * 1e6
         flops = m["gflop_per_token"] * 1e9
         cells = [
+            raw.get("weights", "-"),
             f"{m['weight_mb_per_token']:.1f}",
             f"{m['kv_mb_per_token']:.1f}",
             f"{m['gflop_per_token']:.2f}",
