@@ -40,7 +40,8 @@ def add_generate(commands) -> None:
         default=None,
         choices=WEIGHTS_CHOICES,
         help="how the matrices are held: a GGUF's blocks as stored, int8 per channel, a float "
-        "dtype (default: the config's, else auto: float in --dtype)",
+        "dtype (default: the config's, else auto: a quantized GGUF's blocks in float32 on "
+        "one CPU, else floats in --dtype)",
     )
     gen.add_argument(
         "--calibration",
