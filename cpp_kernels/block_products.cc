@@ -68,6 +68,19 @@ inline float scalar(const _Float16* p, int64_t i) {
 #endif
 }
 
+// n scales as float32 (float16 ones eight at a time with F16C: each exactly, as `scalar`).
+inline void to_floats(const float* p, int64_t n, float* out) {
+  std::memcpy(out, p, n * sizeof(float));
+}
+inline void to_floats(const _Float16* p, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__F16C__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
+#endif
+  for (; i < n; ++i) out[i] = scalar(p, i);
+}
+
 // Values of a row read at once: 4-bit values come in 32s (16 bytes), 8-bit ones a register's
 // lanes at a time; as kSteps registers of lanes.
 template <int kBits>
@@ -133,17 +146,13 @@ inline void nibbles(const uint8_t* p, Lanes (&q)[32 / kLanes]) {
 // exact; 8 bits: no offset).
 template <int kBits, bool kOffsets, typename S>
 void group_scales(const Product& p, int64_t row, float* scales, float* offsets) {
-  const int64_t blocks = p.in / p.block;
-  for (int64_t o = 0; o < kOutStep; ++o)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t at = (row + o) * blocks + b;
-      const float scale = scalar(static_cast<const S*>(p.scales), at);
-      scales[o * blocks + b] = scale;
-      if constexpr (kOffsets)
-        offsets[o * blocks + b] = scalar(static_cast<const S*>(p.offsets), at);
-      else
-        offsets[o * blocks + b] = kBits == 4 ? -8.0f * scale : 0.0f;
-    }
+  // The group's rows are consecutive, so their scales are one run of kOutStep x blocks.
+  const int64_t blocks = p.in / p.block, count = kOutStep * blocks;
+  to_floats(static_cast<const S*>(p.scales) + row * blocks, count, scales);
+  if constexpr (kOffsets)
+    to_floats(static_cast<const S*>(p.offsets) + row * blocks, count, offsets);
+  else
+    for (int64_t i = 0; i < count; ++i) offsets[i] = kBits == 4 ? -8.0f * scales[i] : 0.0f;
 }
 
 #if ETJAX_LANES == 16
