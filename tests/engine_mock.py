@@ -12,6 +12,7 @@ another live row reads may be written; and every token must land in a page the r
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
@@ -39,6 +40,7 @@ class _Row:
     length: int
     eos_at: int | None  # generation step at which the mock emits EOS, if any
     context: list[int]  # prompt and generated tokens: what its pages must hold up to length
+    pending: bool = False  # its last token is drawn, not yet written (its next step runs it)
 
 
 @dataclass
@@ -56,6 +58,9 @@ class MockBackend:
     weight_bytes: float = 1e12
     vocab_size: int = 1000  # prompts hold request ids and 5; token_of stays below 910
     id_at: int = 0  # where in its prompt a request's id is
+    # As the device: a new row draws its first token when inserted (RowInit.draw), which
+    # its next step runs. Off: every first token comes from a decode.
+    draws_first_tokens: bool = False
 
     def __post_init__(self) -> None:
         self.rows: dict[int, _Row] = {}
@@ -68,6 +73,7 @@ class MockBackend:
         self.forks = 0  # rows that took another row's prefill result
         self.decode_log: list[list[int]] = []  # request ids of each decode burst
         self.burst_cost = self  # its own row_width and burst_bytes below
+        self.drawn: dict[int, tuple] = {}  # row -> its first token's outputs, until handed
 
     def entropy_of(self, request_id: int, step: int) -> float:
         start, slope = self.entropy.get(request_id, (3.0, 0.0))
@@ -138,7 +144,22 @@ class MockBackend:
             context=list(init.prompt) + list(init.generated),
         )
         assert self.prefilled.pop(row) == self.rows[row].length
-        self._check_holds(self.row_pages.pop(row), self.rows[row].context)
+        pages = self.row_pages.pop(row)
+        self._check_holds(pages, self.rows[row].context)
+        if init.draw:  # its step-0 token now, held pending (`first_tokens` hands it over)
+            assert self.draws_first_tokens and init.saved is None
+            state = self.rows[row]
+            self.drawn[row] = self._decode([row], [pages], [state.length], 1, first=True)
+
+    def first_tokens(self, rows: list[int]):
+        drawn = [self.drawn.pop(row) for row in rows]
+        outputs = {
+            f.name: None
+            if getattr(drawn[0][0], f.name) is None
+            else np.concatenate([getattr(o, f.name) for o, _ in drawn], axis=1)
+            for f in dataclasses.fields(StepOutputs)
+        }
+        return StepOutputs(**outputs), np.concatenate([b for _, b in drawn])
 
     def fork(self, source: int, row: int, pages: list[int], copy) -> None:
         # As the device does: the source's prefill result, its partial last page copied.
@@ -156,6 +177,7 @@ class MockBackend:
         self.forks += 1
 
     def release(self, row: int) -> None:
+        self.drawn.pop(row, None)
         self.rows.pop(row, None)
         self.prefilled.pop(row, None)
         self.row_pages.pop(row, None)
@@ -180,7 +202,10 @@ class MockBackend:
         out, budgets = self._decode(rows, pages, lengths, self.steps_per_sync)
         return out, budgets, np.zeros(len(rows), np.float32)  # reads nothing for others
 
-    def _decode(self, rows, pages, lengths, k):
+    def _decode(self, rows, pages, lengths, k, first=False):
+        # `first`: the rows' first tokens, drawn when they are inserted: held pending, not
+        # written. A row holding one runs it in its next step, which then draws nothing (a
+        # burst's first step).
         n = len(rows)
         arrays = {
             name: np.zeros((k, n), np.int32 if name == "kept_blocks" else np.float32)
@@ -189,14 +214,20 @@ class MockBackend:
         tokens = np.zeros((k, n), np.int32)
         emitted = np.zeros((k, n), bool)
         finish = np.zeros((k, n), np.int8)
-        self.decode_log.append([self.rows[r].request_id for r in rows])
+        if not first:
+            self.decode_log.append([self.rows[r].request_id for r in rows])
         for j, (row, row_pages, length) in enumerate(zip(rows, pages, lengths, strict=True)):
             state = self.rows[row]
             assert state.length == length, "host and device disagree on the length"
             assert len(row_pages) * self.page_size >= length + k, "burst past the row's pages"
             self._claim(row, row_pages)
             self._check_holds(row_pages, state.context[:length])
-            for step in range(k):
+            steps = range(k)
+            if state.pending:  # its step 0 runs the token drawn with its prompt
+                self._write(row, row_pages, state.length, [state.context[-1]])
+                state.length, state.pending = state.length + 1, False
+                steps = range(1, k)
+            for step in steps:
                 if state.generated >= state.max_new:
                     break
                 i = state.generated
@@ -214,6 +245,9 @@ class MockBackend:
                     finish[step, j] = FINISH_REASONS.index("length")
                 state.context.append(int(tokens[step, j]))
                 if finish[step, j]:
+                    break
+                if first:
+                    state.pending = True
                     break
                 self._write(row, row_pages, state.length, [int(tokens[step, j])])
                 state.length += 1

@@ -1,11 +1,13 @@
 """The engine's host logic on a mock device with hand-computable outputs (tests/engine_mock.py):
 ordering by policy, freedom from starvation, page accounting, preemption, cancellation and
-determinism."""
+determinism; and, on a tiny model, that drawing first tokens with their prompts changes no
+output."""
 
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +16,8 @@ from etjax.engine.engine import Engine
 from etjax.engine.policies import make_policy
 from etjax.engine.sequence import Sequence
 from etjax.errors import RequestError
-from etjax.runtime.options import RequestSettings, RuntimeOptions
+from etjax.runtime.options import TRACE_FIELDS, RequestSettings, RuntimeOptions
+from etjax.sampling import SamplerSettings
 from tests.engine_mock import PAGE, K, MockBackend, mock_engine, token_of
 from tests.hypothesis_profiles import examples
 
@@ -163,15 +166,37 @@ def _max_gaps(log: list[list[int]]) -> dict[int, int]:
     return {r: max((b - a for a, b in itertools.pairwise(v)), default=0) for r, v in seen.items()}
 
 
-def test_preemption_recomputes_and_loses_nothing():
+@pytest.mark.parametrize("draws_first", [False, True])
+def test_preemption_recomputes_and_loses_nothing(draws_first):
     # A pool too small for both sequences to grow: one is preempted, recomputed, and both
-    # still produce exactly the mock's tokens.
-    engine, _ = _engine("fcfs", batch=2, resident=2, pages=1 + 9)
+    # still produce exactly the mock's tokens (also where a first token, drawn with the
+    # prompt, is pending when its sequence is preempted).
+    engine, _ = _engine("fcfs", batch=2, resident=2, pages=1 + 9, draws_first_tokens=draws_first)
     seqs = _generate(engine, [_prompt(1, 8), _prompt(2, 8)], [RequestSettings(10)] * 2)
     outs = [s.output for s in seqs]
     assert sum(s.preemptions for s in seqs) >= 1
     assert [o.token_ids for o in outs] == [[token_of(r, i) for i in range(10)] for r in (1, 2)]
     assert engine.pages_in_use == 0
+
+
+def test_a_first_token_drawn_with_the_prompt_streams_in_that_round_and_runs_next():
+    # A device that draws a new row's first token when it is inserted: the round that
+    # prefills the prompt streams token 0; the next burst (K = 2) runs it (the mock checks it
+    # lands in the row's page at its position) and draws token 1; every pass counted once.
+    engine, backend = _engine("fcfs", draws_first_tokens=True)
+    handle = engine.submit(_prompt(1, 6), RequestSettings(5))
+    engine.step()
+    assert handle.delta().token_ids == [token_of(1, 0)] and backend.decode_log == []
+    engine.step()
+    assert handle.delta().token_ids == [token_of(1, 1)] and backend.decode_log == [[1]]
+    out = handle.result()
+    assert out.token_ids == [token_of(1, i) for i in range(5)]
+    assert out.metrics["model_passes"] == 5 and engine.model_passes == 5
+    # A request of one token ends with its prompt's round: no decode, its pages back.
+    one = engine.submit(_prompt(2, 6), RequestSettings(1))
+    engine.step()
+    assert one.done and one.output.token_ids == [token_of(2, 0)]
+    assert backend.decode_log == [[1]] * 3 and engine.pages_in_use == 0
 
 
 def test_cancel_releases_pages_and_keeps_the_rest_running():
@@ -330,3 +355,49 @@ def test_one_group_when_splitting_does_not_pay():
     assert engine.decode_bursts == engine.decode_rounds
     assert backend.decode_log == [[0, 1], [0, 1, 2], [0, 1, 2, 3], [2, 3]]
     assert [o.token_ids for o in outs] == [[token_of(r, i) for i in range(4)] for r in range(4)]
+
+
+def test_first_tokens_drawn_with_their_prompts_come_a_round_earlier_and_change_nothing(
+    tiny_hf_dir,
+):
+    # The device draws a new row's first token when it is inserted (etjax/runtime/steps.py
+    # `first_token`); the reference is the same engine drawing it in the row's first decode
+    # step, as before. Greedy with top log-probabilities, seeded top-p sampling and the
+    # entropic controller, one prompt twice (a fork of its prefill): the same tokens and
+    # trace (the cost and kept blocks of a first token included, reported when its pass
+    # runs), each first token streamed in the round that prefilled its prompt, one round
+    # before the reference's.
+    import etjax
+    from etjax.engine_build import build_engine
+
+    tiny = etjax.load_model(tiny_hf_dir("llama"))
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (9, 21)]
+    prompts.append(list(prompts[1]))
+    samplers = [
+        SamplerSettings(),
+        SamplerSettings(temperature=0.9, top_p=0.9, seed=7),
+        SamplerSettings(sampler="entropic", temperature=1.0, seed=3),
+    ]
+    settings = [RequestSettings(6, sampler=s, logprobs=2 * (s == samplers[0])) for s in samplers]
+    options = RuntimeOptions(page_size=4, steps_per_sync=4, prefill_chunk=32)
+
+    def run(draws_first: bool):
+        engine = build_engine(tiny.weights, tiny.config, tiny.tokenizer, options, num_pages=64)
+        engine.backend.draws_first_tokens = draws_first
+        handles = [engine.submit(p, s) for p, s in zip(prompts, settings, strict=True)]
+        first_round, rounds = {}, 0
+        while engine.step():
+            rounds += 1
+            for i, h in enumerate(handles):
+                if h.output.token_ids:
+                    first_round.setdefault(i, rounds)
+        return [h.output for h in handles], first_round
+
+    (outputs, first), (reference, later) = run(True), run(False)
+    assert first == {i: r - 1 for i, r in later.items()}
+    for out, ref in zip(outputs, reference, strict=True):
+        assert out.token_ids == ref.token_ids and out.top_logprobs == ref.top_logprobs
+        assert out.metrics["model_passes"] == ref.metrics["model_passes"] == 6
+        for name in TRACE_FIELDS:  # a draw outside a step may round its last bit differently
+            np.testing.assert_allclose(getattr(out, name), getattr(ref, name), rtol=1e-6)

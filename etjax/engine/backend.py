@@ -43,6 +43,11 @@ class RowInit:
     prefill_flops: float
     prefill_bytes: float
     grammar: int = -1  # the id of its constraint's matcher (etjax/constraints), -1 for none
+    # A new row (`saved` None) draws and commits its first token on insert, from its
+    # prompt's logits, as its first decode step would; it holds the token pending: its next
+    # step runs it (the length the host passes then is the cache's, one less than the
+    # sequence's). `Backend.first_tokens` hands the token over.
+    draw: bool = False
 
 
 class BurstEstimate(Protocol):
@@ -60,6 +65,9 @@ class Backend(Protocol):
     num_pages: int  # the KV pool, page 0 (the null page) included
     vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
     burst_cost: BurstEstimate  # what a burst reads, for the grouping
+    # Whether `insert` draws a new row's first token (`RowInit.draw`; the engine asks only
+    # then).
+    draws_first_tokens: bool
 
     def mixed(
         self,
@@ -93,6 +101,10 @@ class Backend(Protocol):
 
     def insert(self, row: int, init: RowInit) -> None:
         """Make `row` resident once its context is fully prefilled."""
+
+    def first_tokens(self, rows: list[int]) -> tuple[StepOutputs, np.ndarray]:
+        """The first tokens `rows` drew when inserted (`RowInit.draw`), outputs
+        [1, len(rows)], and their budget fractions [len(rows)]."""
 
     def fork(self, source: int, row: int, pages: list[int], copy: tuple[int, int] | None) -> None:
         """Give `row` (whose sequence has the same context and holds `pages`) the result of

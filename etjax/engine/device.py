@@ -34,8 +34,9 @@ from etjax.engine.backend import RowInit
 from etjax.engine.burst_cost import BurstCost
 from etjax.engine.row_store import (
     empty_store,
-    insert_new_row,
     new_row,
+    new_row_state,
+    put_row,
     restore_row,
     save_row,
 )
@@ -55,8 +56,8 @@ from etjax.pruning.config import PruningThresholds
 from etjax.pruning.groups import PrunedGroups
 from etjax.runtime.footprint import check_fits
 from etjax.runtime.options import RuntimeOptions
-from etjax.runtime.state import DecodeState
-from etjax.runtime.steps import StepStatics, decode_steps, mixed_step
+from etjax.runtime.state import DecodeState, StepOutputs
+from etjax.runtime.steps import StepStatics, decode_steps, first_token, mixed_step
 
 # How many padded row-steps a drained batch may run in a larger row bucket it already has
 # rather than compile its own (`DeviceBackend.burst_rows`). Measured on SmolLM2 (AMD EPYC, 2
@@ -132,6 +133,8 @@ class DeviceBackend:
             cfg, options.page_size, self.kv_dtype, resident_bytes=weights_bytes(self.weights)
         )
         self.burst_cost = BurstCost(self.cost, self.geometry)
+        # A new row draws its first token when it is inserted (`RowInit.draw`).
+        self.draws_first_tokens = True
 
     def _start_rows(self) -> None:
         # The host's record of the rows: what each inserted row starts with and what the
@@ -144,6 +147,9 @@ class DeviceBackend:
         self._logits: dict[int, tuple[jax.Array, np.int32]] = {}
         self._burst_buckets: set[int] = set()  # row buckets of the bursts run so far
         self._constrained: set[int] = set()  # rows whose requests have a grammar
+        # Rows inserted with their first token drawn (`RowInit.draw`), until `first_tokens`
+        # hands it over: its outputs [1, 1] and the row's budget fraction, on the device.
+        self._drawn: dict[int, tuple[StepOutputs, jax.Array]] = {}
 
     def _allocate(self, weights: Weights) -> None:
         # The KV pool and the row store (shapes only when compile-only), and on a mesh the
@@ -251,7 +257,9 @@ class DeviceBackend:
         return self.geometry.mixed_width(num_rows, prefilling)
 
     def insert(self, row: int, init: RowInit) -> None:
-        """Make `row` the resident state of a sequence whose context was just prefilled."""
+        """Make `row` the resident state of a sequence whose context was just prefilled; a
+        new one with `init.draw` draws its first token now, held pending (`first_tokens`
+        hands it over)."""
         logits, index = self._logits.pop(row)
         length = len(init.prompt) + len(init.generated)
         if self.cache.block_mass.shape[1] > 1:  # a new sequence remembers no block's mass
@@ -270,7 +278,11 @@ class DeviceBackend:
                 self.cfg.vocab_size,
                 self.calibration,
             )
-            self.store = insert_new_row(self.store, np.int32(row), logits, index, new)
+            one = new_row_state(logits, index, new, self.store.eos_ids)
+            if init.draw:
+                one, outputs = first_token(one)
+                self._drawn[row] = (outputs, one.entropy.budget)
+            self.store = put_row(self.store, np.int32(row), one)
         else:
             self.store = restore_row(
                 self.store,
@@ -282,6 +294,13 @@ class DeviceBackend:
                 np.float32(init.prefill_flops),
                 np.float32(init.prefill_bytes),
             )
+
+    def first_tokens(self, rows: list[int]) -> tuple[StepOutputs, np.ndarray]:
+        """`Backend.first_tokens`: the first tokens `rows` drew when inserted, outputs
+        [1, len(rows)], and their budget fractions, in one transfer."""
+        drawn = jax.device_get([self._drawn.pop(row) for row in rows])
+        outputs = jax.tree.map(lambda *x: np.concatenate(x, axis=1), *[o for o, _ in drawn])
+        return outputs, np.concatenate([b for _, b in drawn])
 
     def fork(self, source: int, row: int, pages: list[int], copy: tuple[int, int] | None) -> None:
         """See `Backend.fork`: the row's first logits are `source`'s, its partly filled last
@@ -295,6 +314,7 @@ class DeviceBackend:
         the next `insert`; only prefill logits not yet inserted need dropping)."""
         self._logits.pop(row, None)
         self._constrained.discard(row)
+        self._drawn.pop(row, None)
 
     def _first_mask(self, grammar: int) -> np.ndarray:
         # [W] uint32 the tokens a new row may draw first: its grammar's, or all.

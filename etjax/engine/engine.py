@@ -19,14 +19,17 @@ A round (`step`):
   5. the device runs one ragged step: the batch's sequences decode a token each (and verify
      their drafts: etjax/runtime/verify.py) and the chunks are appended, in one flat batch;
      a finished context makes its sequence resident, and waiting sequences with the same
-     context fork from it (its pages shared, its partial last page copied, its logits).
+     context fork from it (its pages shared, its partial last page copied, its logits);
+     a new resident row draws its first token at once, streamed with this round (the row
+     holds it pending: its next step runs it; etjax/runtime/steps.py `first_token`).
      With nothing to prefill or verify, the batch runs `steps_per_sync` decode steps in one
      `lax.scan` instead (as a few bursts of rows of similar attention width when that reads
      fewer bytes: grouping.py; with ragged attention that only pays under pruning). The
      host streams the new tokens, applies stop strings and frees finished sequences.
 
 The host loop is plain, single-threaded Python over a small backend interface (`mixed`,
-`decode`, insert, fork, save, release, and a burst's estimated bytes for the grouping), so the same
+`decode`, insert, first_tokens, fork, save, release, and a burst's estimated bytes for the
+grouping), so the same
 code runs on the device (`DeviceBackend`) and on a mock with hand-computable outputs in the tests.
 """
 
@@ -223,6 +226,7 @@ class Engine:
         # sequence's own estimate starts (etjax/drafting/rule.py, "Where an estimate starts").
         self.draft_pool = DraftHistory(options.speculation.acceptance_prior)
         self.step_costs = step_costs
+        self._drawing: list[Sequence] = []  # made resident this round, first token drawn
         self._publish_stats()
 
     # Submission -------------------------------------------------------------------------
@@ -505,6 +509,10 @@ class Engine:
         # constrained row's are cut where its grammar would refuse them.
         drafts = []
         for seq, n in zip(batch, lengths, strict=True):
+            # A row whose token is pending runs it without drafts, as the step that drew
+            # it would have (none before a row's first entropy), so that what speculation
+            # does and counts stays the same.
+            n = 0 if seq.token_pending else n
             lookup = (
                 lookup_draft(
                     seq.history.view(seq.prompt, seq.output.token_ids),
@@ -538,12 +546,13 @@ class Engine:
         out, budgets, costs, prompt_logprobs = self.backend.mixed(
             [s.row for s in batch],
             [s.pages for s in batch],
-            [s.length for s in batch],
+            [s.cache_length for s in batch],
             [s.budget for s in batch],
             [job for _, job in jobs],
             drafts if any(drafts) else None,
         )
         elapsed = time.perf_counter() - started
+        ran = _ran_pending(batch, out)
         committed = np.asarray(out.emitted).sum(axis=0) if batch else None
         if batch and not jobs and any(drafts) and self._measured(compiled):
             # A verifying step alone (the host arrays it returns are on the host: the
@@ -557,12 +566,27 @@ class Engine:
             self.model_passes += 1
             if any(drafts):
                 self._record_drafts(batch, drafts, forced, committed)
-            self._collect(batch, out, budgets, one_pass=True)
+            self._collect(batch, out, budgets, one_pass=True, ran=ran)
         for (seq, job), (flops, nbytes), values in zip(jobs, costs, prompt_logprobs, strict=True):
             if values is not None:
                 _record_prompt_logprobs(seq, job, values)
             self._prefilled(seq, seq.prefilled + len(job.tokens), flops, nbytes)
+        if self._drawing:
+            self._collect_first()
         return elapsed
+
+    def _collect_first(self) -> None:
+        # The first tokens the sequences made resident in this round drew from their
+        # prompts' logits (`RowInit.draw`), streamed now, when the step that ran the
+        # prompts' last chunks returns; a sequence they did not finish holds its token
+        # pending (its next step runs it, and counts the pass).
+        seqs, self._drawing = self._drawing, []
+        out, budgets = self.backend.first_tokens([s.row for s in seqs])
+        self._collect(seqs, out, budgets, drawn=True)
+        for seq in seqs:
+            seq.token_pending = not seq.finished
+        if any(seq.finished for seq in seqs):  # as the decode step that drew it would
+            self.model_passes += 1
 
     def _record_drafts(
         self,
@@ -632,6 +656,13 @@ class Engine:
 
     def _make_resident(self, seq: Sequence) -> None:
         # Its context is cached: its row takes the sequence's state and it decodes from now.
+        # A new one draws its first token at once (streamed when the round's step returns:
+        # `_collect_first`), unless it has a grammar (whose matcher the host advances with
+        # each token in a step: it draws in its first decode step, as a preempted sequence
+        # back from its recompute does).
+        draw = self.backend.draws_first_tokens and seq.saved_row is None and seq.grammar < 0
+        if draw:
+            self._drawing.append(seq)
         self.backend.insert(
             seq.row,
             RowInit(
@@ -642,6 +673,7 @@ class Engine:
                 prefill_flops=seq.recompute_flops,
                 prefill_bytes=seq.recompute_bytes,
                 grammar=seq.grammar,
+                draw=draw,
             ),
         )
         seq.saved_row, seq.recompute_flops, seq.recompute_bytes = None, 0.0, 0.0
@@ -658,7 +690,8 @@ class Engine:
         for seq in sorted(batch, key=lambda s: -self.policy.run_priority(s, self.round)):
             if seq.status is not Status.RUNNING:
                 continue  # preempted for an earlier member
-            need = pages_needed(seq.length + opts.steps_per_sync, opts.page_size) - len(seq.pages)
+            need = pages_needed(seq.cache_length + opts.steps_per_sync, opts.page_size)
+            need -= len(seq.pages)
             while need > self.page_cache.num_free:
                 resident = [s for s in self.live if s.status in (Status.PREFILLING, Status.RUNNING)]
                 victim = scheduler.preemption_victim(
@@ -677,9 +710,10 @@ class Engine:
         if seq.status is Status.RUNNING:
             seq.saved_row = self.backend.save(seq.row)
             seq.context = seq.prompt + list(seq.output.token_ids)
-        # A sequence still prefilling restarts its context from scratch.
+        # A sequence still prefilling restarts its context from scratch (and a pending token
+        # is part of the context its recompute caches).
         self._release(seq)
-        seq.status, seq.prefilled = Status.WAITING, 0
+        seq.status, seq.prefilled, seq.token_pending = Status.WAITING, 0, False
         seq.preemptions += 1
         self.preemptions += 1
         seq.waiting_since = self.round
@@ -719,18 +753,20 @@ class Engine:
         out, budgets, spared = self.backend.decode(
             [s.row for s in batch],
             [s.pages for s in batch],
-            [s.length for s in batch],
+            [s.cache_length for s in batch],
             [s.budget for s in batch],
             max(s.settings.max_new_tokens - len(s.output.token_ids) for s in batch),
         )
         elapsed = time.perf_counter() - started
+        ran_pending = _ran_pending(batch, out, spared)  # its first step ran their tokens
         self.decode_bursts += 1
-        ran = int(np.any(out.emitted, axis=1).sum())  # steps in which a row ran
-        self.model_passes += ran
+        ran = np.any(out.emitted, axis=1)  # steps in which a row got a token
+        ran[0] |= any(ran_pending)  # or ran a pending one (a token of the burst's rows)
+        self.model_passes += int(ran.sum())
         steps = self.options.steps_per_sync
-        if ran == steps and self._measured(compiled):  # a whole burst
+        if ran.sum() == steps and self._measured(compiled):  # a whole burst
             self.step_costs.record_burst(len(batch), elapsed / steps)
-        self._collect(batch, out, budgets, spared=spared)
+        self._collect(batch, out, budgets, spared=spared, ran=ran_pending)
         return elapsed
 
     def _compiles(self) -> int | None:
@@ -743,19 +779,30 @@ class Engine:
         return compiled_before is not None and compile_events() == compiled_before
 
     def _collect(
-        self, batch: list[Sequence], out, budgets, one_pass: bool = False, spared=None
+        self,
+        batch: list[Sequence],
+        out,
+        budgets,
+        one_pass: bool = False,
+        spared=None,
+        ran: list[bool] | None = None,
+        drawn: bool = False,
     ) -> None:
         # Stream the rows' new tokens [steps, rows], apply stops, free finished sequences.
         # `one_pass`: the steps are one model pass (a token and its verified drafts), not K.
         # `spared`: the blocks a step read once for its shared-prefix group, per row [rows] or
-        # per step and row [K, rows].
+        # per step and row [K, rows]. `ran` [rows]: whose pending token the first step ran
+        # (its pass is counted here: it gave the sequence that token). `drawn`: first tokens
+        # drawn with the prompt, whose passes are still to run (counted then; one that ends
+        # its sequence is never run and counts as the decode step that drew it would).
         now = self.clock()
         trace_columns = [getattr(out, name) for name in TRACE_FIELDS.values()]
         for j, seq in enumerate(batch):
             seq.last_run_round = self.round
             seq.budget = float(budgets[j])
             emitted_steps = int(np.count_nonzero(out.emitted[:, j]))
-            seq.decode_passes += min(emitted_steps, 1) if one_pass else emitted_steps
+            passes = emitted_steps + (ran is not None and ran[j])
+            seq.decode_passes += 0 if drawn else min(passes, 1) if one_pass else passes
             produced = 0
             for k in np.nonzero(out.emitted[:, j])[0]:
                 trace = tuple(columns[k, j].item() for columns in trace_columns)
@@ -782,6 +829,8 @@ class Engine:
                     break
             self.policy.observe(seq, produced)
             self.tokens_generated += produced
+            if drawn and seq.output.finish_reason:  # no pass is to run it: the draw's counts
+                seq.decode_passes += 1
             if seq.output.finish_reason:
                 self._release(seq)
                 seq.close()
@@ -883,6 +932,26 @@ def _check_constraint(seq: Sequence) -> None:
     if why is not None:
         seq.output.finish_reason = "error"
         seq.output.error = f"{seq.settings.constraint[0]}: {why}"
+
+
+def _ran_pending(batch: list[Sequence], out, spared=None) -> list[bool]:
+    # After a step over `batch` (outputs [K, rows]; `spared` as `_collect` takes it): the
+    # pending tokens ran in its first step, whose outputs report for them what their pass
+    # read and cost (the blocks it kept, the cost after it, the blocks its group read once),
+    # which the draw of the token could not know (etjax/runtime/steps.py `first_token`):
+    # their traces get it, as a step that drew and ran a token gives it. Returns, per row,
+    # whether it held one.
+    pending = [seq.token_pending for seq in batch]
+    for j, seq in enumerate(batch):
+        if not seq.token_pending:
+            continue
+        seq.token_pending, trace = False, seq.output
+        trace.kept_blocks[-1] = out.kept_blocks[0, j].item()
+        trace.cost_flops[-1] = out.cost_flops[0, j].item()
+        trace.cost_bytes[-1] = out.cost_bytes[0, j].item()
+        if spared is not None:
+            trace.shared_blocks[-1] = float(spared[j] if spared.ndim == 1 else spared[0, j])
+    return pending
 
 
 def _prompt_targets(seq: Sequence, start: int, end: int) -> list[int] | None:

@@ -9,7 +9,9 @@ padding slots point at); the step programs gather the rows they run and scatter 
   The row's description is `DecodeState` (etjax/runtime/state.py): the fields it declares
   `from_settings` (`SETTINGS`) are read, inserted and emptied here from that declaration,
   so a new request field the device reads is one line there and none here.
-- `empty_store`, `insert_new_row`, `restore_row`, `save_row`: the jitted programs.
+- `empty_store`, `new_row_state` and `put_row` (a new row, made then stored: a new
+  sequence's first token is drawn in between, etjax/runtime/steps.py `first_token`),
+  `restore_row`, `save_row`: the jitted programs.
 """
 
 from __future__ import annotations
@@ -84,20 +86,22 @@ def new_row(
     )
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def insert_new_row(
-    store: DecodeState, row: jax.Array, logits: jax.Array, index: jax.Array, new: NewRow
+@jax.jit
+def new_row_state(
+    logits: jax.Array, index: jax.Array, new: NewRow, eos_ids: jax.Array
 ) -> DecodeState:
-    """`store` with row `row` a fresh one: `new`'s settings, no output yet, the prefill's cost
-    counted. logits: [Sp, V] of the step that finished its context, row `index` its own."""
-    one = DecodeState(
+    """A fresh row [1]: `new`'s settings, no output yet, the prefill's cost counted, the
+    shared eos ids (E) along. logits: [Sp, V] of the step that finished its context, row
+    `index` its own. `put_row` makes it a row of the store; a new sequence's row may draw
+    its first token (etjax/runtime/steps.py `first_token`) in between."""
+    return DecodeState(
         logits=logits[index][None],
         lengths=new.length[None],
         page_table=None,
         active=jnp.ones(1, bool),
         num_generated=jnp.zeros(1, jnp.int32),
-        eos_ids=None,
-        token_counts=jnp.zeros((1, store.token_counts.shape[1]), jnp.int32),
+        eos_ids=eos_ids,
+        token_counts=jnp.zeros((1, logits.shape[1]), jnp.int32),
         in_prompt=new.in_prompt,
         allowed=new.allowed[None],
         grammar=new.grammar[None],
@@ -105,18 +109,27 @@ def insert_new_row(
         sampler_state=initial_sampler_state(new.sampler),
         entropy=initial_entropy_state(new.prefill_flops[None], new.prefill_bytes[None]),
         calibration=new.calibration,
+        pending=jnp.full(1, -1, jnp.int32),
         **{name: value[None] for name, value in new.settings.items()},
     )
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def put_row(store: DecodeState, row: jax.Array, one: DecodeState) -> DecodeState:
+    """`store` with row `row` [] int32 replaced by `one` [1] (its eos ids aside)."""
     return put_rows(store, row[None], one)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def restore_row(store, row, logits, index, length, saved, flops, nbytes) -> DecodeState:
-    """A preempted row back: its `saved` state, the recomputed prefill's cost added."""
+    """A preempted row back: its `saved` state, the recomputed prefill's cost added. A token it
+    held pending is in the recomputed context now (the host's context is every token it
+    committed), so it holds none."""
     entropy = saved.entropy
     one = saved.replace(
         logits=logits[index][None],
         lengths=length[None],
+        pending=jnp.full(1, -1, jnp.int32),
         entropy=entropy.replace(
             cost_flops=entropy.cost_flops + flops, cost_bytes=entropy.cost_bytes + nbytes
         ),
@@ -152,5 +165,6 @@ def empty_store(cfg: ModelConfig, rows: int, eos_ids: tuple[int, ...]) -> Decode
         sampler_state=initial_sampler_state(params),
         entropy=initial_entropy_state(jnp.asarray(zeros), jnp.asarray(zeros.copy())),
         calibration=identity_params(rows),
+        pending=jnp.full(rows, -1, jnp.int32),
         **{name: jnp.zeros(rows, dtype) for name, (_, dtype) in SETTINGS.items()},
     )

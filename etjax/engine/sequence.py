@@ -60,6 +60,9 @@ class Sequence:
     history: TokenHistory = field(default_factory=TokenHistory)  # prompt + output, for lookup
     decode_passes: int = 0  # model passes that gave it tokens (speculation: < tokens)
     grammar: int = -1  # its constraint's matcher id (etjax/constraints/matcher.py), or -1
+    # Its last token (its first, drawn by the step that ran its prompt's last chunk) is
+    # committed and streamed but not yet run: its row's next step runs it.
+    token_pending: bool = False
     # Metrics, in the engine's clock.
     admitted_time: float | None = None
     first_token_time: float | None = None
@@ -69,8 +72,14 @@ class Sequence:
 
     @property
     def length(self) -> int:
-        """Tokens in the cache once resident: the prompt and every generated token."""
+        """The prompt and every generated token: the tokens in the cache once resident,
+        where no token is pending (`cache_length`)."""
         return len(self.prompt) + len(self.output.token_ids)
+
+    @property
+    def cache_length(self) -> int:
+        """Tokens its KV pages hold once resident: `length`, less a pending token."""
+        return self.length - self.token_pending
 
     @property
     def finished(self) -> bool:

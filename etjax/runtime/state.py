@@ -26,7 +26,11 @@ class DecodeState:
     """Per-slot decode state. B = batch slots, P = page-table width, V = vocabulary, E = eos ids.
 
     The state holds the logits of each row's next token rather than its last token: a step
-    samples from them, then runs the model on the sampled token. Everything that varies between
+    samples from them, then runs the model on the sampled token. A new row's first token is
+    the exception: the ragged step that ran its prompt's last chunk drew and committed it
+    (etjax/runtime/steps.py `mixed_step`), so the row enters its next step holding it in
+    `pending`, which that step runs instead of sampling (its `logits` are still the prompt's,
+    its `lengths` do not count the token yet). Everything that varies between
     requests or steps is an array, never a Python value baked into the trace, so a new mix of
     requests reuses the compiled step. A field read from the request's settings is declared
     `from_settings`: a new request field the device reads is one such line here, its line in
@@ -55,6 +59,9 @@ class DecodeState:
     sampler_state: SamplerState  # the adaptive samplers' state (controller, Mirostat)
     entropy: EntropyState
     calibration: CalibrationParams  # the entropy signal's calibration (T = 1: none)
+    # [B] int32 a token committed but not yet run (the first token, drawn by the step that
+    # ran the prompt's last chunk), -1 for none; None in states outside the engine's store.
+    pending: jax.Array | None = None
 
 
 @flax.struct.dataclass

@@ -8,6 +8,9 @@
 - `prefill_chunk`: the same flat prefill without rows to decode and without the store.
 - `decode_steps`: K decode steps of a batch of rows in one `lax.scan`, for rounds with nothing
   to prefill (fewer host round trips).
+- `first_token`: a new row's first token, drawn from its prompt's logits when the row is
+  made, so it streams with the step that ran the prompt; the row's next step (either
+  program) runs it, held `pending`, instead of drawing.
 
 `mixed_step` and `decode_steps` gather their rows from the store and scatter them back inside
 the program, and donate the store and the KV cache. Shapes: `mixed_step` by its token bucket,
@@ -121,8 +124,9 @@ def mixed_step(
     sliding-window layers, every row token's local layers). A verifying row's drafts are
     pruned too, each as a plain pruned step at its position (`_per_token`).
     Returns the store, the cache, the rows' outputs [1, Bm], float32 logits [Sp, V] after
-    each prefill sequence's last token, and float32 [T] the log-probability of
-    `batch.targets` after each token (0 where there is none).
+    each prefill sequence's last token (a new row draws its first token from them when it
+    is inserted: `first_token`), and float32 [T] the log-probability of `batch.targets`
+    after each token (0 where there is none).
     """
     with _tracing(statics.placement, statics.attention_backend):
         state = take_rows(store, rows).replace(page_table=page_table)
@@ -143,6 +147,38 @@ def mixed_step(
         logits = logits_from_hidden(weights, after[0])  # after each prefill sequence
         store, cache, logits, _ = _placed(statics, put_rows(store, rows, state), cache, logits)
         return store, cache, outputs, logits, after[3]
+
+
+@jax.jit
+def first_token(state: DecodeState) -> tuple[DecodeState, StepOutputs]:
+    """A new row's first token, drawn as soon as its prompt's logits exist (the host streams
+    it when the step that ran the prompt's last chunk returns, instead of after the row's
+    next step): `state` [B] (a row just made from the prompt, etjax/engine/row_store.py)
+    draws from its logits and commits the token exactly as `_decode_step` would: the same
+    sampler and key (the token's index in the output), entropy, controller, penalties. The
+    token is held `pending`: the row's next step runs it instead of drawing, and that step
+    computes what the token's pass reads and costs (its budget and kept blocks, its share
+    of the weights' bytes, which the batch it runs in decides) and reports them for it, so
+    here the cost is not charged and kept_blocks is 0. One program per vocabulary and eos
+    count, whatever the engine. Returns the state and the outputs [1, B]."""
+    take = state.active
+    state, tokens, info, sampler_state = draw_rows(state)
+    runs = take & ~finishes(state, tokens, take)
+    unpaid = jnp.zeros(tokens.shape, jnp.float32)
+    state, outputs = commit_tokens(
+        state,
+        tokens,
+        info,
+        sampler_state,
+        take,
+        state.logits,
+        state.entropy.budget,
+        jnp.zeros_like(tokens),
+        unpaid,
+        unpaid,
+    )
+    state = state.replace(lengths=state.lengths - runs, pending=jnp.where(runs, tokens, -1))
+    return state, jax.tree.map(lambda x: x[None], outputs)
 
 
 def _row_slots(batch: FlatBatch, max_draft: int) -> jax.Array:
@@ -414,15 +450,25 @@ def _decode_step(
     # bool: rows whose drafts run after their token (which then runs all k experts). `groups`:
     # pruned rows sharing a prefix (etjax/pruning/groups.py), or None. `head(hidden, after)
     # -> (next logits [B, V], after)`: a verifying step's LM head (`_joint_head`), or None.
+    # A row holding a `pending` token (its first, committed when its row was made:
+    # `first_token`) runs that token instead of a new draw and commits nothing; its pass
+    # reads the budget and experts its draw's distribution gives, as a drawing step's would,
+    # is charged here, and its outputs report that (budget, kept_blocks, cost) for it.
     cost, active, raw_logits = statics.cost, state.active, state.logits
+    pending = None if state.pending is None else active & (state.pending >= 0)
+    take = active if pending is None else active & ~pending  # rows that commit a token
     # Under a grammar the raw logits stay the entropy signal's (`draw_rows`).
     state, tokens, info, sampler_state = draw_rows(state, statics.constrained)
+    if pending is not None:
+        tokens = jnp.where(pending, state.pending, tokens)
     if statics.constrained:
         # The host computes the next masks while the model runs on `tokens` (collected below).
         tokens, ticket = start_masks(
-            state.grammar, tokens, state.num_generated, active, state.allowed.shape[1]
+            state.grammar, tokens, state.num_generated, take, state.allowed.shape[1]
         )
-    runs = active & ~finishes(state, tokens, active)
+    runs = take & ~finishes(state, tokens, take)
+    if pending is not None:
+        runs = runs | pending
     num_blocks = (state.lengths + cost.page_size) // cost.page_size  # with the new token
     fraction, kept, sparse, spared = _budget(
         state, statics, thresholds, raw_logits, info, num_blocks, rows, groups
@@ -444,8 +490,19 @@ def _decode_step(
         row_k,
     )
     state, outputs = commit_tokens(
-        state, tokens, info, sampler_state, active, next_logits, fraction, kept, flops, nbytes
+        state, tokens, info, sampler_state, take, next_logits, fraction, kept, flops, nbytes
     )
+    if pending is not None:  # the pending token ran: the row is as if it had drawn it here
+        state = state.replace(
+            logits=jnp.where(pending[:, None], next_logits, state.logits),
+            lengths=state.lengths + pending,
+            pending=jnp.where(pending, -1, state.pending),
+            entropy=state.entropy.replace(
+                budget=jnp.where(pending, fraction, state.entropy.budget)
+            ),
+        )
+        kept_blocks = jnp.where(pending, kept, outputs.kept_blocks).astype(jnp.int32)
+        outputs = outputs.replace(kept_blocks=kept_blocks)
     if statics.constrained:
         state = state.replace(allowed=allowed)
     if groups is not None:
