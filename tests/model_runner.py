@@ -13,8 +13,12 @@ from etjax.model.transformer import forward, logits_from_hidden
 from etjax.model.weights import Weights
 
 
-def full_logits(weights: Weights, cfg: ModelConfig, ids: np.ndarray, page_size: int = 16):
-    """Logits [B, S, V] of a whole padded batch `ids` [B, S] run as one prefill."""
+def full_logits(
+    weights: Weights, cfg: ModelConfig, ids: np.ndarray, page_size: int = 16, last: int = 0
+):
+    """Logits [B, S, V] of a whole padded batch `ids` [B, S] run as one prefill; with `last`,
+    only the last `last` positions' [B, last, V] (a large vocabulary's LM head over every
+    position costs more than the model)."""
     b, s = ids.shape
     pages_per_row = -(-s // page_size)
     cache = init_kv_cache(cfg, 1 + b * pages_per_row, page_size)
@@ -32,7 +36,8 @@ def full_logits(weights: Weights, cfg: ModelConfig, ids: np.ndarray, page_size: 
         cfg,
         plan,
     )
-    return np.asarray(logits_from_hidden(weights, hidden)).reshape(b, s, -1)
+    hidden = hidden.reshape(b, s, -1)[:, -last:] if last else hidden.reshape(b, s, -1)
+    return np.asarray(logits_from_hidden(weights, hidden))
 
 
 _forward = jax.jit(forward, static_argnames="cfg")
