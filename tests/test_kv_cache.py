@@ -11,6 +11,33 @@ from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
 from etjax.sampling import SamplerSettings
 from tests.model_runner import full_logits
 
+# Every reference pass runs one padded shape (the longest sequence here is 49 tokens), so the
+# forward program and its eager LM head compile once for the module; tokens after a position
+# never change its logits (causal attention), so the end padding reads as nothing.
+REFERENCE_LEN = 64
+# The engine options of every test but the one that sets its own: their step programs compile
+# once per page size for the module.
+ENGINE = dict(steps_per_sync=5, prefill_chunk=8)
+
+
+def _reference_logits(tiny, sequence: list[int]) -> np.ndarray:
+    """float32 logits [len(sequence), V] of one full pass over `sequence`."""
+    ids = np.zeros((1, REFERENCE_LEN), np.int32)
+    ids[0, : len(sequence)] = sequence
+    return full_logits(tiny.weights, tiny.config, ids)[0, : len(sequence)]
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    # In float64, apart from etjax's own entropy code: the independent truth.
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _entropy(logits: np.ndarray) -> np.ndarray:
+    log_p = _log_softmax(logits)
+    return -(np.exp(log_p) * log_p).sum(-1)
+
 
 @pytest.fixture(scope="module")
 def tiny(tiny_hf_dir):
@@ -26,37 +53,26 @@ def test_cached_steps_equal_full_sequence_logits(tiny, page_size, prompt_len):
     comparing it to the entropy of the full pass's logits at the same positions checks every
     cached step; the greedy tokens must also equal the full pass's argmax.
     """
-    from etjax.entropy.estimators import exact_entropy as model_entropy
-
     rng = np.random.default_rng(prompt_len)
     prompt = rng.integers(3, tiny.config.vocab_size, size=prompt_len).tolist()
     settings = RequestSettings(max_new_tokens=12, ignore_eos=True)
-    options = RuntimeOptions(page_size=page_size, steps_per_sync=5, prefill_chunk=8)
+    options = RuntimeOptions(page_size=page_size, **ENGINE)
     (out,) = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, [prompt], [settings], options)
     assert len(out.token_ids) == 12
-    sequence = np.array([prompt + out.token_ids], dtype=np.int32)
-    logits = full_logits(tiny.weights, tiny.config, sequence, page_size=page_size)
-    predicting = logits[0, prompt_len - 1 : prompt_len - 1 + 12]
+    logits = _reference_logits(tiny, prompt + out.token_ids)
+    predicting = logits[prompt_len - 1 : prompt_len - 1 + 12]
     np.testing.assert_array_equal(predicting.argmax(-1), out.token_ids)
-    full_entropy = np.asarray(model_entropy(predicting))
-    np.testing.assert_allclose(out.entropy, full_entropy, rtol=1e-4, atol=1e-5)
-    log_softmax = (
-        predicting
-        - np.log(np.exp(predicting - predicting.max(-1, keepdims=True)).sum(-1, keepdims=True))
-        - predicting.max(-1, keepdims=True)
-    )
-    expected_logprob = log_softmax[np.arange(12), out.token_ids]
+    np.testing.assert_allclose(out.entropy, _entropy(predicting), rtol=1e-4, atol=1e-5)
+    expected_logprob = _log_softmax(predicting)[np.arange(12), out.token_ids]
     np.testing.assert_allclose(out.logprob, expected_logprob, rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_prefill_equals_single_pass(tiny):
-    # A 40-token prompt prefilled in chunks of 16 must leave the same next-token distribution as
+    # A 40-token prompt prefilled in chunks of 8 must leave the same next-token distribution as
     # one pass: the first sampled token and its entropy are compared with the full logits.
-    from etjax.entropy.estimators import exact_entropy as model_entropy
-
     rng = np.random.default_rng(7)
     prompt = rng.integers(3, tiny.config.vocab_size, size=40).tolist()
-    options = RuntimeOptions(page_size=4, prefill_chunk=16)
+    options = RuntimeOptions(page_size=4, **ENGINE)
     (out,) = generate_ids(
         tiny.weights,
         tiny.config,
@@ -65,16 +81,16 @@ def test_chunked_prefill_equals_single_pass(tiny):
         [RequestSettings(max_new_tokens=1)],
         options,
     )
-    logits = full_logits(tiny.weights, tiny.config, np.array([prompt], np.int32))[0, -1]
+    logits = _reference_logits(tiny, prompt)[-1]
     assert out.token_ids == [int(logits.argmax())]
-    np.testing.assert_allclose(out.entropy[0], float(model_entropy(logits[None])[0]), rtol=1e-5)
+    np.testing.assert_allclose(out.entropy[0], _entropy(logits), rtol=1e-5)
 
 
 def test_sequence_alone_equals_batched_with_other_lengths(tiny):
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (5, 17, 2, 33)]
     settings = [RequestSettings(max_new_tokens=10, ignore_eos=True)] * 4
-    options = RuntimeOptions(page_size=8, steps_per_sync=3)
+    options = RuntimeOptions(page_size=8, **ENGINE)
     batched = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts, settings, options)
     for prompt, together in zip(prompts, batched, strict=True):
         (alone,) = generate_ids(
@@ -99,8 +115,11 @@ def test_sampled_sequence_is_the_same_alone_and_batched(tiny):
         RequestSettings(max_new_tokens=8, sampler=SamplerSettings(temperature=1.0, seed=s))
         for s in (5, 6, 7)
     ]
-    batched = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts, settings)
-    alone = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts[1:2], settings[1:2])
+    options = RuntimeOptions(page_size=8, **ENGINE)
+    batched = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts, settings, options)
+    alone = generate_ids(
+        tiny.weights, tiny.config, tiny.tokenizer, prompts[1:2], settings[1:2], options
+    )
     assert alone[0].token_ids == batched[1].token_ids
     assert batched[0].token_ids != batched[2].token_ids  # different seeds, different draws
 
@@ -123,9 +142,8 @@ def test_prompts_prefilled_beside_decoding_rows_match_full_passes(tiny):
     )
     outs = generate_ids(tiny.weights, tiny.config, tiny.tokenizer, prompts, settings, options)
     for prompt, out in zip(prompts, outs, strict=True):
-        sequence = np.array([prompt + out.token_ids], dtype=np.int32)
-        logits = full_logits(tiny.weights, tiny.config, sequence, page_size=4)
-        predicting = logits[0, len(prompt) - 1 : len(prompt) - 1 + 10]
+        logits = _reference_logits(tiny, prompt + out.token_ids)
+        predicting = logits[len(prompt) - 1 : len(prompt) - 1 + 10]
         np.testing.assert_array_equal(predicting.argmax(-1), out.token_ids)
 
 
