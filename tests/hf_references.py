@@ -38,6 +38,19 @@ def load_reference(path: Path) -> Reference:
     return Reference(model.eval(), tokenizer)
 
 
+def load_reference_model(path: Path) -> Any:
+    """transformers' float32 causal LM of the GGUF file at `path`, in eval mode, from one parse
+    of the file (transformers alone parses it twice: for the config, then for the tensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with _one_parse_per_file():
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+    return model.eval()
+
+
 @contextlib.contextmanager
 def _one_parse_per_file():
     # transformers imports `GGUFReader` from `gguf` inside the loading function, so replacing

@@ -15,6 +15,7 @@ import etjax
 from etjax.model.config import RopeScaling
 from tests.conftest import relative_error
 from tests.gguf_builder import write_llama_gguf
+from tests.hf_references import load_reference_model
 from tests.model_runner import full_logits
 
 TOLERANCE = 1e-4
@@ -44,9 +45,7 @@ def test_gguf_logits_match_transformers(matrix_type, tiny_hf_dir, smollm2_path, 
     write_llama_gguf(source, path, smollm2_path, GGMLQuantizationType[matrix_type])
 
     ours = etjax.load_model(path, weights="float32")
-    reference_model = AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32
-    )
+    reference_model = load_reference_model(path)
     ids = np.random.default_rng(0).integers(0, ours.config.vocab_size, (2, 48), np.int32)
     with torch.no_grad():
         reference = reference_model(torch.tensor(ids, dtype=torch.long)).logits.numpy()
