@@ -323,7 +323,9 @@ def test_gemma3_270m_logits_match_transformers_past_the_window(gemma3_270m, hf_g
 def test_gemma3_270m_greedy_continuations_match_transformers(gemma3_270m, hf_gemma3_270m, lee):
     # Six prompts of mixed lengths, two longer than the 512-position window (by 64 tokens and
     # more: every token generated reads past it), 16 tokens each, through `decode()` (the
-    # engine, its ragged prefill and decode bursts).
+    # engine, its ragged prefill and decode bursts). Their 1,472 tokens fill three ragged
+    # steps of the 512-token bucket, the last over half full: a fourth step would compile a
+    # program of a smaller bucket (15 s) for its tail.
     import etjax
 
     tokenizer = gemma3_270m.tokenizer
@@ -331,12 +333,13 @@ def test_gemma3_270m_greedy_continuations_match_transformers(gemma3_270m, hf_gem
         "The capital of France is",
         "def fibonacci(n):",
         lee[5][:300],
-        lee[6][:1200],
+        lee[6][:600],
         " ".join(lee[7:10])[:3000],
         " ".join(lee[10:14])[:3300],
     ]
     lengths = [len(tokenizer.encode(t)) for t in texts]
     assert sum(n > 512 + 64 for n in lengths) >= 2, lengths
+    assert 2 * 512 + 256 < sum(lengths) <= 3 * 512 - 2 * len(texts), lengths
     results = etjax.decode(texts, model=gemma3_270m, max_new_tokens=NEW, temperature=0.0)
     stops = set(tokenizer.eos_token_ids)
     assert stops == {1, 106}  # <eos>, <end_of_turn>
