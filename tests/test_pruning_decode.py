@@ -10,7 +10,6 @@ import pytest
 import etjax
 from etjax.attention import AttentionBackend, resolve_backend
 from etjax.engine_build import RequestSettings, RuntimeOptions, generate_ids
-from etjax.entropy.estimators import exact_entropy
 from etjax.errors import RequestError
 from etjax.pruning.config import PruningConfig
 from tests.model_runner import full_logits
@@ -20,6 +19,14 @@ from tests.model_runner import full_logits
 LOW_BUDGET = PruningConfig(
     enabled=True, min_fraction=0.3, entropy_low=50.0, entropy_high=60.0, min_blocks=3
 )
+
+
+def _entropy(logits: np.ndarray) -> np.ndarray:
+    # -sum p log p in float64, apart from etjax's own entropy code: the independent truth.
+    z = logits.astype(np.float64)
+    log_p = z - z.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    return -(np.exp(log_p) * log_p).sum(-1)
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +131,9 @@ def test_auto_backend_follows_the_platform():
 def test_dense_decode_through_the_pallas_gpu_ragged_kernel_gives_the_xla_outputs(tiny):
     # The product path of a GPU: every dense step (mixed prefill + decode, and K-step bursts)
     # runs pallas_kernels/ragged_attention/pallas_gpu.py, interpreted on this CPU.
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (13, 6)]
+    # The first test's prompts: its dense XLA programs serve the XLA run.
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (37, 9, 22)]
     xla = _run(tiny, prompts, PruningConfig(), new_tokens=6)
     gpu = _run(tiny, prompts, PruningConfig(), new_tokens=6, attention_backend="pallas_gpu")
     for a, b in zip(xla, gpu, strict=True):
@@ -190,7 +198,7 @@ def test_rows_pruning_one_document_select_it_together_and_read_it_once(tiny):
     for row, (prompt, out) in enumerate(zip(prompts, grouped, strict=True)):
         predicting = logits[row, len(prompt) - 1 : len(prompt) - 1 + len(out.token_ids)]
         np.testing.assert_array_equal(predicting.argmax(-1), out.token_ids)
-        np.testing.assert_allclose(out.entropy, exact_entropy(predicting), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(out.entropy, _entropy(predicting), rtol=1e-4, atol=1e-5)
         blocks = [-(-(len(prompt) + i + 1) // 4) for i in range(len(out.token_ids) - 1)]
         assert out.kept_blocks[:-1] == blocks  # all of them, the group's counted for each
         assert max(out.shared_blocks) == 12 * (1 - 1 / 4)  # read once for the four rows
