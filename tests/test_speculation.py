@@ -245,7 +245,9 @@ def test_pruned_engine_verifies_drafts_as_pruned_steps_would(tiny_hf_dir, monkey
     rng = np.random.default_rng(9)
     prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (40, 70)]
     settings = [RequestSettings(max_new_tokens=20, ignore_eos=True)] * 2
-    engine = dict(page_size=4, prefill_chunk=16)
+    # Both prompts prefill in one step: in 16-token chunks each chunk's wider page table would
+    # compile each pruning's programs again (drafts beside prefill chunks are the test above's).
+    engine = dict(page_size=4)
     dense = _generate(tiny, prompts, settings, SpeculationConfig(), **engine)
     # The random model's entropy is near log V (10.8 nats): ramp above it to prune.
     pruned = PruningConfig(
