@@ -250,3 +250,59 @@ def test_off_a_tpu_the_engine_sizes_its_pool_as_before():
     for bad in (0, 1.5, True, "0.9"):
         with pytest.raises(FieldError, match=r"hbm_fraction=.*must be a number in \(0, 1\]"):
             RuntimeOptions(hbm_fraction=bad)
+
+
+def test_a_compiler_crash_is_an_error_naming_the_program_the_topology_and_the_signal(
+    capsys, monkeypatch
+):
+    # For a described topology each program is compiled in a child process
+    # (etjax/planning/isolation.py): libtpu 0.0.42 once died of a SIGSEGV compiling a sharded
+    # v6e program, which took `etjax plan` down with it. A stand-in child kills itself with
+    # SIGSEGV through the same helper (no libtpu, well under a second), and the other program
+    # is refused by the compiler as a too large one was (the ragged pass's tables past the
+    # chip's 1 MiB of scalar memory, docs/TPU.md): the plan is printed without the programs,
+    # `fits` not known, each error named, and the command exits 1.
+    import signal
+
+    from etjax.planning import isolation
+    from etjax.planning import plan as planning
+
+    with pytest.raises(isolation.CompilerCrash, match=r"doing x: .* SIGSEGV \(signal 11\)"):
+        isolation.run_isolated(signal.raise_signal, signal.SIGSEGV, what="doing x")
+    # A child's exception comes back as itself, and its result as itself.
+    with pytest.raises(ZeroDivisionError):
+        isolation.run_isolated(divmod, 1, 0, what="dividing")
+    assert isolation.run_isolated(divmod, 7, 2, what="dividing") == (3, 1)
+
+    smem = (
+        "RESOURCE_EXHAUSTED: Ran out of memory in memory space smem.\n 1. Size: 816.0K\n"
+        "    Shape: s32[208896]{0}\n    XLA label: ragged_attention_tpu.9 = custom-call(...)"
+    )
+
+    def failing(function, name, *args, what, env):
+        assert function is planning.compile_planned and env["JAX_PLATFORMS"] == "cpu"
+        if name == "decode burst":
+            raise isolation.ChildError("JaxRuntimeError", smem)
+        return isolation.run_isolated(signal.raise_signal, signal.SIGSEGV, what=what)
+
+    monkeypatch.setattr(planning, "run_isolated", failing)
+    monkeypatch.setattr(planning, "check_libtpu", lambda: None)
+    argv = ["plan", str(LLAMA_8B), "--topology", "v6e-1", "--batch", "1", "--json"]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["fits"] is None and out["programs"] == []
+    assert out["weights_bytes"] == _llama_8b_weight_bytes()
+    refused, crashed = out["errors"]
+    assert refused.startswith("the TPU compiler refused the decode burst for v6e-1")
+    assert "memory space smem" in refused
+    assert "(the largest allocation: s32[208896]{0} of ragged_attention_tpu.9)" in refused
+    assert crashed.startswith("the TPU compiler crashed compiling the ragged step for v6e-1")
+    assert "SIGSEGV (signal 11)" in crashed
+    assert f"etjax: error: {crashed}" in captured.err
+    # libtpu's own report is kept from its "*** SIG..." line, and a crash in the SparseCore
+    # code generation (the one seen, libtpu 0.0.42) comes with the flag that leaves it out.
+    stderr = "noise\n*** SIGSEGV STACK OVERFLOW ***\n@ 0x1 xla::tpu::sparse_core::Run()"
+    report = isolation.crash_report(stderr)
+    assert report.startswith("*** SIGSEGV") and "noise" not in report
+    assert planning.SPARSE_CORE_OFF in planning._report(report)

@@ -8,6 +8,8 @@ TPU topology (libtpu, no TPU needed), what each chip would hold, and what a step
   kernels built.
 - `plan.py`: `plan` (`etjax.plan`): weights, KV pool, row state and the programs' scratch per
   chip against HBM, the largest pool, batch and context that fit, a modelled decode step.
+- `isolation.py`: a call run in a child process (`run_isolated`), so that a crash of the TPU
+  compiler there (a signal in libtpu) is an error of the plan (`CompilerCrash`), not its end.
 - `pool.py`: the KV pool an engine on a TPU gets, from the same plan over its own devices.
 - `command.py`: `etjax plan`, the plan as text or JSON.
 

@@ -17,7 +17,10 @@ def add_plan(commands) -> None:
         description="Compile the engine's step programs for a TPU topology with libtpu (pip "
         "install 'etjax[tpu]'; no TPU needed, nothing is downloaded) and report per chip the "
         "weights, KV pool, state and program bytes against HBM, the largest pool, batch and "
-        "context that fit, and a modelled decode speed (a roofline, not a measurement).",
+        "context that fit, and a modelled decode speed (a roofline, not a measurement). Exit "
+        "status 0 for a plan, whether the model fits or not; 1 when the TPU compiler crashed "
+        "on or refused a program (named, with the signal or the compiler's message; the plan "
+        "is printed without it); 2 for bad input.",
     )
     cmd.add_argument("model", help="a .gguf file, or a Hugging Face folder (config.json alone)")
     cmd.add_argument("--topology", default="v5e-1", help="v5e-1, v5e-4, v5e-8, v6e-1, v6e-8, ...")
@@ -69,7 +72,11 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict()))
     else:
         sys.stdout.write(render(result.as_dict()))
-    return 0
+    # A program the TPU compiler crashed on or refused leaves the plan incomplete: an error,
+    # said plainly (a model that does not fit is an answer, exit 0).
+    for error in result.errors:
+        print(f"etjax: error: {error}", file=sys.stderr)
+    return 1 if result.errors else 0
 
 
 def render(d: dict) -> str:
@@ -78,9 +85,10 @@ def render(d: dict) -> str:
     def gib(n: float) -> str:
         return f"{n / _GIB:.2f} GiB"
 
+    verdict = {True: "fits", False: "does not fit", None: "fit not known"}[d["fits"]]
     lines = [
         f"{d['model']} on {d['topology']} (mesh {d['mesh']}), {d['dtype']}, weights "
-        f"{d['weights']}, KV {d['kv_dtype']}: {'fits' if d['fits'] else 'does not fit'}",
+        f"{d['weights']}, KV {d['kv_dtype']}: {verdict}",
         f"  per chip, of {gib(d['hbm_bytes_per_chip'])} HBM ({d['hbm_fraction']:.0%} planned):",
         f"    weights   {gib(d['weights_bytes_per_chip'])} (all chips {gib(d['weights_bytes'])})",
         f"    KV pool   {gib(d['kv_pool_bytes_per_chip'])} ({d['batch']} rows x "
@@ -119,4 +127,7 @@ def render(d: dict) -> str:
             f"({m['tokens_per_s_per_chip']:.0f} a chip)"
         )
     lines += [f"  would fit: {s}" for s in d["suggestions"]]
+    lines += [f"  error: {e}" for e in d["errors"]]
+    if d["errors"]:
+        lines.append("  (the figures above leave out the scratch of what did not compile)")
     return "\n".join(lines) + "\n"

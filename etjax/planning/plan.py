@@ -34,14 +34,9 @@ from etjax.errors import ConfigError, ModelLoadError
 from etjax.model.config import ModelConfig
 from etjax.model.quantized import check_weights, resolve_weights, weight_formats
 from etjax.model.weights import Weights, abstract_weights
-from etjax.planning.programs import (
-    ProgramReport,
-    burst_call,
-    compile_only_backend,
-    compile_program,
-    ragged_call,
-)
-from etjax.planning.topology import Topology
+from etjax.planning.isolation import ChildError, CompilerCrash, run_isolated
+from etjax.planning.programs import PROGRAMS, ProgramReport, compile_planned
+from etjax.planning.topology import Topology, check_libtpu, libtpu_version
 from etjax.pruning.budget import kept_block_count
 from etjax.run_config import load_run_config
 from etjax.runtime.options import RuntimeOptions
@@ -82,6 +77,10 @@ class Plan:
     hbm_fraction: float
     modelled: dict  # "dense" and, under pruning, "pruned": step seconds and tokens/s
     weights: str = ""  # how the matrices are held: "int8", or a float dtype ("": `dtype`)
+    # The programs the TPU compiler could not build, each a message naming the program and
+    # the topology and why: it crashed (`CompilerCrash`: the signal) or refused the program
+    # (ran out of a memory, rejected a kernel). Their scratch is not counted.
+    errors: tuple[str, ...] = ()
 
     @property
     def chips(self) -> int:
@@ -119,8 +118,11 @@ class Plan:
         return self.fixed_bytes_per_chip + self.kv_pool_bytes_per_chip
 
     @property
-    def fits(self) -> bool:
-        return self.total_bytes_per_chip <= self.usable_bytes_per_chip
+    def fits(self) -> bool | None:
+        """Whether everything fits `hbm_fraction` of a chip; None (not known) where a program
+        failed to compile (`errors`) and what was counted without its scratch fits."""
+        counted = self.total_bytes_per_chip <= self.usable_bytes_per_chip
+        return None if counted and self.errors else counted
 
     @property
     def max_pool_pages(self) -> int:
@@ -150,7 +152,7 @@ class Plan:
 
     def suggestions(self) -> list[str]:
         """What would fit, when this does not."""
-        if self.fits:
+        if self.fits is not False:
             return []
         out = []
         if self.weights_bytes_per_chip > self.usable_bytes_per_chip:
@@ -171,6 +173,8 @@ class Plan:
             out.append(f"a smaller batch: {self.max_batch(self.context)} at {self.context} tokens")
         if self.max_context >= self.page_size:
             out.append(f"a shorter context: {self.max_context} tokens at batch {self.batch}")
+        if (self.weights or self.dtype) != "int8":
+            out.append("int8 weights: --weights int8 (one byte a weight, more room for the pool)")
         out.append(f"more chips than {self.chips} (the KV pool split by head)")
         return out
 
@@ -221,6 +225,7 @@ class Plan:
             "modelled_decode_tokens_per_s": self.modelled["dense"]["tokens_per_s"],
             "modelled": self.modelled,
             "suggestions": self.suggestions(),
+            "errors": list(self.errors),
         }
 
 
@@ -247,11 +252,13 @@ def plan(
     `kv_dtype`, `pruning`, `mesh` ("DATAxMODEL"; default all chips on `model`). The step
     programs are compiled with `layers` layers (0: all) unless `compile_programs` is False or
     the weights alone overflow the chips; `hbm_fraction` of each chip's HBM is planned
-    (default: the config's). `weights`, as `load_model`'s option (etjax/model/quantized.py):
-    how the matrices are held, "int8" (one byte a weight and a float32 scale an output, the
-    programs' products XLA's int8 x `dtype` ones), "float32", "bfloat16" or "auto" (as a load
-    resolves it); "stored" needs a file's blocks and is not planned. Needs libtpu (`pip
-    install etjax[tpu]`)."""
+    (default: the config's). A program the TPU compiler crashes on (a libtpu fault, in the
+    child process it is compiled in) or refuses is named in the plan's `errors`, and `fits`
+    is then None unless what was counted already overflows. `weights`, as `load_model`'s option
+    (etjax/model/quantized.py): how the matrices are held, "int8" (one byte a weight and a
+    float32 scale an output, the programs' products XLA's int8 x `dtype` ones), "float32",
+    "bfloat16" or "auto" (as a load resolves it); "stored" needs a file's blocks and is not
+    planned. Needs libtpu (`pip install etjax[tpu]`)."""
     topo = Topology.parse(topology)
     cfg = model_config(model, dtype)
     options = _options(config, topo, batch, kv_dtype, pruning, mesh, hbm_fraction)
@@ -309,6 +316,7 @@ def plan_config(
     saved = _tree_bytes(abstract_weights(cfg)) - weights_all
     usable = topo.chip.hbm_bytes * hbm_fraction
     programs: tuple[ProgramReport, ...] = ()
+    errors: tuple[str, ...] = ()
     compiled = 0
     if compile_programs and weights_pc + state_pc < usable:
         compiled = layers if 0 < layers < cfg.num_layers else cfg.num_layers
@@ -316,13 +324,14 @@ def plan_config(
         # large pool (the 69 pages of a small one took 128's room).
         tiled = -(-num_pages // POOL_TILE_PAGES) * POOL_TILE_PAGES
         cut = held.replace(layers=held.layers[:compiled])
-        programs = _compile(_cut(cfg, compiled), options, tiled, topo, context, cut)
-        # The pool and the row store as the compiler lays them out (its tiles pad the
-        # minor dimensions), the pool scaled from the compiled layers to all of them.
-        laid_out = dict(programs[0].laid_out)
-        pool_pc = laid_out["cache"] * cfg.num_layers // compiled
-        page_pc = max(page_pc, -(-pool_pc // tiled))
-        state_pc = max(state_pc, laid_out["store"])
+        programs, errors = _compile(_cut(cfg, compiled), options, tiled, topo, context, cut)
+        if programs:
+            # The pool and the row store as the compiler lays them out (its tiles pad the
+            # minor dimensions), the pool scaled from the compiled layers to all of them.
+            laid_out = dict(programs[0].laid_out)
+            pool_pc = laid_out["cache"] * cfg.num_layers // compiled
+            page_pc = max(page_pc, -(-pool_pc // tiled))
+            state_pc = max(state_pc, laid_out["store"])
     return Plan(
         model=name,
         topology=topo,
@@ -345,6 +354,7 @@ def plan_config(
         hbm_fraction=hbm_fraction,
         modelled=modelled_decode(cfg, options, kv_dtype_name, topo, context, saved),
         weights=_held_name(held),
+        errors=errors,
     )
 
 
@@ -483,23 +493,85 @@ def _compile(
     topo: Topology,
     context: int,
     weights: Weights,
-) -> tuple[ProgramReport, ...]:
-    # The engine's largest programs of this batch and context: a burst of every row, and a
-    # ragged step of every row beside a chunk filling the token budget.
-    backend = compile_only_backend(cfg, options, num_pages, topo, weights)
+) -> tuple[tuple[ProgramReport, ...], tuple[str, ...]]:
+    # The engine's largest programs of this batch and context (`PROGRAMS`: a burst of every
+    # row, and a ragged step of every row beside a chunk filling the token budget), and the
+    # messages of those the compiler crashed on or refused. For a described topology each is
+    # compiled in a child process (isolation.py): libtpu can die of a signal, which here
+    # would end the plan; a real slice's devices (the engine's own pool sizing on a TPU host)
+    # belong to this process, which compiles them itself.
     rows = options.max_batch_size
     chunk = min(max(options.token_budget - rows, 1), options.prefill_chunk)
-    calls = {
-        "decode burst": burst_call(backend, rows, context),
-        "ragged step": ragged_call(backend, rows, context, chunk),
-    }
-    # The TPU compiler runs on one core a program: two programs on two threads take the
-    # time of the longer one where the host has the cores (it releases the GIL).
-    with _no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-        futures = [
-            pool.submit(compile_program, name, backend, call, topo) for name, call in calls.items()
-        ]
-        return tuple(f.result() for f in futures)
+    if not topo.given:
+        check_libtpu()  # here, before a child would find it missing
+
+    def build(name: str) -> ProgramReport:
+        arguments = (name, cfg, options, num_pages, topo, weights, context, chunk)
+        if topo.given:
+            return compile_planned(*arguments)
+        what = f"compiling the {name} for {topo.name} (libtpu {libtpu_version()})"
+        return run_isolated(compile_planned, *arguments, what=what, env=_CHILD_ENV)
+
+    # The TPU compiler runs on one core a program: two programs on two threads (or children)
+    # take the time of the longer one where the host has the cores (it releases the GIL).
+    with _no_persistent_cache(), concurrent.futures.ThreadPoolExecutor(len(PROGRAMS)) as pool:
+        futures = [pool.submit(build, name) for name in PROGRAMS]
+        reports, errors = [], []
+        for name, future in zip(PROGRAMS, futures, strict=True):
+            try:
+                reports.append(future.result())
+            except CompilerCrash as crash:
+                errors.append(f"the TPU compiler crashed {crash}" + _report(crash.report))
+            except (jax.errors.JaxRuntimeError, ChildError) as e:
+                if isinstance(e, ChildError) and e.kind != "JaxRuntimeError":
+                    raise
+                errors.append(_refused(name, topo, e))
+        return tuple(reports), tuple(errors)
+
+
+def _refused(name: str, topo: Topology, error: Exception) -> str:
+    # The compiler's refusal of a program (it ran out of a memory, Mosaic rejected a kernel):
+    # its first line, and where it lists allocations, the largest one's shape and owner.
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    shape = next((line for line in lines if line.startswith("Shape:")), "")
+    label = next((line for line in lines if line.startswith("XLA label:")), "")
+    owner = label.removeprefix("XLA label:").split(" = ")[0].strip()
+    if owner:
+        shape = shape.removeprefix("Shape:").strip()
+        text += f" (the largest allocation: {shape + ' of ' if shape else ''}{owner})"
+    return (
+        f"the TPU compiler refused the {name} for {topo.name} (libtpu {libtpu_version()}): {text}"
+    )
+
+
+# A child compiling for a described topology needs no backend of its own (nor a TPU this
+# host may have: the parent's), may load libtpu beside other processes (topology.py), and
+# keeps its programs out of the persistent cache (`_no_persistent_cache`).
+_CHILD_ENV = {
+    "JAX_PLATFORMS": "cpu",
+    "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    "JAX_ENABLE_COMPILATION_CACHE": "false",
+}
+
+
+# libtpu 0.0.42 on a v6e gives scatters (the row store's token counts) to the chip's
+# SparseCores, and its crash on a sharded v6e plan was in their code generation
+# (docs/TPU.md); this flag keeps scatters on the TensorCore, as a v5e runs them.
+SPARSE_CORE_OFF = "--xla_tpu_enable_offloading_scatter_to_sparsecore=false"
+
+
+def _report(report: str) -> str:
+    # libtpu's report, and where it names the SparseCores, the flag that leaves them out.
+    if not report:
+        return ""
+    text = "; libtpu reported:\n" + report
+    if "sparse_core" in report:
+        text += (
+            f"\n(a crash in SparseCore code generation: LIBTPU_INIT_ARGS={SPARSE_CORE_OFF} "
+            "compiles the scatters for the TensorCore instead; docs/TPU.md)"
+        )
+    return text
 
 
 @contextlib.contextmanager

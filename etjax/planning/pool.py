@@ -41,12 +41,17 @@ def pool_plan(
     described), its programs compiled at `layers` layers: `max_pool_pages` is the largest KV
     pool that fits beside everything else in `options.hbm_fraction` of each chip's HBM.
     `weights`: the engine's own (int8 matrices take half of bfloat16's room); None: every
-    weight in cfg.dtype. A ConfigError when not even one row of the planned context fits."""
+    weight in cfg.dtype. A ConfigError when not even one row of the planned context fits, or
+    when the TPU compiler refuses one of the programs (as the engine's own would be)."""
     # plan.py builds the engine's device half: imported to size a pool, not with engine_build.py.
     from etjax.planning.plan import plan_config
 
     topo = Topology.of_devices(devices)
     found = plan_config(cfg, topo, options, layers=layers, weights=weights)
+    if found.errors:  # the engine's own programs do not compile with these options
+        raise ConfigError(
+            "sizing the KV pool: " + "; ".join(found.errors) + "; etjax plan says what would fit"
+        )
     row = pages_needed(found.context + options.steps_per_sync, options.page_size)
     if found.max_pool_pages < row + 1:
         raise ConfigError(

@@ -110,6 +110,33 @@ def burst_call(backend: DeviceBackend, rows: int, context: int) -> dict:
     return arguments
 
 
+PROGRAMS = ("decode burst", "ragged step")
+
+
+def compile_planned(
+    name: str,
+    cfg: ModelConfig,
+    options: RuntimeOptions,
+    num_pages: int,
+    topology: Topology,
+    weights: Weights,
+    context: int,
+    chunk: int,
+) -> ProgramReport:
+    """The program `name` of a plan (one of `PROGRAMS`), built and compiled from what pickles
+    (plan.py runs it in a child process for a described topology): the engine's device half
+    for `topology` with `weights` (shapes) and `num_pages` pages, and its largest call of that
+    program at this batch and context: a burst of every row, or a ragged step of every row
+    beside a prefill chunk of `chunk` tokens."""
+    backend = compile_only_backend(cfg, options, num_pages, topology, weights)
+    rows = options.max_batch_size
+    if name == "decode burst":
+        call = burst_call(backend, rows, context)
+    else:
+        call = ragged_call(backend, rows, context, chunk)
+    return compile_program(name, backend, call, topology)
+
+
 def _tables(backend: DeviceBackend, lengths: list[int]) -> list[list[int]]:
     # Page lists of sequences of these lengths, one after another in the pool (wrapping round
     # a small pool: only the shapes of what they build are compiled).

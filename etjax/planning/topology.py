@@ -144,13 +144,20 @@ def _topology(jax_name: str, x: int, y: int):
 LIBTPU_FOR_JAX = {"0.10.2": "0.0.42"}
 
 
+def libtpu_version() -> str | None:
+    """The installed libtpu's version, None without one."""
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def check_libtpu() -> None:
     """Raise ConfigError, saying what to install, when libtpu is missing or does not match the
     installed jax."""
     want = LIBTPU_FOR_JAX.get(jax.__version__)
-    try:
-        have = importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
+    have = libtpu_version()
+    if have is None:
         pin = f'"libtpu=={want}.*"' if want else "the libtpu that jax[tpu] pins"
         raise ConfigError(
             f"compiling for a TPU needs libtpu: pip install 'etjax[tpu]' (or {pin})"
