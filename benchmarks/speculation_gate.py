@@ -176,6 +176,7 @@ def main() -> None:
         if setting == "off"
     }
     raw = _raw(args, cases, seconds, counts, identical, copied, load_start)
+    raw["weights"] = model.weights_format  # what load_model's default ("auto") held
     markdown = _markdown(raw)
     print(markdown)
     if not args.no_write:
@@ -218,7 +219,8 @@ def _markdown(raw: dict) -> str:
     load = raw["load"]
     lines = [
         "## Speculation at batch 1 on this machine: copy-heavy and free-form text "
-        f"(SmolLM2-135M-Instruct, float32, greedy, {cpu_name(raw['machine'])})",
+        f"(SmolLM2-135M-Instruct, weights {raw.get('weights', 'float32')}, greedy, "
+        f"{cpu_name(raw['machine'])})",
         "",
         f"Measured {raw['date']} on {raw['machine']}; the load average (1 min) was "
         f"{load[0]:.1f} at the start and {load[1]:.1f} at the end"
