@@ -117,6 +117,7 @@ def decode(
     raise_on_invalid: bool = False,
     max_batch_size: int = 32,
     page_size: int = 16,
+    max_context: int | None = None,
     pruning: PruningConfig | bool = False,
     speculation: SpeculationConfig | bool = False,
     experts: ExpertConfig | bool = False,
@@ -147,6 +148,10 @@ def decode(
       <request fields>: each described once in etjax/request_fields.py; help(decode) lists them.
       raise_on_invalid: raise `RequestError` for an invalid prompt instead of returning a
         `Result` with `error` set (the other prompts are generated either way otherwise).
+      max_context: the most tokens (prompt and output) a request may come to; a longer one
+        gets an error `Result`. None: the model's context. The step programs' attention work
+        lists are sized for rows of this length: on a TPU, give it for a long-context model
+        (docs/TPU.md).
       pruning: True (default settings) or a `PruningConfig`: entropic attention pruning — each
         decode step reads only the KV blocks its entropy budget and query keep.
       speculation: True (default settings) or a `SpeculationConfig`: after confident tokens,
@@ -219,8 +224,10 @@ def decode(
         experts=experts,
         prefix_cache=flag("prefix_cache", prefix_cache),
         kv_dtype=kv_dtype,
+        max_context=max_context,
     )
     model = _resolve_model(model, dtype)
+    context = options.context_limit(model.config.max_position_embeddings)
     options = dataclasses.replace(options, calibration=model.calibration)
     # Result k is sample k % n of prompt k // n, with its own seed.
     results = [Result(seed=s) for s in seeds]
@@ -234,6 +241,7 @@ def decode(
             system=asked.system_prompt,
             max_new=settings.max_new_tokens,
             trusted_chat=asked.trusted_chat,
+            context=context,
         )
         if error is not None and raise_on_invalid:
             raise RequestError(error)

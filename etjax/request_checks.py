@@ -44,12 +44,17 @@ def tokenize_prompt(
     system: str | None,
     max_new: int,
     trusted_chat: bool = False,
+    context: int | None = None,
 ) -> tuple[list[int], str | None]:
     """The prompt's token ids and, if it cannot be served, why. A prompt is a string (a user
     turn in the chat template when `chat`) or a list of {"role", "content"} messages (always
-    rendered by the chat template, the assistant's turn opened)."""
+    rendered by the chat template, the assistant's turn opened). `context`: the most tokens
+    a request may come to on the engine that serves it (`RuntimeOptions.context_limit`;
+    None: the model's context)."""
+    if context is None:
+        context = model.config.max_position_embeddings
     if isinstance(prompt, list):
-        return _tokenize_messages(model, prompt, index, system, max_new, trusted_chat)
+        return _tokenize_messages(model, prompt, index, system, max_new, trusted_chat, context)
     if not isinstance(prompt, str):
         return [], (
             f"prompt {index} is a {type(prompt).__name__}; a prompt is a string or a list of "
@@ -75,15 +80,19 @@ def tokenize_prompt(
         )
     else:
         ids = model.tokenizer.encode(prompt)
-    return ids, _context_error(model, ids, index, max_new)
+    return ids, _context_error(model, ids, index, max_new, context)
 
 
-def _context_error(model: Model, ids: list[int], index: int, max_new: int) -> str | None:
-    context = model.config.max_position_embeddings
+def _context_error(
+    model: Model, ids: list[int], index: int, max_new: int, context: int
+) -> str | None:
     if len(ids) + max_new > context:
+        limit = f"the model's context is {context}"
+        if context != model.config.max_position_embeddings:
+            limit = f"the engine's context is {context} (max_context)"
         return (
             f"prompt {index} has {len(ids)} tokens; with max_new_tokens={max_new} it needs "
-            f"{len(ids) + max_new} positions but the model's context is {context}"
+            f"{len(ids) + max_new} positions but {limit}"
         )
     return None
 
@@ -95,6 +104,7 @@ def _tokenize_messages(
     system: str | None,
     max_new: int,
     trusted_chat: bool,
+    context: int,
 ) -> tuple[list[int], str | None]:
     # A conversation, rendered by the model's chat template with the assistant's turn opened.
     if not messages:
@@ -117,7 +127,7 @@ def _tokenize_messages(
             return [], f"prompt {index} has a system message and system_prompt is set; use one"
         messages = [{"role": "system", "content": system}, *messages]
     ids = model.tokenizer.encode_chat(messages, add_generation_prompt=True, trusted=trusted_chat)
-    return ids, _context_error(model, ids, index, max_new)
+    return ids, _context_error(model, ids, index, max_new, context)
 
 
 def flag(name: str, value: object) -> bool:

@@ -227,6 +227,16 @@ def test_a_request_larger_than_the_pool_is_refused_by_name():
         engine.submit(_prompt(1, 20), RequestSettings(12))
 
 
+def test_a_request_longer_than_the_engine_s_context_is_refused_by_name():
+    # 20 prompt tokens + 11 new ones need 31 positions; the engine serves 30 (its options'
+    # max_context or the model's context, as the backend reports it). 30 exactly is served.
+    engine, _ = _engine("fcfs", context_limit=30)
+    with pytest.raises(RequestError, match=r"needs 31 positions but the engine's context is 30"):
+        engine.submit(_prompt(1, 20), RequestSettings(11))
+    good = engine.submit(_prompt(2, 20), RequestSettings(10))
+    assert good.result().token_ids == [token_of(2, i) for i in range(10)]
+
+
 @pytest.mark.parametrize(
     "prompt, new, match",
     [

@@ -122,6 +122,20 @@ def test_bad_prompts_are_reported_per_prompt(tiny):
     assert results[1].token_ids == [] and results[1].finish_reason is None
 
 
+def test_max_context_refuses_longer_prompts_by_name_and_serves_the_rest(tiny):
+    # 40 words are more than 24 positions with 4 new tokens; the engine serves rows of at
+    # most max_context=24 tokens, and says which limit it is (the model's is 512).
+    results = etjax.decode(
+        ["The sky is", "word " * 40], model=tiny, max_new_tokens=4, max_context=24
+    )
+    assert results[0].ok and len(results[0].token_ids) == 4
+    assert "the engine's context is 24 (max_context)" in results[1].error
+    with pytest.raises(RequestError, match="max_context=1024; must be at most the model's"):
+        etjax.decode("The sky is", model=tiny, max_new_tokens=4, max_context=1024)
+    with pytest.raises(RequestError, match="max_context=0"):
+        etjax.decode("The sky is", model=tiny, max_new_tokens=4, max_context=0)
+
+
 def test_bad_prompt_raises_when_asked(tiny):
     with pytest.raises(RequestError, match="prompt 0 is empty"):
         etjax.decode("   ", model=tiny, raise_on_invalid=True)

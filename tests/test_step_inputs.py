@@ -14,7 +14,7 @@ from etjax.engine.backend import PrefillJob
 from etjax.engine.row_store import SETTINGS, new_row
 from etjax.engine.step_inputs import StepGeometry, burst_inputs, mixed_inputs
 from etjax.pruning.config import PruningConfig
-from etjax.runtime.options import RequestSettings
+from etjax.runtime.options import RequestSettings, RuntimeOptions
 
 GEOMETRY = StepGeometry(
     page_size=4,
@@ -128,3 +128,29 @@ def test_a_new_row_reads_the_device_fields_its_state_declares_from_the_settings(
     assert row.settings["max_new_tokens"].dtype == np.int32
     assert row.settings["stop_on_eos"].dtype == np.bool_
     np.testing.assert_array_equal(np.nonzero(row.in_prompt[0])[0], [5, 9])
+
+
+def test_the_longest_page_list_follows_max_context_then_the_model_then_the_pool():
+    # A model of 1,000 positions in pages of 16: 63 pages a sequence at most; max_context=100
+    # bounds it at 7 (the attention work lists are sized from it); a pool of 40 pages (the
+    # null page and 39) bounds it below both.
+    from etjax.model.config import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=8,
+        hidden_size=8,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        max_position_embeddings=1000,
+    )
+
+    def longest(num_pages: int, **options) -> int:
+        opts = RuntimeOptions(page_size=16, **options)
+        return StepGeometry.for_engine(cfg, opts, num_pages, XLA, max_draft=0).max_seq_pages
+
+    assert longest(4096) == 63
+    assert longest(4096, max_context=100) == 7
+    assert longest(40) == 39 and longest(40, max_context=1000) == 39

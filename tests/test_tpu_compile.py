@@ -258,7 +258,8 @@ def test_the_engine_on_a_v5e_sizes_its_pool_from_the_compiled_programs_and_the_h
     # The pool an engine on one v5e would allocate (etjax/planning/pool.py: `etjax plan`'s
     # path over the engine's devices and options), pruned, 4 rows, the default token budget
     # (a 508-token prompt chunk: the long prefill tiles that once ran out of VMEM).
-    options = dataclasses.replace(_options(pruning=True), hbm_fraction=0.9)
+    # Rows of up to 4K tokens (max_context: the engine plans for them, not the model's 8K).
+    options = dataclasses.replace(_options(pruning=True), hbm_fraction=0.9, max_context=4096)
     sized = pool_plan(cfg, options, Topology.parse("v5e-1").devices())
     assert sized.compiled_layers == 2 and sized.errors == ()
     assert [r.name for r in sized.programs] == ["decode burst", "ragged step"]

@@ -64,6 +64,9 @@ class BurstEstimate(Protocol):
 class Backend(Protocol):
     num_pages: int  # the KV pool, page 0 (the null page) included
     vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
+    # The most tokens (prompt and output) a request may come to: the options' max_context,
+    # else the model's context.
+    context_limit: int
     burst_cost: BurstEstimate  # what a burst reads, for the grouping
     # Whether `insert` draws a new row's first token (`RowInit.draw`; the engine asks only
     # then).

@@ -87,6 +87,7 @@ class DeviceBackend:
         self.cfg, self.options, self.compile_only = cfg, options, compile_only
         options.experts.check_model(cfg)  # FieldError: steering a model it cannot steer
         self.vocab_size = cfg.vocab_size  # token ids the engine accepts
+        self.context_limit = options.context_limit(cfg.max_position_embeddings)
         self.num_pages, self.rows = num_pages, options.resident_rows
         self.eos_ids = eos_ids or (-1,)
         platform = devices[0].platform if devices else None

@@ -240,11 +240,13 @@ class Engine:
     ) -> RequestHandle:
         """Queue a tokenized prompt; `arrival_time` (engine clock) defaults to now.
 
-        A request the engine cannot serve (no tokens, an id outside the vocabulary, more pages
-        than the pool) raises `RequestError` here, before it can reach a round: the engine and
-        every other request go on as if it had never been submitted. (`RequestSettings` checks
+        A request the engine cannot serve (no tokens, an id outside the vocabulary, more
+        tokens than its context limit, more pages than the pool) raises `RequestError` here,
+        before it can reach a round: the engine and every other request go on as if it had
+        never been submitted. (`RequestSettings` checks
         its own fields, max_new_tokens >= 1 among them, when it is made.)"""
         prompt = self._checked_prompt(prompt)
+        self._check_context(len(prompt), settings)
         self._check_pool_fits(len(prompt), settings)
         seq = self._new_sequence(prompt, settings, priority, arrival_time)
         seq.waiting_since = self.round
@@ -267,6 +269,17 @@ class Engine:
                     f"prompt token {i} is {token}; token ids must be in [0, {vocab})"
                 )
         return prompt
+
+    def _check_context(self, prompt_tokens: int, settings: RequestSettings) -> None:
+        # RequestError for a request longer than the engine serves (its programs' work lists
+        # are sized for rows of at most that many tokens: StepGeometry.max_seq_pages).
+        need, limit = prompt_tokens + settings.max_new_tokens, self.backend.context_limit
+        if need > limit:
+            which = "max_context" if self.options.max_context else "the model's context"
+            raise RequestError(
+                f"prompt of {prompt_tokens} tokens + max_new_tokens={settings.max_new_tokens} "
+                f"needs {need} positions but the engine's context is {limit} ({which})"
+            )
 
     def _check_pool_fits(self, prompt_tokens: int, settings: RequestSettings) -> None:
         # RequestError for a request the whole pool could never hold. Its last burst starts

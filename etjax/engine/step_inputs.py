@@ -35,6 +35,7 @@ from etjax.buckets import (
     ragged_token_bucket,
 )
 from etjax.cache.page_allocator import page_table_rows, pages_needed
+from etjax.drafting.costs import verify_token_bucket
 from etjax.engine.backend import PrefillJob
 from etjax.model.config import ModelConfig
 from etjax.pruning.budget import kept_block_count
@@ -81,10 +82,9 @@ class StepGeometry:
         max_draft: int,
     ) -> StepGeometry:
         """The geometry of an engine of `cfg` with `options` over a pool of `num_pages`."""
-        # The longest page list a sequence can have: the model's context or the pool.
-        max_seq_pages = min(
-            pages_needed(cfg.max_position_embeddings, options.page_size), num_pages - 1
-        )
+        # The longest page list a sequence can have: the engine's context or the pool.
+        context = options.context_limit(cfg.max_position_embeddings)
+        max_seq_pages = min(pages_needed(context, options.page_size), num_pages - 1)
         return cls(
             page_size=options.page_size,
             pad_row=options.resident_rows,
@@ -126,10 +126,12 @@ class StepGeometry:
             cascade=cascade,
         )
 
-    def verify_sizes(self, width: int) -> PlanSizes:
-        """Rows with drafts: one query tile of 1 + max_draft tokens (a power of two) each,
-        reading its pages once for all of them."""
-        return self.decode_sizes(width, q_tile=next_power_of_two(1 + self.max_draft))
+    def verify_sizes(self, width: int, max_draft: int | None = None) -> PlanSizes:
+        """Rows with drafts: one query tile of 1 + max_draft tokens (a power of two; the
+        step's own `max_draft` where it checks fewer than the engine's) each, reading its
+        pages once for all of them."""
+        drafts = self.max_draft if max_draft is None else max_draft
+        return self.decode_sizes(width, q_tile=next_power_of_two(1 + drafts))
 
     def prefill_sizes(self, num_tokens: int) -> PlanSizes:
         """The chunks' passes of a step of `num_tokens` tokens."""
@@ -181,6 +183,11 @@ def mixed_inputs(
     max_draft = g.max_draft if speculating or any(drafts) else 0
     row_tokens = sum(1 + len(d) for d in drafts)
     num_tokens = ragged_token_bucket(row_tokens + sum(len(j.tokens) for j in jobs))
+    if any(drafts) and not jobs:
+        # A verifying step alone pads to its own bucket (2, 4, 8, ... tokens) and checks as
+        # many drafts per row as its slots hold: a lone row drafting 3 tokens runs 4 slots.
+        num_tokens = verify_token_bucket(row_tokens)
+        max_draft = min(max_draft, num_tokens - 1)
     width = g.mixed_width(len(rows), bool(jobs))
     flat = _FlatLayout(g, num_tokens, width, bool(jobs))
     for row, row_pages, n, draft in zip(rows, pages, lengths, drafts, strict=True):
@@ -282,7 +289,8 @@ def _mixed_plan(
     groups, passes = [flat.decoding], g.decode_sizes(width).passes
     local_groups = [flat.decoding + flat.windowed]
     if max_draft:
-        groups, passes = [flat.decoding, flat.verifying], passes + g.verify_sizes(width).passes
+        verify = g.verify_sizes(width, max_draft).passes
+        groups, passes = [flat.decoding, flat.verifying], passes + verify
         local_groups.append(flat.verifying + flat.verifying_windows)
     routed, prefill_passes = [], ()
     if jobs:

@@ -251,6 +251,7 @@ def parse_record(text: str, line: int, model: Model, config: RunConfig) -> Parse
             asked.system_prompt,
             rec.settings.max_new_tokens,
             asked.trusted_chat,
+            config.options.context_limit(model.config.max_position_embeddings),
         )
         if error is not None:
             raise RequestError(error)

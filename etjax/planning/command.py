@@ -33,7 +33,12 @@ def add_plan(commands) -> None:
     )
     cmd.add_argument("--config", default=None, help="a name in configs/ or a .toml path")
     cmd.add_argument("--batch", type=int, default=None, help="rows (default: the config's)")
-    cmd.add_argument("--context", type=int, default=None, help="tokens a row (default 4096)")
+    cmd.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens a row, the engine's max_context (default: the config's, else 4096)",
+    )
     cmd.add_argument("--kv-dtype", default=None, help="the KV pool's dtype (default: model's)")
     cmd.add_argument("--mesh", default=None, help="DATAxMODEL (default: 1xCHIPS)")
     prune = cmd.add_mutually_exclusive_group()

@@ -294,9 +294,12 @@ def plan_config(
     `abstract_weights` option (None keeps cfg.dtype), or a loaded `Weights` tree (an engine's:
     its arrays' shapes and dtypes, whatever form they are in)."""
     hbm_fraction = options.hbm_fraction
-    context = context or min(cfg.max_position_embeddings, 4096)
+    context = context or options.max_context or min(cfg.max_position_embeddings, 4096)
     if context <= 0:
         raise ConfigError(f"context={context}; must be a positive number of tokens")
+    # The engine planned serves rows of up to `context` tokens: its programs' attention work
+    # lists are sized for them (StepGeometry.max_seq_pages), not for the model's context.
+    options = dataclasses.replace(options, max_context=min(context, cfg.max_position_embeddings))
     k, ps = options.steps_per_sync, options.page_size
     num_pages = options.max_batch_size * pages_needed(context + k, ps) + 1
     shape = options.mesh_shape

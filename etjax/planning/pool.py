@@ -38,7 +38,8 @@ def pool_plan(
     weights: Weights | None = None,
 ) -> Plan:
     """The plan (plan.py) of an engine with these options on `devices` (TPU devices, real or
-    described), its programs compiled at `layers` layers: `max_pool_pages` is the largest KV
+    described), its programs compiled at `layers` layers for rows of the engine's context
+    (`max_context`, else the model's): `max_pool_pages` is the largest KV
     pool that fits beside everything else in `options.hbm_fraction` of each chip's HBM.
     `weights`: the engine's own (int8 matrices take half of bfloat16's room); None: every
     weight in cfg.dtype. A ConfigError when not even one row of the planned context fits, or
@@ -47,10 +48,14 @@ def pool_plan(
     from etjax.planning.plan import plan_config
 
     topo = Topology.of_devices(devices)
-    found = plan_config(cfg, topo, options, layers=layers, weights=weights)
+    context = options.context_limit(cfg.max_position_embeddings)
+    found = plan_config(cfg, topo, options, context, layers=layers, weights=weights)
     if found.errors:  # the engine's own programs do not compile with these options
         raise ConfigError(
-            "sizing the KV pool: " + "; ".join(found.errors) + "; etjax plan says what would fit"
+            "sizing the KV pool: "
+            + "; ".join(found.errors)
+            + f"; a shorter max_context (now {context} tokens) or a smaller max_batch_size "
+            "shrinks the programs' attention work lists; etjax plan says what would fit"
         )
     row = pages_needed(found.context + options.steps_per_sync, options.page_size)
     if found.max_pool_pages < row + 1:

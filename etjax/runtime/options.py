@@ -33,6 +33,12 @@ class RuntimeOptions:
       (`generate_ids`), else 4096.
     hbm_fraction: the share of each TPU chip's HBM the engine plans to fill (weights, pool,
       row store, programs), the rest left to the runtime; read on a TPU only.
+    max_context: the most tokens (prompt and output) one request may come to; a request that
+      needs more is refused, naming this field. None: the model's context. It bounds the
+      step programs' attention work lists (sized for rows of this length, not of the
+      model's context or the whole pool: on a TPU they live in the chips' scalar memory,
+      which a long-context model's rows overflowed), and it is the context `etjax plan
+      --context` plans for. Other engines call it max_model_len.
     steps_per_sync: decode steps per burst (one `lax.scan`) between scheduler decisions, in
       rounds with nothing to prefill. Larger amortises host work; smaller streams more
       smoothly and reacts faster.
@@ -84,6 +90,7 @@ class RuntimeOptions:
     max_resident: int | None = None
     num_pages: int | None = None
     hbm_fraction: float = 0.95
+    max_context: int | None = None
     prefill_chunk: int = 512
     max_prefill_rows: int = 8
     token_budget: int = 512
@@ -126,9 +133,10 @@ class RuntimeOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise FieldError(name, value, "a positive integer")
-        for name in ("max_resident", "num_pages"):
+        for name in ("max_resident", "num_pages", "max_context"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value <= 0):
+            bad = isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            if value is not None and bad:
                 raise FieldError(name, value, "a positive integer or omitted")
         fraction = self.hbm_fraction
         number = isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
@@ -186,6 +194,20 @@ class RuntimeOptions:
                 platform = jax.default_backend()
             return "float16" if platform == "cpu" else None
         return None if self.kv_dtype == "model" else self.kv_dtype
+
+    def context_limit(self, model_context: int) -> int:
+        """The most tokens a request may come to on an engine of a model of `model_context`
+        positions: `max_context`, which may not exceed the model's (FieldError), else the
+        model's."""
+        if self.max_context is None:
+            return model_context
+        if self.max_context > model_context:
+            raise FieldError(
+                "max_context",
+                self.max_context,
+                f"at most the model's context, {model_context} tokens",
+            )
+        return self.max_context
 
     @property
     def mesh_shape(self) -> MeshShape:

@@ -273,7 +273,7 @@ async def _tokenize(request: Request) -> Response:
     ids, error = await run_in_threadpool(tokenize_prompt, model, value, 0, False, None, 0)
     if error is not None and not ids:
         raise ApiError(400, f"body.{field}: {error}", field)
-    context = model.config.max_position_embeddings
+    context = state.config.options.context_limit(model.config.max_position_embeddings)
     return json_response({"tokens": ids, "count": len(ids), "max_model_len": context})
 
 

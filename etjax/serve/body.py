@@ -138,6 +138,7 @@ def read_body(
         asked.system_prompt,
         settings.max_new_tokens,
         asked.trusted_chat,
+        config.options.context_limit(model.config.max_position_embeddings),
     )
     if error is not None:
         code = "context_length_exceeded" if "context is" in error else None
