@@ -7,7 +7,8 @@ defined once). `ragged_pass.cc` (dense ragged passes), `block_sparse.cc` (pruned
 (ragged_pass.cc's header says why that matters); `row_products.cc` runs projections of a few
 rows and `grouped_products.cc` the routed experts' grouped products, both with
 `row_blocks.h`'s micro-kernel, as does `block_products.cc` (rows times quantized weight
-blocks); all share `kernel_math.h`. Their Python wrappers sit beside the
+blocks, with `block_rows.h`, which `grouped_products.cc` shares for experts kept in blocks);
+all share `kernel_math.h`. Their Python wrappers sit beside the
 other implementations of each op (pallas_kernels/<op>/cpu.py). They are compiled into one
 library, once per machine, with the C++
 compiler at hand (`CXX`, else g++, c++ or clang++) for this CPU (`-march=native`), and cached
@@ -47,7 +48,8 @@ from cpp_kernels.targets import TARGETS, Target
 HERE = pathlib.Path(__file__).parent
 SOURCES = tuple(HERE / target.source for target in TARGETS)
 HEADERS = tuple(
-    HERE / name for name in ("kernel_math.h", "ragged_pass.h", "wide_tiles.h", "row_blocks.h")
+    HERE / name
+    for name in ("kernel_math.h", "ragged_pass.h", "wide_tiles.h", "row_blocks.h", "block_rows.h")
 )
 # Associative float arithmetic lets the compiler vectorise the dot products' sums (the
 # kernel's accuracy is that of a blocked sum, as XLA's own products have); no -ffast-math,

@@ -4,7 +4,7 @@ JAX fixes its device count when it starts, so tests/test_distributed.py runs thi
 subprocess with XLA_FLAGS=--xla_force_host_platform_device_count=8:
 
     python -m tests.mesh_worker MODEL --meshes 1x1,2x4 --new 12 [--temperatures 0,0.8]
-        [--pruned-meshes 1x1,2x4]
+        [--pruned-meshes 1x1,2x4] [--weights int8]
 
 Prints {"devices": n, "outputs": {temperature: {mesh: [token ids per prompt, then the
 second prompt's top-3 ids per token]}}, "experts": {mesh: {weight: layout}}, "pruned":
@@ -31,13 +31,14 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=12)
     parser.add_argument("--temperatures", default="0.0")
     parser.add_argument("--pruned-meshes", default="")
+    parser.add_argument("--weights", default="float32", help="the load option")
     args = parser.parse_args()
 
     import etjax
     from etjax.bench.corpus import lee_articles
     from etjax.pruning.config import PruningConfig
 
-    model = etjax.load_model(args.model, weights="float32")
+    model = etjax.load_model(args.model, weights=args.weights)
     articles = lee_articles()
     prompts = [model.tokenizer.encode(articles[i])[: 24 + 40 * i] for i in range(3)]
     # The first prompt again, drawn with another seed: it forks from the first's prefill (its
@@ -84,10 +85,12 @@ def _run_meshes(model, prompts, meshes: str, temperatures: str, new: int, prunin
 
 
 def expert_layout(layer) -> dict:
-    """{weight: {"shards": shard shapes, "devices": n}} of a layer's router and experts."""
+    """{weight: {"shards": shard shapes, "devices": n}} of a layer's router and experts (kept
+    quantized: of their quants)."""
     layout = {}
     for name in ("router", "experts_gate_up", "experts_down"):
         weight = getattr(layer, name, None)
+        weight = getattr(weight, "quants", weight)
         if weight is not None:
             layout[name] = {
                 "shards": sorted({tuple(s.data.shape) for s in weight.addressable_shards}),

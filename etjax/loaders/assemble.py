@@ -15,7 +15,9 @@ The `weights` option (etjax/model/quantized.py) decides how the matrices (projec
 embedding, the LM head: `Leaf.is_matrix`) are held: "int8" quantizes each one as it is built
 (in float32, one leaf at a time), "stored" keeps a GGUF tensor's blocks (`SourceTensor.blocks`)
 and refuses by name a block type the kernels cannot read, "float32" or "bfloat16" builds them
-in that dtype. Every other leaf is built as it always was.
+in that dtype. "int8" and "stored" hold a mixture's stacked experts so too
+(`Leaf.is_quantizable`: each expert's weight quantized on its own, stacked). Every other leaf
+is built as it always was.
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def assemble_weights(
                 f"gives {want}"
             )
         dtype = leaf.dtype(cfg)
-        if weights is None or not leaf.is_matrix:
+        if weights is None or not leaf.is_quantizable:
             pass
         elif weights == "int8":
             return int8_weight(_host(leaf, parts, np.float32, want))
@@ -120,7 +122,7 @@ def assemble_weights(
             kept = _stored_blocks(parts, origin, where, want, strict)
             if kept is not None:
                 return kept
-        else:  # "float32" or "bfloat16"
+        elif leaf.is_matrix:  # "float32" or "bfloat16"
             dtype = jax.numpy.dtype(weights)
         return jax.device_put(_host(leaf, parts, dtype, want))
 
@@ -135,23 +137,26 @@ def assemble_weights(
 def reform_weights(weights: Weights, cfg: ModelConfig, storage: str) -> Weights:
     """`weights` with its matrices (`Leaf.is_matrix`) held as `storage` says ("int8",
     "float32", "bfloat16"; "stored": as they are): what a checkpoint saved one way becomes when
-    loaded another. int8 is quantized from the float32 values (a quantized matrix's own)."""
+    loaded another. int8 is quantized from the float32 values (a quantized matrix's own).
+    Stacked experts (`Leaf.is_quantizable`) follow "int8"; with a float `storage` they are
+    floats of the model's dtype, as a load with that option builds them."""
     if storage == "stored":
         return weights
     fam = family(cfg.architecture)
 
-    def reform(value):
+    def reform(value, leaf: Leaf):
         if value is None:
             return None
         if storage == "int8":
             if isinstance(value, QuantizedWeight) and value.format.name == "int8":
                 return value
             return int8_weight(np.asarray(_as_float(value, jax.numpy.float32)))
-        return _as_float(value, jax.numpy.dtype(storage))
+        dtype = jax.numpy.dtype(storage) if leaf.is_matrix else leaf.dtype(cfg)
+        return _as_float(value, dtype)
 
     def table(tree, leaves):
-        kept = [name for name, leaf in leaves.items() if leaf.is_matrix]
-        return tree.replace(**{name: reform(getattr(tree, name)) for name in kept})
+        kept = [(name, leaf) for name, leaf in leaves.items() if leaf.is_quantizable]
+        return tree.replace(**{name: reform(getattr(tree, name), leaf) for name, leaf in kept})
 
     layers = tuple(table(layer, fam.layer) for layer in weights.layers)
     return table(weights, model_leaves(cfg)).replace(layers=layers)

@@ -339,13 +339,7 @@ def load_gguf_weights(
         if part.gguf_rope_heads is not None:
             order = _rope_rows(order, getattr(cfg, part.gguf_rope_heads))
         read = functools.partial(_read_rows, tensors.path, name, stored, order)
-        type_name = stored.tensor_type.name
-        if type_name in _FLOAT_TYPES:
-            return SourceTensor(name, stored.shape, read)
-        blocks = None
-        if type_name in GGUF_BLOCK_TYPES and len(stored.shape) == 2:
-            blocks = functools.partial(_read_blocks, tensors.path, name, stored, order)
-        return SourceTensor(name, stored.shape, read, block_type=type_name, blocks=blocks)
+        return _source(tensors.path, name, stored, order, read, name)
 
     return assemble_weights(cfg, find, str(tensors.path), weights, strict)
 
@@ -360,10 +354,9 @@ def _expert_slice(tensors: GGUFTensors, name: str, expert: int, num_experts: int
         split = name.replace("_exps.", f".{expert}.")
         if split in tensors.stored:
             single = tensors.stored[split]
-            read = functools.partial(
-                _read_rows, tensors.path, split, single, np.arange(single.shape[0])
-            )
-            return SourceTensor(split, single.shape, read)
+            order = np.arange(single.shape[0])
+            read = functools.partial(_read_rows, tensors.path, split, single, order)
+            return _source(tensors.path, split, single, order, read, split)
         fused = f"{name.rsplit('.ffn_', 1)[0]}.ffn_gate_up_exps.weight"
         if fused in tensors.stored:
             raise ModelLoadError(
@@ -384,7 +377,28 @@ def _expert_slice(tensors: GGUFTensors, name: str, expert: int, num_experts: int
     )
     order = np.arange(expert * out, (expert + 1) * out)
     read = functools.partial(_read_rows, tensors.path, name, rows, order)
-    return SourceTensor(f"{name}[{expert}]", (out, *inner), read)
+    return _source(tensors.path, name, rows, order, read, f"{name}[{expert}]", (out, *inner))
+
+
+def _source(
+    path: Path,
+    name: str,
+    stored: _StoredTensor,
+    order: np.ndarray,
+    read,
+    label: str,
+    shape: tuple[int, ...] | None = None,
+) -> SourceTensor:
+    # The tensor of rows `order` of `stored`: with its block type where it is quantized, and
+    # its blocks where the kernels read them (a matrix's rows, or an expert's of stacked ones).
+    shape = stored.shape if shape is None else shape
+    type_name = stored.tensor_type.name
+    if type_name in _FLOAT_TYPES:
+        return SourceTensor(label, shape, read)
+    blocks = None
+    if type_name in GGUF_BLOCK_TYPES and len(shape) == 2:
+        blocks = functools.partial(_read_blocks, path, name, stored, order)
+    return SourceTensor(label, shape, read, block_type=type_name, blocks=blocks)
 
 
 def _read_rows(
@@ -416,14 +430,17 @@ def _read_rows(
 def _read_blocks(
     path: Path, name: str, stored: _StoredTensor, order: np.ndarray
 ) -> tuple[BlockFormat, BlockArrays]:
-    # The tensor's raw blocks, its rows in `order`, as the kernels' arrays (formats.py).
+    # The tensor's raw blocks, its rows in `order`, as the kernels' arrays (formats.py). Only
+    # the rows from the least of `order` to the greatest are read: an expert's of stacked
+    # experts, not the whole tensor once per expert.
     row_bytes = math.prod(stored.data_shape[1:]) * stored.data_dtype.itemsize
+    first, end = int(order.min()), int(order.max()) + 1
     with open(path, "rb") as file:
-        file.seek(stored.offset)
-        raw = np.fromfile(file, np.uint8, stored.shape[0] * row_bytes)
+        file.seek(stored.offset + first * row_bytes)
+        raw = np.fromfile(file, np.uint8, (end - first) * row_bytes)
     try:
-        raw = raw.reshape(stored.shape[0], row_bytes)[order]
-        return gguf_blocks(raw, stored.tensor_type.name, stored.shape)
+        raw = raw.reshape(end - first, row_bytes)[order - first]
+        return gguf_blocks(raw, stored.tensor_type.name, (len(order), *stored.shape[1:]))
     except ValueError as e:  # a truncated file, or a row that is not whole blocks
         raise ModelLoadError(f"{path}: tensor {name!r}: {e}") from None
 

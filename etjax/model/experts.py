@@ -87,7 +87,8 @@ def routed_experts(
     experts (`route`) of weight * down(silu(gate(x)) * up(x)).
 
     Args:
-      router: [E, D]; w_gate_up: [E, 2M, D], rows gate | up of each expert; w_down: [E, D, M].
+      router: [E, D]; w_gate_up: [E, 2M, D], rows gate | up of each expert; w_down: [E, D, M]
+        (either float, or kept in blocks: a stacked `QuantizedWeight`, etjax/model/quantized.py).
       active_k: [T] int32 in 1..k, the experts each token runs (None: k each); the others
         are given to no expert (see the module docstring).
     """

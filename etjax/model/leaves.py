@@ -161,6 +161,14 @@ class Leaf:
         matrix = len(self.dims) == 2 and not self.float32
         return matrix and not self.per_expert and ROUTED not in self.dims
 
+    @property
+    def is_quantizable(self) -> bool:
+        """Whether weights="int8" and "stored" hold the leaf quantized: a matrix
+        (`is_matrix`), or a mixture's stacked experts [E, out, in] (each expert's weight in
+        blocks of its own; "float32" and "bfloat16" leave them in the model's dtype)."""
+        experts = self.per_expert and len(self.dims) == 3 and not self.float32
+        return self.is_matrix or experts
+
     def abstract(self, cfg: ModelConfig, layer: int | None = None) -> jax.ShapeDtypeStruct | None:
         """The leaf's shape and dtype, or None where the model (`layer`) has no such leaf."""
         if not self.has(cfg, layer):

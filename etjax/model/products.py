@@ -17,7 +17,9 @@ kernels do not take.
 
 A quantized weight (etjax/model/quantized.py `QuantizedWeight`) goes the same way to the
 block-products kernels (pallas_kernels/block_products): the C++ kernel under the same switch
-where it takes the shape, else XLA's product of the weight dequantized in the program.
+where it takes the shape, else XLA's product of the weight dequantized in the program. Experts
+kept in blocks (a stacked `QuantizedWeight`) go to the grouped-products kernel, which reads
+their blocks, or to XLA's ragged dot of them dequantized (pallas_kernels/grouped_products).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import jax
 
 from etjax.model.quantized import QuantizedWeight
 from pallas_kernels.block_products.xla import block_products_xla
-from pallas_kernels.grouped_products import grouped_products_xla
+from pallas_kernels.grouped_products import grouped_blocks_xla, grouped_products_xla
 from pallas_kernels.row_products import row_products_xla
 
 _ENABLED = contextvars.ContextVar("etjax_row_products", default=False)
@@ -74,10 +76,15 @@ def _quantized_product(x: jax.Array, w: QuantizedWeight, out_dtype) -> jax.Array
     return block_products_xla(x, *arrays, out_dtype)
 
 
-def grouped_product(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_product(
+    rows: jax.Array, w: jax.Array | QuantizedWeight, group_sizes: jax.Array
+) -> jax.Array:
     """Each row times its own group's matrix: rows [R, K] sorted by group, w [E, N, K]
-    (output-major), group_sizes [E] int32 (group e takes the next group_sizes[e] rows; rows
-    past their sum belong to no group and come out zero) -> [R, N] in rows' dtype."""
+    (output-major; float or a stacked `QuantizedWeight`), group_sizes [E] int32 (group e takes
+    the next group_sizes[e] rows; rows past their sum belong to no group and come out zero)
+    -> [R, N] in rows' dtype."""
+    if isinstance(w, QuantizedWeight):
+        return _quantized_groups(rows, w, group_sizes)
     if _ENABLED.get():
         from pallas_kernels.grouped_products.cpu import (
             grouped_products_cpu,
@@ -87,3 +94,16 @@ def grouped_product(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) -> ja
         if grouped_products_cpu_takes(rows, w, group_sizes):
             return grouped_products_cpu(rows, w, group_sizes)
     return grouped_products_xla(rows, w, group_sizes)
+
+
+def _quantized_groups(rows: jax.Array, w: QuantizedWeight, group_sizes: jax.Array) -> jax.Array:
+    arrays = (w.quants, w.scales, w.offsets, w.block, w.format.bits)
+    if _ENABLED.get():
+        from pallas_kernels.grouped_products.cpu import (
+            grouped_blocks_cpu,
+            grouped_blocks_cpu_takes,
+        )
+
+        if grouped_blocks_cpu_takes(rows, *arrays, group_sizes):
+            return grouped_blocks_cpu(rows, *arrays, group_sizes)
+    return grouped_blocks_xla(rows, *arrays, group_sizes)

@@ -2,11 +2,14 @@
 option that chooses, at load, how a model's matrices are held.
 
 A `QuantizedWeight` stands where a float matrix [out, in] stands in the `Weights` pytree (a
-projection, the embedding, the LM head): its arrays (`quants`, `scales`, `offsets`, laid out as
+projection, the embedding, the LM head), or a mixture of experts' stacked experts [E, out, in]
+(each expert's weight quantized on its own, the arrays stacked on a leading expert axis): its
+arrays (`quants`, `scales`, `offsets`, laid out as
 pallas_kernels/block_products/formats.py says) are the pytree's children, so placement,
 checkpoints and byte counts see three arrays; its `format` and logical `shape` are static.
-A product with it runs the block-products kernels (etjax/model/products.py `project`); the
-embedding gathers the rows of its tokens and dequantizes only those (`embedding_rows`).
+A product with it runs the block-products kernels (etjax/model/products.py `project`; the
+experts' grouped products `grouped_product`, on the grouped-products kernel); the embedding
+gathers the rows of its tokens and dequantizes only those (`embedding_rows`).
 
 `weights`, the load option (`load_model(weights=...)`, `[model] weights`, `--weights`):
 
@@ -24,9 +27,10 @@ embedding gathers the rows of its tokens and dequantizes only those (`embedding_
 
 `dtype` stays what it was: the dtype of activations, the KV cache (unless `kv_dtype` says
 otherwise), norms' arithmetic and every leaf `weights` does not cover. `weights` says only how
-the matrices are stored. Norms, biases, the routers of a mixture of experts and its stacked
-experts stay float in the model's dtype whatever `weights` says (the grouped-products kernel
-reads float experts only).
+the matrices are stored. "stored" and "int8" cover a mixture of experts' stacked experts too
+(int8: per output channel of each expert); with "float32" or "bfloat16" they stay in the
+model's dtype. Norms, biases and the routers of a mixture of experts stay float in the model's
+dtype whatever `weights` says.
 """
 
 from __future__ import annotations
@@ -109,13 +113,14 @@ class QuantizedWeight:
     """A matrix [out, in] (`shape`, output-major as every projection) held as blocks of
     `format` (pallas_kernels/block_products/formats.py): quants [out, in] int8 or
     [out, in // 2] uint8 (two 4-bit values a byte), scales [out, in // block] (block: the
-    format's, or `in` for one per output channel), offsets like scales or None."""
+    format's, or `in` for one per output channel), offsets like scales or None. Stacked
+    experts, `shape` [E, out, in]: every array has the leading expert axis E."""
 
     quants: jax.Array
     scales: jax.Array
     offsets: jax.Array | None
     format: BlockFormat = flax.struct.field(pytree_node=False)
-    shape: tuple[int, int] = flax.struct.field(pytree_node=False)
+    shape: tuple[int, ...] = flax.struct.field(pytree_node=False)
 
     @property
     def ndim(self) -> int:
@@ -124,7 +129,7 @@ class QuantizedWeight:
     @property
     def block(self) -> int:
         """Values of a row per scale."""
-        return self.format.block_size(self.shape[1])
+        return self.format.block_size(self.shape[-1])
 
     @property
     def nbytes(self) -> int:
@@ -132,19 +137,23 @@ class QuantizedWeight:
         return sum(_nbytes(a) for a in (self.quants, self.scales, self.offsets) if a is not None)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The float matrix [out, in] in `dtype`, computed in float32 (scale * q + offset)."""
-        return dequantize_xla(
-            self.quants, self.scales, self.offsets, self.block, self.format.bits, dtype
-        )
+        """The float matrix [out, in] (stacked: [E, out, in]) in `dtype`, computed in float32
+        (scale * q + offset)."""
+        rows = math.prod(self.shape[:-1])
+        flat = lambda a: None if a is None else a.reshape(rows, a.shape[-1])  # noqa: E731
+        arrays = (flat(self.quants), flat(self.scales), flat(self.offsets))
+        w = dequantize_xla(*arrays, self.block, self.format.bits, dtype)
+        return w.reshape(self.shape)
 
     def take_rows(self, rows: jax.Array) -> QuantizedWeight:
-        """The weight of rows `rows` [N] int32 only (their blocks, not dequantized)."""
+        """The weight of rows `rows` [N] int32 only (their blocks, not dequantized; of stacked
+        experts, the experts `rows`)."""
         offsets = None if self.offsets is None else self.offsets[rows]
         return self.replace(
             quants=self.quants[rows],
             scales=self.scales[rows],
             offsets=offsets,
-            shape=(rows.shape[0], self.shape[1]),
+            shape=(rows.shape[0], *self.shape[1:]),
         )
 
 
@@ -152,12 +161,18 @@ def _nbytes(a) -> int:
     return math.prod(a.shape) * np.dtype(a.dtype).itemsize
 
 
-def from_block_arrays(arrays: BlockArrays, fmt: BlockFormat, shape: tuple[int, int]):
-    """A `QuantizedWeight` of numpy `arrays` (formats.py), placed on the default device."""
+def from_block_arrays(arrays: BlockArrays, fmt: BlockFormat, shape: tuple[int, ...]):
+    """A `QuantizedWeight` of numpy `arrays` (formats.py), placed on the default device. For
+    stacked experts, `shape` [E, out, in]: arrays of E * out rows (expert 0's rows first) are
+    given the leading expert axis."""
+
+    def put(a):
+        return None if a is None else jax.device_put(a.reshape(*shape[:-1], a.shape[-1]))
+
     return QuantizedWeight(
-        quants=jax.device_put(arrays.quants),
-        scales=jax.device_put(arrays.scales),
-        offsets=None if arrays.offsets is None else jax.device_put(arrays.offsets),
+        quants=put(arrays.quants),
+        scales=put(arrays.scales),
+        offsets=put(arrays.offsets),
         format=fmt,
         shape=tuple(shape),
     )
@@ -183,25 +198,27 @@ def concatenate_rows(pieces: list[BlockArrays]) -> BlockArrays:
 
 
 def int8_weight(w: np.ndarray) -> QuantizedWeight:
-    """Symmetric int8 per output channel of a float matrix w [out, in] (formats.py
-    `quantize_int8`: |w - dequantized| <= scale / 2 per channel)."""
-    return from_block_arrays(quantize_int8(w), INT8, w.shape)
+    """Symmetric int8 per output channel of a float matrix w [out, in], or of each expert's of
+    stacked experts [E, out, in] (formats.py `quantize_int8`: |w - dequantized| <= scale / 2
+    per channel)."""
+    return from_block_arrays(quantize_int8(w.reshape(-1, w.shape[-1])), INT8, w.shape)
 
 
-def abstract_quantized(fmt: BlockFormat, shape: tuple[int, int]) -> QuantizedWeight:
+def abstract_quantized(fmt: BlockFormat, shape: tuple[int, ...]) -> QuantizedWeight:
     """A `QuantizedWeight` of `jax.ShapeDtypeStruct`s: what a weight of `fmt` and `shape`
-    holds (a checkpoint's restore target, the planner's byte counts)."""
-    out, width = shape
+    ([out, in], or stacked experts' [E, out, in]) holds (a checkpoint's restore target, the
+    planner's byte counts)."""
+    *lead, width = shape
     block = fmt.block_size(width)
-    quants = (out, width // 2) if fmt.bits == 4 else (out, width)
+    quants = (*lead, width // 2) if fmt.bits == 4 else (*lead, width)
     qdtype = jnp.uint8 if fmt.bits == 4 else jnp.int8
-    scales = jax.ShapeDtypeStruct((out, width // block), jnp.dtype(fmt.scale_dtype))
+    scales = jax.ShapeDtypeStruct((*lead, width // block), jnp.dtype(fmt.scale_dtype))
     return QuantizedWeight(
         quants=jax.ShapeDtypeStruct(quants, qdtype),
         scales=scales,
         offsets=scales if fmt.offsets else None,
         format=fmt,
-        shape=(out, width),
+        shape=tuple(shape),
     )
 
 

@@ -65,16 +65,19 @@ class Weights:
 def abstract_weights(cfg: ModelConfig, weights: str | None = None) -> Weights:
     """A `Weights` tree of `jax.ShapeDtypeStruct`s (None where a leaf is absent) describing a
     model with this config: orbax's restore target, and the truth shape checks compare with.
-    `weights`: its matrices (`Leaf.is_matrix`) held as "int8" (abstract `QuantizedWeight`s),
-    "float32" or "bfloat16" (None: in cfg.dtype); what a planner counts for that option."""
+    `weights`: its matrices (`Leaf.is_matrix`) held as "int8" (abstract `QuantizedWeight`s,
+    stacked experts too), "float32" or "bfloat16" (None: in cfg.dtype); what a planner counts
+    for that option."""
     fam = family(cfg.architecture)
 
     def abstract(leaf: Leaf, layer: int | None = None):
         spec = leaf.abstract(cfg, layer)
-        if spec is None or weights is None or not leaf.is_matrix:
+        if spec is None or weights is None or not leaf.is_quantizable:
             return spec
         if weights == "int8":
             return abstract_quantized(INT8, spec.shape)
+        if not leaf.is_matrix:  # stacked experts: floats of cfg.dtype unless int8
+            return spec
         if weights in ("float32", "bfloat16"):
             return jax.ShapeDtypeStruct(spec.shape, weights)
         raise ValueError(f"weights={weights!r}; abstract weights know int8, float32, bfloat16")

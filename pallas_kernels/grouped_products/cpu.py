@@ -1,14 +1,16 @@
 """Grouped products on the C++ kernel (cpp_kernels/grouped_products.cc): units of (expert
 with rows, 32 outputs), so each expert's weights are read once for all its rows and experts
-without rows not at all."""
+without rows not at all; experts kept in blocks (etjax/model/quantized.py) are read as blocks
+and dequantized in registers (block_rows.h, the block products' engine)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from cpp_kernels import call_cpu_kernel
+from cpp_kernels import call_cpu_kernel, cpu_kernels_available
 from cpp_kernels.targets import GROUPED_PRODUCTS
+from pallas_kernels.block_products.cpu import MAX_KERNEL_ROWS, block_products_cpu_takes
 
 _FLOATS = (jnp.float32, jnp.float16, jnp.bfloat16)
 
@@ -35,11 +37,73 @@ def grouped_products_cpu(rows: jax.Array, w: jax.Array, group_sizes: jax.Array) 
     # 16-bit rows (a bfloat16 model) are widened for the kernel and its float32 sums rounded
     # back, as XLA's product with a 16-bit result rounds its own: [R, K] and [R, N] are small
     # beside the experts' weights.
+    none = jnp.zeros((0,), jnp.float32)
     out = call_cpu_kernel(
         GROUPED_PRODUCTS,
         jax.ShapeDtypeStruct((rows.shape[0], w.shape[1]), jnp.float32),
         rows.astype(jnp.float32),
         w,
+        none,
+        none,
         group_sizes,
     )
     return out.astype(rows.dtype)
+
+
+def grouped_blocks_cpu_takes(
+    rows: jax.Array,
+    quants: jax.Array,
+    scales: jax.Array,
+    offsets: jax.Array | None,
+    block: int,
+    bits: int,
+    group_sizes: jax.Array,
+) -> bool:
+    """Whether the kernel takes rows [R, K] times experts kept in blocks: quants [E, N, ...],
+    scales [E, N, K // block] and offsets as each expert's weight [N, K] would be taken by the
+    block-products kernel (`block_products_cpu_takes`: float32 rows, `K` a multiple of 32, ...),
+    1 to MAX_KERNEL_ROWS rows, group_sizes [E]."""
+    if rows.ndim != 2 or quants.ndim != 3 or scales.ndim != 3:
+        return False
+    experts = quants.shape[0]
+
+    def one(a):  # expert 0's array, as a projection's
+        return None if a is None else jax.ShapeDtypeStruct(a.shape[1:], a.dtype)
+
+    return (
+        0 < rows.shape[0] <= MAX_KERNEL_ROWS
+        and group_sizes.shape == (experts,)
+        and scales.shape[0] == experts
+        and (offsets is None or offsets.shape[0] == experts)
+        and block_products_cpu_takes(
+            rows, one(quants), one(scales), one(offsets), block, bits, jnp.float32
+        )
+    )
+
+
+def grouped_blocks_cpu(
+    rows: jax.Array,
+    quants: jax.Array,
+    scales: jax.Array,
+    offsets: jax.Array | None,
+    block: int,
+    bits: int,
+    group_sizes: jax.Array,
+) -> jax.Array:
+    """rows [R, K] float32 sorted by group times each group's weight kept in blocks ->
+    [R, N] float32, for the shapes `grouped_blocks_cpu_takes` accepts (`block` and `bits` are
+    implied by the arrays' shapes and types)."""
+    del block, bits
+    if not cpu_kernels_available():
+        raise RuntimeError("the CPU kernels are not built (see the log's warning)")
+    # jax.ffi directly, not call_cpu_kernel, which would widen the 8-bit quants to int32.
+    return jax.ffi.ffi_call(
+        GROUPED_PRODUCTS.name,
+        jax.ShapeDtypeStruct((rows.shape[0], quants.shape[1]), jnp.float32),
+    )(
+        rows,
+        quants,
+        scales,
+        jnp.zeros((0,), scales.dtype) if offsets is None else offsets,
+        jnp.asarray(group_sizes, jnp.int32),
+    )
