@@ -18,6 +18,16 @@ two grouped products alone (its expansion contracts every row with every expert:
 routed count). Writes the "expert_products" section of docs/PERF.md with `--write`.
 
     .venv/bin/python benchmarks/expert_products.py [--rounds 12] [--write]
+
+`--blocks`: the kernel's two grouped products of a Qwen3-30B-A3B layer (gate|up [128, 1536,
+2048], down [128, 2048, 768]) with the experts kept in blocks (etjax/model/quantized.py: int8
+per channel and the GGUF formats, random values in each format's layout) against the same
+products on float32 experts, for a decode step of 1 and 8 tokens and a 64-token prompt chunk,
+k = 8 distinct experts a token drawn at random; process CPU seconds per call (both threads;
+the machine is shared, so CPU time, not wall time), median over the rounds after one untimed
+call, float32 and the formats alternating. Prints its table; writes nothing.
+
+    .venv/bin/python benchmarks/expert_products.py --blocks [--rounds 8] [--tokens 1,8,64]
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from benchmarks.perf_report import machine_line, median_spread, write_section
 from cpp_kernels import cpu_kernels_available
 from etjax.model.experts import expert_groups, route, routed_experts
 from etjax.model.products import grouped_product, row_products
+from etjax.model.quantized import FORMATS, QuantizedWeight, weights_bytes
 
 # name, experts E, hidden D, expert width M, top k, tokens T, the model's dtype
 CASES = (
@@ -57,9 +68,16 @@ def main() -> None:
     parser.add_argument("--xla-rounds", type=int, default=3, help="of the rounds, XLA's")
     parser.add_argument("--cases", default="", help="indices into CASES (default: all)")
     parser.add_argument("--write", action="store_true", help="write docs/PERF.md's section")
+    parser.add_argument("--blocks", action="store_true", help="experts in blocks vs float32")
+    parser.add_argument("--tokens", default="1,8,64", help="with --blocks: tokens a step")
+    parser.add_argument("--formats", default="int8,q8_0,q4_0,q4_1,q4_k,q6_k")
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the CPU kernels are not built (no C++ compiler?)")
+    if args.blocks:
+        tokens = [int(t) for t in args.tokens.split(",")]
+        print(_blocks_table(tokens, args.formats.split(","), args.rounds))
+        return
     chosen = [CASES[int(i)] for i in args.cases.split(",") if i] or list(CASES)
     rows = []
     for case in chosen:
@@ -126,6 +144,75 @@ def _case(name, e, d, m, k, t, dtype, rounds, xla_rounds):
         "kernel_ms": times["kernel"],
         "xla_ms": times["xla"],
     }
+
+
+# Qwen3-30B-A3B's layer: E experts, hidden D, experts' width M, k experts a token.
+_QWEN3_30B = dict(e=128, d=2048, m=768, k=8)
+
+
+def _random_blocks(fmt, e: int, n: int, width: int, rng) -> QuantizedWeight:
+    # Experts [e, n, width] in `fmt`'s layout (formats.py), random values: the products' cost
+    # does not depend on them.
+    if fmt.bits == 4:
+        quants = rng.integers(0, 256, (e, n, width // 2), dtype=np.uint8)
+    else:
+        quants = rng.integers(-127, 128, (e, n, width), dtype=np.int8)
+    blocks = width // fmt.block_size(width)
+    scales = (rng.random((e, n, blocks), np.float32) * 1e-3).astype(fmt.scale_dtype)
+    offsets = -scales * 8 if fmt.offsets else None
+    put = lambda a: None if a is None else jax.device_put(a)  # noqa: E731
+    return QuantizedWeight(put(quants), put(scales), put(offsets), fmt, (e, n, width))
+
+
+def _blocks_table(tokens: list[int], formats: list[str], rounds: int) -> str:
+    e, d, m, k = (_QWEN3_30B[key] for key in ("e", "d", "m", "k"))
+    rng = np.random.default_rng(0)
+    floats = (
+        jax.device_put(rng.standard_normal((e, 2 * m, d), np.float32) * d**-0.5),
+        jax.device_put(rng.standard_normal((e, d, m), np.float32) * m**-0.5),
+    )
+    held = {"float32": floats}
+    for name in formats:
+        fmt = FORMATS[name]
+        held[name] = (_random_blocks(fmt, e, 2 * m, d, rng), _random_blocks(fmt, e, d, m, rng))
+    nbytes = {name: weights_bytes(w) / e for name, w in held.items()}
+
+    def products(x, h, gu, dn, s):
+        return grouped_product(x, gu, s), grouped_product(h, dn, s)
+
+    step = jax.jit(products)  # traced, on the kernel, where first called (below)
+
+    lines = [
+        f"Experts' grouped products on the kernel, Qwen3-30B-A3B layer (E {e}, D {d}, M {m}, "
+        f"k {k}): CPU ms per call (process time, median of {rounds}), float32 / format.",
+        "",
+        "| tokens (rows, experts with rows) | " + " | ".join(held) + " |",
+        "|---" * (len(held) + 1) + "|",
+        "| bytes an expert, MB | " + " | ".join(f"{nbytes[n] / 1e6:.2f}" for n in held) + " |",
+    ]
+    for t in tokens:
+        experts = np.stack([rng.permutation(e)[:k] for _ in range(t)]).reshape(-1)
+        sizes = jnp.asarray(np.bincount(experts, minlength=e), jnp.int32)
+        x = jnp.asarray(rng.standard_normal((t * k, d)), jnp.float32)
+        h = jnp.asarray(rng.standard_normal((t * k, m)), jnp.float32)
+        cpu = {name: [] for name in held}
+        with row_products(True):
+            for gu, dn in held.values():
+                jax.block_until_ready(step(x, h, gu, dn, sizes))  # compiled, and warm
+            for _ in range(rounds):
+                for name, (gu, dn) in held.items():
+                    started = time.process_time()
+                    jax.block_until_ready(step(x, h, gu, dn, sizes))
+                    cpu[name].append((time.process_time() - started) * 1e3)
+        base = statistics.median(cpu["float32"])
+        cells = [f"{base:.2f}"] + [
+            f"{statistics.median(cpu[n]):.2f} ({base / statistics.median(cpu[n]):.2f}x)"
+            for n in held
+            if n != "float32"
+        ]
+        used = int((np.asarray(sizes) > 0).sum())
+        lines.append(f"| {t} ({t * k}, {used}) | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _xla_product_flops(rows, d, m, e, w_gate_up, w_down, dtype) -> float:

@@ -69,10 +69,15 @@ def _reference(x, w, sizes):
 
 
 def _grouped(kernel: bool):
-    # A new function each time: jax caches a trace by function, not by the context it was
-    # traced in.
-    with row_products(kernel):
-        return jax.jit(lambda *args: grouped_product(*args))
+    # A new function each time, traced (at its first call) in the context: jax caches a trace
+    # by function, not by the context it was traced in.
+    product = jax.jit(lambda *args: grouped_product(*args))
+
+    def run(*args):
+        with row_products(kernel):
+            return product(*args)
+
+    return run, product
 
 
 @needs_kernels
@@ -81,10 +86,10 @@ def test_grouped_blocks_match_numpy(fmt):
     x = jnp.asarray(np.random.default_rng(1).standard_normal((ROWS, IN)), jnp.float32)
     w, truth = _experts(fmt)
     for kernel in (True, False):
-        product = _grouped(kernel)
+        product, jitted = _grouped(kernel)
         sizes = jnp.asarray(SIZES["every path"], jnp.int32)
         with row_products(kernel):
-            assert (GROUPED_PRODUCTS.name in product.lower(x, w, sizes).as_text()) == kernel
+            assert (GROUPED_PRODUCTS.name in jitted.lower(x, w, sizes).as_text()) == kernel
         for name, sizes in SIZES.items():
             got = np.asarray(product(x, w, jnp.asarray(sizes, jnp.int32)))
             want = _reference(x, truth, sizes)
@@ -102,7 +107,10 @@ def test_a_rows_product_on_blocks_does_not_depend_on_the_rows_beside_it():
     # alone in a group of one.
     x = jnp.asarray(np.random.default_rng(2).standard_normal((ROWS, IN)), jnp.float32)
     w, _ = _experts(Q4_1, seed=3)
-    product = _grouped(True)
+    product, jitted = _grouped(True)
+    sizes = jnp.asarray([3, 0, 7, 1, 36], jnp.int32)
+    with row_products(True):
+        assert GROUPED_PRODUCTS.name in jitted.lower(x, w, sizes).as_text()
     together = np.asarray(product(x, w, jnp.asarray([3, 0, 7, 1, 36], jnp.int32)))
     for row, expert in ((5, 2), (1, 0)):
         sizes = jnp.asarray(np.eye(EXPERTS, dtype=np.int32)[expert])
