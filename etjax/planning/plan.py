@@ -207,6 +207,7 @@ class Plan:
                 {
                     "name": p.name,
                     "compile_s": round(p.compile_s, 2),
+                    "compile_cpu_s": round(p.compile_cpu_s, 2),
                     "temp_bytes": p.temp_bytes,
                     "code_bytes": p.code_bytes,
                     "argument_bytes": p.argument_bytes,

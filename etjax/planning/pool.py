@@ -62,7 +62,8 @@ def pool_plan(
         raise ConfigError(
             f"the KV pool: {found.max_pool_pages} pages fit beside the weights and programs "
             f"in {options.hbm_fraction:.0%} of {topo.name}'s HBM, fewer than one row of "
-            f"{found.context} tokens takes ({row}); etjax plan says what would fit"
+            f"{found.context} tokens takes ({row}); a shorter max_context serves shorter "
+            "requests in the room there is; etjax plan says what would fit"
         )
     return found
 
