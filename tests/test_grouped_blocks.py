@@ -112,6 +112,12 @@ def test_a_rows_product_on_blocks_does_not_depend_on_the_rows_beside_it():
     with row_products(True):
         assert GROUPED_PRODUCTS.name in jitted.lower(x, w, sizes).as_text()
     together = np.asarray(product(x, w, jnp.asarray([3, 0, 7, 1, 36], jnp.int32)))
+    # A bfloat16 model's rows: widened, the float32 sums rounded back.
+    rows16 = x.astype(jnp.bfloat16)
+    got = product(rows16, w, sizes)
+    assert got.dtype == jnp.bfloat16
+    want = product(rows16.astype(jnp.float32), w, sizes).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     for row, expert in ((5, 2), (1, 0)):
         sizes = jnp.asarray(np.eye(EXPERTS, dtype=np.int32)[expert])
         alone = np.asarray(product(x.at[0].set(x[row]), w, sizes))
@@ -130,7 +136,7 @@ def test_the_kernel_takes_only_the_blocks_shapes_it_reads():
         return GROUPED_PRODUCTS.name in text
 
     assert on_kernel(x, w)
-    assert not on_kernel(x.astype(jnp.bfloat16), w)  # a bfloat16 model's rows: XLA's
+    assert on_kernel(x.astype(jnp.bfloat16), w)  # a bfloat16 model's rows, widened
     cut = w.replace(quants=w.quants[:, :-2], scales=w.scales[:, :-2], shape=(EXPERTS, 38, IN))
     assert not on_kernel(x, cut)  # N not a multiple of 4
 

@@ -61,10 +61,11 @@ def grouped_blocks_cpu_takes(
 ) -> bool:
     """Whether the kernel takes rows [R, K] times experts kept in blocks: quants [E, N, ...],
     scales [E, N, K // block] and offsets as each expert's weight [N, K] would be taken by the
-    block-products kernel (`block_products_cpu_takes`: float32 rows, `K` a multiple of 32, ...),
-    1 to MAX_KERNEL_ROWS rows, group_sizes [E]."""
-    if rows.ndim != 2 or quants.ndim != 3 or scales.ndim != 3:
+    block-products kernel (`block_products_cpu_takes`: `K` a multiple of 32, ...), 1 to
+    MAX_KERNEL_ROWS rows of float32 or 16 bits (widened), group_sizes [E]."""
+    if rows.ndim != 2 or quants.ndim != 3 or scales.ndim != 3 or rows.dtype not in _FLOATS:
         return False
+    rows = jax.ShapeDtypeStruct(rows.shape, jnp.float32)
     experts = quants.shape[0]
 
     def one(a):  # expert 0's array, as a projection's
@@ -90,20 +91,22 @@ def grouped_blocks_cpu(
     bits: int,
     group_sizes: jax.Array,
 ) -> jax.Array:
-    """rows [R, K] float32 sorted by group times each group's weight kept in blocks ->
-    [R, N] float32, for the shapes `grouped_blocks_cpu_takes` accepts (`block` and `bits` are
-    implied by the arrays' shapes and types)."""
+    """rows [R, K] sorted by group times each group's weight kept in blocks -> [R, N] in
+    rows' dtype, for the shapes `grouped_blocks_cpu_takes` accepts (`block` and `bits` are
+    implied by the arrays' shapes and types). 16-bit rows are widened and the float32 sums
+    rounded back, as `grouped_products_cpu` does."""
     del block, bits
     if not cpu_kernels_available():
         raise RuntimeError("the CPU kernels are not built (see the log's warning)")
     # jax.ffi directly, not call_cpu_kernel, which would widen the 8-bit quants to int32.
-    return jax.ffi.ffi_call(
+    out = jax.ffi.ffi_call(
         GROUPED_PRODUCTS.name,
         jax.ShapeDtypeStruct((rows.shape[0], quants.shape[1]), jnp.float32),
     )(
-        rows,
+        rows.astype(jnp.float32),
         quants,
         scales,
         jnp.zeros((0,), scales.dtype) if offsets is None else offsets,
         jnp.asarray(group_sizes, jnp.int32),
     )
+    return out.astype(rows.dtype)
