@@ -30,6 +30,9 @@ from pallas_kernels.block_sparse.pallas_tpu import block_sparse_attention_tpu
 from tests.hypothesis_profiles import examples
 
 TOLERANCE = {"float32": dict(out=2e-5, mass=1e-5), "bfloat16": dict(out=2e-2, mass=1e-5)}
+# The float32 reference, one program per shape: called eagerly, each of its operations would
+# compile on its own for every shape (some 500 programs in this file).
+reference = jax.jit(block_sparse_attention_reference)
 _PLATFORM = jax.default_backend()
 BACKENDS = {"xla": jax.jit(block_sparse_attention_xla)}
 if _PLATFORM == "cpu":  # the C++ kernel, cpp_kernels/block_sparse.cc
@@ -73,15 +76,17 @@ def problems(draw):
             kept[i, h, :count] = chosen
             counts[i, h] = count
     table = (1 + rng.permutation(b * width)).reshape(b, width).astype(np.int32)
-    cast = lambda x: jnp.asarray(x, jnp.dtype(dtype))  # noqa: E731
+    # Host arrays (bfloat16 through ml_dtypes): an eager conversion on the device would
+    # compile a program for each shape and dtype.
+    cast = lambda x: np.asarray(x, jnp.dtype(dtype))  # noqa: E731
     return dict(
         q=cast(rng.normal(size=(b, kvh * group, hd))),
         k_pages=cast(rng.normal(size=(num_pages, kvh, ps, hd))),
         v_pages=cast(rng.normal(size=(num_pages, kvh, ps, hd))),
-        page_table=jnp.asarray(table),
-        kept_blocks=jnp.asarray(kept),
-        kept_counts=jnp.asarray(counts),
-        lengths=jnp.asarray(lengths.astype(np.int32)),
+        page_table=table,
+        kept_blocks=kept,
+        kept_counts=counts,
+        lengths=lengths.astype(np.int32),
     ), dtype
 
 
@@ -91,7 +96,7 @@ def problems(draw):
 def test_backend_matches_reference(backend, case):
     args, dtype = case
     out, mass = BACKENDS[backend](**args)
-    ref_out, ref_mass = block_sparse_attention_reference(**args)
+    ref_out, ref_mass = reference(**args)
     assert out.dtype == args["q"].dtype and out.shape == args["q"].shape
     tol = TOLERANCE[dtype]
     np.testing.assert_allclose(
@@ -114,7 +119,7 @@ def test_reference_against_float64_numpy():
     lengths = np.array([27, 9])
     kept = np.array([[[0, 3, 1], [2, 0, 3]], [[1, 0, 0], [0, 1, 0]]])
     counts = np.array([[3, 2], [2, 1]])
-    out, _ = block_sparse_attention_reference(
+    out, _ = reference(
         *(jnp.asarray(x, jnp.float32) for x in (q, kp, vp)),
         *(jnp.asarray(x, jnp.int32) for x in (table, kept, counts, lengths)),
     )
@@ -142,10 +147,10 @@ def test_dense_is_sparse_with_every_block_and_equals_paged_attention():
     lengths = jnp.asarray([40, 17, 1], jnp.int32)
     all_blocks = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (b, kvh, width))
     counts = jnp.broadcast_to(-(-lengths // ps)[:, None], (b, kvh)).astype(jnp.int32)
-    sparse, _ = block_sparse_attention_xla(q, kp, vp, table, all_blocks, counts, lengths)
+    sparse, _ = BACKENDS["xla"](q, kp, vp, table, all_blocks, counts, lengths)
     # The model's own decode path (a different implementation) attends the same keys.
     plan, _ = padded_batch_plan(np.asarray(table), np.asarray(lengths) - 1, np.ones(b), 1, ps)
-    paged = attend(q, kp, vp, lengths - 1, plan)
+    paged = jax.jit(attend)(q, kp, vp, lengths - 1, plan)
     np.testing.assert_allclose(np.asarray(sparse), np.asarray(paged), atol=2e-6)
 
 
@@ -167,7 +172,7 @@ def test_tpu_kernel_reads_float16_pages_exactly():
     args = (q, k16, v16, table, kept, counts, lengths)
     out, mass = block_sparse_attention_tpu(*args, interpret=True)
     f32 = (q, k16.astype(jnp.float32), v16.astype(jnp.float32), *args[3:])
-    ref_out, ref_mass = block_sparse_attention_reference(*f32)
+    ref_out, ref_mass = reference(*f32)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=1e-5, rtol=0)
 
@@ -210,7 +215,7 @@ def test_selection_shared_by_kv_heads_equals_it_repeated_per_head(backend):
     counts = jnp.asarray([[3], [2]], jnp.int32)
     out, mass = BACKENDS[backend](q, kp, vp, table, shared, counts, lengths)
     repeated = (jnp.repeat(shared, kvh, axis=1), jnp.repeat(counts, kvh, axis=1))
-    ref_out, ref_mass = block_sparse_attention_reference(q, kp, vp, table, *repeated, lengths)
+    ref_out, ref_mass = reference(q, kp, vp, table, *repeated, lengths)
     assert mass.shape == (b, kvh, 4)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)
     np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=1e-5)
@@ -242,7 +247,7 @@ def test_xla_loop_over_a_wide_padded_table_matches_the_reference(shared):
         lengths=jnp.asarray(lengths),
     )
     out, mass = BACKENDS["xla"](**args)
-    ref_out, ref_mass = block_sparse_attention_reference(**args)
+    ref_out, ref_mass = reference(**args)
     tol = TOLERANCE["float32"]
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=tol["out"], rtol=0)
     np.testing.assert_allclose(np.asarray(mass), np.asarray(ref_mass), atol=tol["mass"], rtol=0)
@@ -294,7 +299,7 @@ def test_grouped_rows_read_their_shared_pages_once_and_equal_the_reference(selec
     out, mass = BACKENDS["cpu"](
         **args, leaders=jnp.asarray(leaders), shared_counts=jnp.asarray(shared_counts)
     )
-    ref_out, ref_mass = block_sparse_attention_reference(**args)
+    ref_out, ref_mass = reference(**args)
     tol = TOLERANCE[dtype]
     np.testing.assert_allclose(
         np.asarray(out, np.float32), np.asarray(ref_out, np.float32), atol=tol["out"], rtol=0
