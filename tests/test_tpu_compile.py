@@ -219,6 +219,30 @@ def test_int8_weights_enter_the_matrix_product_as_int8(chip):
     assert memory.temp_size_in_bytes < 512 * 1024  # less than the int8 weight itself
 
 
+def test_one_token_s_int8_embedding_row_is_read_where_the_table_lies():
+    # A batch-1 step embeds one token. Gathering a single row of Llama-3.1-8B's int8 table
+    # (s8[128256, 4096], 0.53 GB), XLA:TPU copied the whole table into another tiling every
+    # step (0.53 GB of scratch); embedding_rows gathers such a row as two, which it reads in
+    # place. Abstract shapes: nothing is allocated; about 3 s.
+    from etjax.model.quantized import INT8, QuantizedWeight, embedding_rows
+
+    device = Topology.parse("v5e-1").devices()[0]
+    on_chip = SingleDeviceSharding(device)
+    vocab, width = 128256, 4096
+    table = QuantizedWeight(
+        quants=jax.ShapeDtypeStruct((vocab, width), jnp.int8, sharding=on_chip),
+        scales=jax.ShapeDtypeStruct((vocab, 1), jnp.float32, sharding=on_chip),
+        offsets=None,
+        format=INT8,
+        shape=(vocab, width),
+    )
+    token = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=on_chip)
+    with jax.default_device(device):
+        compiled = jax.jit(lambda t, i: embedding_rows(t, i, jnp.bfloat16)).lower(table, token)
+        memory = compiled.compile().memory_analysis()
+    assert memory.temp_size_in_bytes < 1 << 20  # the table's copy took 525 MB
+
+
 def test_float16_kv_is_refused_on_a_tpu_by_name(cfg):
     # The kernel reads float16 tiles (above), but Mosaic takes no float16 operand: the pool
     # would reach it through a conversion XLA makes a copy of the whole pool at every layer

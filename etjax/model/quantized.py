@@ -231,6 +231,12 @@ def embedding_rows(table, tokens: jax.Array, dtype) -> jax.Array:
     """The embedding rows of `tokens` [T] in `dtype` -> [T, D]: gathered first, so a quantized
     table dequantizes T rows, never the vocabulary."""
     if isinstance(table, QuantizedWeight):
+        if tokens.shape[0] == 1:
+            # One row is gathered as two: to gather a single row of a large int8 table, XLA:TPU
+            # copied the whole table into another tiling every step (Llama-3.1-8B's 0.53 GB;
+            # docs/TPU.md, "int8 weights"), and reads it where it lies for two rows or more.
+            pair = jnp.concatenate([tokens, tokens])
+            return table.take_rows(pair).dequantize(dtype)[:1]
         return table.take_rows(tokens).dequantize(dtype)
     return table[tokens].astype(dtype)
 
