@@ -21,6 +21,14 @@ from pallas_kernels.page_scores.reference import block_upper_bounds
 from tests.hypothesis_profiles import examples
 
 CFG = PruningConfig(enabled=True, min_fraction=0.25, entropy_low=1.0, entropy_high=3.0)
+# Jitted once, as the step programs run them: called eagerly, each of their operations would
+# compile on its own for every shape.
+_block_upper_bounds = jax.jit(block_upper_bounds)
+_update_key_bounds = jax.jit(update_key_bounds)
+_remember_mass = jax.jit(remember_mass)
+_select_blocks = jax.jit(select_blocks, static_argnums=(3, 4))  # the config, max_kept
+_select_grouped = jax.jit(select_grouped, static_argnums=(0, 5, 6))  # kernel, config, max_kept
+_grouped_blocks = jax.jit(grouped_blocks, static_argnums=3)  # the config
 
 
 @settings(max_examples=examples(100), deadline=None)
@@ -60,10 +68,10 @@ def test_block_bound_is_an_upper_bound_of_every_logit(seed, kvh, group):
     rng = np.random.default_rng(seed)
     num_pages, ps, hd, width = 6, 4, 8, 3
     keys = rng.normal(size=(num_pages, kvh, ps, hd)).astype(np.float32) * rng.uniform(0.1, 5)
-    k_min, k_max = jnp.asarray(keys.min(axis=2)), jnp.asarray(keys.max(axis=2))
+    k_min, k_max = keys.min(axis=2), keys.max(axis=2)
     q = rng.normal(size=(2, kvh * group, hd)).astype(np.float32)
     table = np.array([[1, 2, 3], [4, 5, 0]], np.int32)
-    bound = np.asarray(block_upper_bounds(jnp.asarray(q), k_min, k_max, jnp.asarray(table)))
+    bound = np.asarray(_block_upper_bounds(q, k_min, k_max, table))
     for b in range(2):
         for h in range(kvh):
             for j in range(width):
@@ -86,8 +94,8 @@ def test_key_bounds_track_pages_as_they_fill_and_are_reused():
             if slot == 0:
                 contents[page] = []
             contents[page].append(key)
-        k_min, k_max = update_key_bounds(
-            k_min, k_max, jnp.asarray(keys), jnp.asarray(pages), jnp.asarray(slots)
+        k_min, k_max = _update_key_bounds(
+            k_min, k_max, keys, np.asarray(pages, np.int32), np.asarray(slots, np.int32)
         )
     for page, held in contents.items():
         np.testing.assert_allclose(np.asarray(k_min[page]), np.min(held, axis=0))
@@ -100,7 +108,7 @@ def test_selection_keeps_sinks_recent_and_the_best_scores():
     scores[0, 1] = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     # 8 blocks hold the sequence (8, 9 are beyond it); keep 5: sink 0, recent 6 and 7, then
     # the two best among 1..5: head 0 -> 3 (9) and 5 (8); head 1 -> 5 (5) and 4 (4).
-    kept, counts = select_blocks(
+    kept, counts = _select_blocks(
         jnp.asarray(scores), jnp.asarray([8]), jnp.asarray([5]), CFG, max_kept=6
     )
     np.testing.assert_array_equal(np.asarray(counts), [[5, 5]])
@@ -115,13 +123,13 @@ def test_recently_hot_blocks_rank_before_better_bounds():
     mass = jnp.asarray([[[0.5, 0.0, 0.05, 0.3, 0.2, 0.1]]], jnp.float32)
     # Keep 4 of 6: sink 0 and recent 5 forced; then the hot blocks 3 and 4 (mass >= 0.1) rank
     # before 1 and 2 despite their lower bounds.
-    kept, _ = select_blocks(scores, jnp.asarray([6]), jnp.asarray([4]), cfg, 4, mass)
+    kept, _ = _select_blocks(scores, jnp.asarray([6]), jnp.asarray([4]), cfg, 4, mass)
     assert set(np.asarray(kept)[0, 0]) == {0, 5, 3, 4}
     # Threshold 0: the step is compiled to rank by bounds alone (pruned attention passes no
     # mass), whatever mass the blocks drew.
     bounds_only = dataclasses.replace(cfg, mass_threshold=0.0)
     assert cfg.shape().ranks_by_mass and not bounds_only.shape().ranks_by_mass
-    plain, _ = select_blocks(scores, jnp.asarray([6]), jnp.asarray([4]), bounds_only, 4, None)
+    plain, _ = _select_blocks(scores, jnp.asarray([6]), jnp.asarray([4]), bounds_only, 4, None)
     assert set(np.asarray(plain)[0, 0]) == {0, 5, 1, 2}
 
 
@@ -136,13 +144,13 @@ def test_mass_memory_stores_real_observations_per_row_and_block():
     rows = jnp.asarray([2, 0], jnp.int32)
     # Row 0's padding entry repeats block 3 with mass 0: it must not overwrite 0.7 / 0.6.
     # Batch row 1 is not a real step: nothing of it is stored.
-    memory = remember_mass(memory, rows, kept, observed, counts, jnp.asarray([True, False]))
+    memory = _remember_mass(memory, rows, kept, observed, counts, jnp.asarray([True, False]))
     expected = np.zeros((3, 4, 2), np.float32)
     expected[2, 3], expected[2, 1] = [0.7, 0.6], [0.3, 0.4]
     np.testing.assert_array_equal(np.asarray(memory), expected)
     # Another store row reading the same blocks keeps its own memory.
     other = jnp.asarray([2, 1], jnp.int32)  # batch row 1 is now store row 1
-    memory = remember_mass(memory, other, kept, observed, counts, jnp.asarray([False, True]))
+    memory = _remember_mass(memory, other, kept, observed, counts, jnp.asarray([False, True]))
     expected[1, 0], expected[1, 2] = [1.0, 0.9], [0.0, 0.1]
     np.testing.assert_array_equal(np.asarray(memory), expected)
 
@@ -183,7 +191,7 @@ def test_page_scores_loop_only_to_the_longest_row_and_match_the_plain_bound(shar
     num_blocks = np.array([5, 2 * SCORE_PAGES + 20, SCORE_PAGES], np.int32)
     q = jnp.asarray(rng.normal(size=(b, h, hd)).astype(np.float32))
     scores = score_pages_xla(q, k_min, k_max, jnp.asarray(table), jnp.asarray(num_blocks), shared)
-    plain = np.asarray(block_upper_bounds(q, k_min, k_max, jnp.asarray(table)))
+    plain = np.asarray(_block_upper_bounds(q, k_min, k_max, table))
     if shared:
         plain = plain.max(1, keepdims=True)
     assert scores.shape == plain.shape
@@ -225,7 +233,7 @@ def test_grouped_rows_select_their_shared_prefix_together_and_their_own_pages_ap
     groups = PrunedGroups(jnp.asarray([0, 0, 0, 3]), jnp.asarray([6, 6, 6, 0]))
     num_blocks = jnp.asarray([10, 12, 9, 8])
     fraction = jnp.asarray([0.3, 0.5, 0.2, 0.4], jnp.float32)
-    kept, counts, shared = select_grouped(
+    kept, counts, shared = _select_grouped(
         select, jnp.asarray(scores), num_blocks, fraction, groups, cfg, 12
     )
     kept, counts = np.asarray(kept), np.asarray(counts)
@@ -237,7 +245,7 @@ def test_grouped_rows_select_their_shared_prefix_together_and_their_own_pages_ap
         assert set(kept[row, 0, 3 : counts[row, 0]]) == own
     assert set(kept[3, 0, :4]) == {0, 1, 3, 7}
     assert np.all(kept < 12)
-    attended, spared = grouped_blocks(fraction, num_blocks, groups, cfg)
+    attended, spared = _grouped_blocks(fraction, num_blocks, groups, cfg)
     np.testing.assert_array_equal(np.asarray(attended), [5, 6, 5, 4])
     np.testing.assert_allclose(np.asarray(spared), [2.0, 2.0, 2.0, 0.0])  # 3 x (1 - 1/3)
 
@@ -246,7 +254,7 @@ def test_grouped_rows_select_their_shared_prefix_together_and_their_own_pages_ap
     hot = dataclasses.replace(cfg, mass_threshold=0.1)
     mass = np.zeros_like(scores)
     mass[2, 0, 4] = 0.5
-    kept, _, _ = select_grouped(
+    kept, _, _ = _select_grouped(
         select, jnp.asarray(scores), num_blocks, fraction, groups, hot, 12, jnp.asarray(mass)
     )
     assert set(np.asarray(kept)[1, 0, :3]) == {0, 4, 5}
