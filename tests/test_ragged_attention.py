@@ -12,14 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.ragged_attention import (
-    Segment,
-    build_pass,
-    ragged_attention_reference,
-    ragged_attention_xla,
-)
+from pallas_kernels.ragged_attention import Segment, build_pass, ragged_attention_xla
 from pallas_kernels.ragged_attention.work_items import items_capacity
 from tests.hypothesis_profiles import examples
+from tests.kernel_references import ragged_attention_reference
 
 # Relative to max |out|: float32 differs from the reference only by summation order; bfloat16
 # queries and pages are rounded once before either computes in float32.
