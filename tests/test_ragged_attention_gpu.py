@@ -24,10 +24,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.ragged_attention import Segment, build_pass, ragged_attention_reference
+from pallas_kernels.ragged_attention import Segment, build_pass
 from pallas_kernels.ragged_attention.pallas_gpu import ragged_attention_gpu
 from pallas_kernels.ragged_attention.work_items import items_capacity
 from tests.hypothesis_profiles import examples
+from tests.kernel_references import ragged_attention_reference
 
 TOLERANCE = {jnp.float32: 2e-5, jnp.bfloat16: 1e-2}
 INTERPRET = jax.default_backend() != "gpu"  # compiled on a GPU only; interpreted elsewhere
