@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.ragged_attention import (
-    pallas_tpu,
-    ragged_attention_reference,
-    ragged_attention_xla,
-)
+from pallas_kernels.ragged_attention import pallas_tpu, ragged_attention_xla
 from pallas_kernels.ragged_attention.pallas_tpu import ragged_pass_tpu
 from pallas_kernels.ragged_attention.work_items import (
     Segment,
@@ -29,9 +26,14 @@ from pallas_kernels.ragged_attention.work_items import (
     build_pass,
     build_shared_pass,
 )
+from tests.kernel_references import ragged_attention_reference
 from tests.test_ragged_attention_gpu import TOLERANCE, _case, _check
 
 PASS = functools.partial(ragged_pass_tpu, interpret=True)
+# As the engine runs it, inside one compiled program (chunk, softcap, shared_last and the pass
+# static): called eagerly, each of its loops and operations compiles on its own.
+_xla_jitted = jax.jit(ragged_attention_xla, static_argnums=(5, 7, 8, 9))
+
 # A long decode row, a prefill chunk starting mid-page after a cached prefix, a short decode
 # row, a chunk from position 0.
 LENGTHS = [(40, 1), (13, 24), (5, 1), (0, 7)]
@@ -47,7 +49,7 @@ def test_tpu_pass_matches_the_reference(page_size, dtype, window, softcap, max_r
     # programs, each reading the tile's pages.
     monkeypatch.setattr(pallas_tpu, "MAX_ROWS", max_rows)
     args, truth = _case(LENGTHS, page_size, 2, 3, dtype, 2, 7, window=window, softcap=softcap)
-    ours = ragged_attention_xla(*args, 16, jnp.int32(window), softcap, False, PASS)
+    ours = _xla_jitted(*args, 16, jnp.int32(window), softcap, False, PASS)
     assert ours.dtype == dtype
     _check(ours, truth, dtype, LENGTHS)
 
@@ -73,7 +75,7 @@ def test_tpu_pass_merges_a_shared_prefix_by_its_log_sum_exps():
     own = build_pass(rows, q_tile=1, kv_tile=2, **sizes)
     common = build_shared_pass([SharedPrefix([0, 1, 2], prefix)], q_tile=4, kv_tile=4, **sizes)
     q = jnp.asarray(rng.normal(size=(4, kvh * g, hd)), jnp.float32)
-    ours = ragged_attention_xla(
+    ours = _xla_jitted(
         q, k_pages, v_pages, jnp.asarray(positions), (own, common), 16, 0, 0.0, True, PASS
     )
     table = jnp.asarray([*tables, tables[0]])
