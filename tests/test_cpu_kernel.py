@@ -26,9 +26,10 @@ from pallas_kernels.block_selection.cpu import select_blocks_cpu
 from pallas_kernels.block_selection.xla import select_blocks_xla
 from pallas_kernels.page_scores.cpu import page_bounds_cpu
 from pallas_kernels.page_scores.reference import block_upper_bounds
-from pallas_kernels.ragged_attention import ragged_attention_reference, ragged_attention_xla
+from pallas_kernels.ragged_attention import ragged_attention_xla
 from pallas_kernels.ragged_attention.cpu import ragged_pass_cpu
 from tests.hypothesis_profiles import examples
+from tests.kernel_references import ragged_attention_reference
 from tests.subprocess_env import subprocess_env
 from tests.test_ragged_attention import MAX_CACHED, MAX_EXTRA, MAX_NEW, MAX_SEQS, _case
 
@@ -41,6 +42,10 @@ _with_kernel = jax.jit(
     static_argnums=6,
 )
 _pass_alone = jax.jit(ragged_pass_cpu, static_argnums=6)
+# The definitions the C++ scorer and selection are checked against, one program per shape
+# (eagerly, each of their operations would compile on its own).
+_block_upper_bounds = jax.jit(block_upper_bounds)
+_select_blocks_xla = jax.jit(select_blocks_xla, static_argnums=6)  # max_kept
 
 
 def _reference_lse(q, k_pages, v_pages, positions, token_seq, table, window, softcap):
@@ -209,7 +214,7 @@ def test_page_bounds_match_the_quest_bound_of_every_held_page(shared):
     q = jnp.asarray(rng.normal(size=(rows, heads, head_dim)), jnp.float32)
     held = np.array([1, 70, 130])
     ours = np.asarray(page_bounds_cpu(q, k_min, k_max, table, jnp.asarray(held), shared))
-    truth = np.asarray(block_upper_bounds(q, k_min, k_max, table))  # [B, KVH, P]
+    truth = np.asarray(_block_upper_bounds(q, k_min, k_max, table))  # [B, KVH, P]
     if shared:
         truth = truth.max(axis=1, keepdims=True)
     for row, count in enumerate(held):
@@ -268,7 +273,7 @@ def test_block_selection_keeps_what_the_xla_selection_keeps(by_mass, shared):
         ranked = np.where(forced, np.inf, np.where(block < n, hot, -np.inf))
         for max_kept in (12, 48):
             args = (scores, num_blocks, budget, *settings, max_kept, mass)
-            want, want_counts = select_blocks_xla(*args)
+            want, want_counts = _select_blocks_xla(*args)
             got, counts = select_blocks_cpu(*args)
             np.testing.assert_array_equal(np.asarray(counts), np.asarray(want_counts))
             for r, h in np.ndindex(rows, heads):
