@@ -9,6 +9,7 @@ must match that reference as closely as float32 ones match the plain one.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,6 +22,13 @@ from etjax.entropy.estimators import exact_entropy
 from etjax.errors import FieldError
 
 PROMPT_LEN, NEW = 21, 10
+# As a step runs it, one program per pool: eagerly, each of its operations compiles alone.
+_write_kv = jax.jit(write_kv)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_hf_dir):
+    return etjax.load_model(tiny_hf_dir("llama"))
 
 
 def _reference_logits(directory, ids: np.ndarray, dtype: str) -> np.ndarray:
@@ -51,9 +59,8 @@ def _reference_logits(directory, ids: np.ndarray, dtype: str) -> np.ndarray:
 # float16 through the engine; bfloat16 takes the same path (the kernels read any dtype and
 # compute in float32), and what it stores is checked below without compiling an engine again.
 @pytest.mark.parametrize("dtype", ["float16"])
-def test_16_bit_cache_matches_transformers_with_rounded_keys_and_values(tiny_hf_dir, dtype):
+def test_16_bit_cache_matches_transformers_with_rounded_keys_and_values(tiny_hf_dir, tiny, dtype):
     directory = tiny_hf_dir("llama")
-    tiny = etjax.load_model(directory)
     prompt = np.random.default_rng(3).integers(3, tiny.config.vocab_size, PROMPT_LEN).tolist()
     # Chunked prefill, then decode bursts: both read keys the engine stored in 16 bits.
     options = RuntimeOptions(page_size=4, steps_per_sync=4, prefill_chunk=8, kv_dtype=dtype)
@@ -69,19 +76,19 @@ def test_16_bit_cache_matches_transformers_with_rounded_keys_and_values(tiny_hf_
     np.testing.assert_allclose(out.logprob, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_bfloat16_cache_takes_half_the_bytes(tiny_hf_dir):
-    cfg = etjax.load_model(tiny_hf_dir("llama")).config
+def test_bfloat16_cache_takes_half_the_bytes(tiny):
+    cfg = tiny.config
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
     assert kv_cache_bytes(cfg, 10, 4) == 10 * 4 * per_token * 4  # the model's float32
     assert kv_cache_bytes(cfg, 10, 4, "bfloat16") == 10 * 4 * per_token * 2
 
 
-def test_bfloat16_cache_stores_rounded_keys_and_their_bounds(tiny_hf_dir):
-    cfg = etjax.load_model(tiny_hf_dir("llama")).config
+def test_bfloat16_cache_stores_rounded_keys_and_their_bounds(tiny):
+    cfg = tiny.config
     pool = page_pool(init_kv_cache(cfg, 4, 4, dtype="bfloat16"))
     keys = jnp.asarray(np.random.default_rng(0).normal(size=(3, cfg.num_kv_heads, cfg.head_dim)))
     keys = keys.astype(jnp.float32)
-    pool = write_kv(pool, keys, 2 * keys, jnp.asarray([1, 1, 2]), jnp.asarray([0, 1, 4]))
+    pool = _write_kv(pool, keys, 2 * keys, jnp.asarray([1, 1, 2]), jnp.asarray([0, 1, 4]))
     rounded = np.asarray(keys.astype(jnp.bfloat16).astype(jnp.float32))
     assert pool.k.dtype == jnp.bfloat16
     np.testing.assert_array_equal(
@@ -91,11 +98,11 @@ def test_bfloat16_cache_stores_rounded_keys_and_their_bounds(tiny_hf_dir):
     np.testing.assert_array_equal(np.asarray(pool.k_max[1]), rounded[:2].max(axis=0))
 
 
-def test_float16_cache_saturates_instead_of_overflowing(tiny_hf_dir):
-    cfg = etjax.load_model(tiny_hf_dir("llama")).config
+def test_float16_cache_saturates_instead_of_overflowing(tiny):
+    cfg = tiny.config
     pool = page_pool(init_kv_cache(cfg, 4, 4, dtype="float16"))
     big = jnp.full((1, cfg.num_kv_heads, cfg.head_dim), 1e6, jnp.float32)
-    pool = write_kv(pool, big, -big, jnp.asarray([1]), jnp.asarray([0]))
+    pool = _write_kv(pool, big, -big, jnp.asarray([1]), jnp.asarray([0]))
     assert float(pool.k[1, 0, 0, 0]) == 65504.0 and float(pool.v[1, 0, 0, 0]) == -65504.0
     assert float(pool.k_max[1, 0, 0]) == 65504.0  # the bounds are of what is stored
 
