@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from etjax.drafting import DraftHistory, SpeculationConfig, TokenHistory, lookup_draft
+from etjax.drafting import DraftHistory, SpeculationConfig, StepCosts, TokenHistory, lookup_draft
 from etjax.drafting.rule import (
     draft_lengths,
     expected_accepted,
@@ -301,6 +301,14 @@ def test_prompt_lookup_by_hand():
     assert lookup_draft(np.array([1, 2, 3], np.int32), 4, 3, 1) == []  # no repeat
     assert lookup_draft(np.array([4, 1, 4], np.int32), 2, 3, 2) == []  # tails shorter than 2
     assert lookup_draft(ctx, 0, 3, 1) == []
+    # A list copied: items 10 11, 20 21, 30 31 after separators 5 6; the copy has reached
+    # "5 6" after its first item. The latest "5 6" (ngram_max 2) is the copy's own, which
+    # proposes the item just copied; the longest tail, "10 11 5 6", is found in the list.
+    copy = np.array([5, 6, 10, 11, 5, 6, 20, 21, 5, 6, 30, 31, 9, 5, 6, 10, 11, 5, 6], np.int32)
+    assert lookup_draft(copy, 2, 2, 1) == [10, 11]
+    assert lookup_draft(copy, 2, 16, 1) == [20, 21]
+    assert lookup_draft(copy, 2, 16, 6) == [20, 21]  # the longest: "5 6 10 11 5 6"
+    assert lookup_draft(copy, 2, 16, 7) == []  # no tail of 7 recurs
 
 
 def test_token_history_grows_with_the_output():
@@ -396,14 +404,17 @@ def test_resting_rows_relax_towards_the_pool_and_the_pool_slowly_towards_the_pri
 
 def test_verification_is_turned_down_where_a_burst_step_makes_tokens_cheaper():
     # The CPU's costs: a pass of n padded tokens costs 5 + n, verifying 0.5 more per padded
-    # row. One row, 4 drafts at a = 0.8: E = 0.8 + 0.64 + 0.512 + 0.4096 = 2.3616 accepted;
-    # verifying: (5 + 8 + 0.5) / 3.3616 = 4.02 per token, a burst step (5 + 1) / 1 = 6: pays.
+    # row; a verifying step alone pads a lone row's token and drafts to 2, 4 or 8. One row,
+    # 4 drafts at a = 0.8: E = 0.8 + 0.64 + 0.512 + 0.4096 = 2.3616 accepted; verifying:
+    # (5 + 8 + 0.5) / 3.3616 = 4.02 per token, a burst step (5 + 1) / 1 = 6: pays.
     cfg = SpeculationConfig(enabled=True, max_draft=4, pass_fixed_tokens=5.0, verify_row_tokens=0.5)
     assert expected_accepted(4, 0.8) == pytest.approx(2.3616)
     assert verification_pays([4], [0.8], cfg)
-    assert draft_lengths([0.1], [DraftHistory(0.8)], cfg, budget=100) == [4]
-    # One drafted token at a = 0.5: (5 + 8 + 0.5) / 1.5 = 9 > 6: a burst step is cheaper.
-    assert not verification_pays([1], [0.5], cfg)
+    # But 3 drafts fill 4 slots: (5 + 4 + 0.5) / 2.952 = 3.22 per token, cheaper still (1
+    # draft: 7.5 / 1.8 = 4.17), so the row that wants 4 (0.8 ** 4 >= 0.25) drafts 3.
+    assert draft_lengths([0.1], [DraftHistory(0.8)], cfg, budget=100) == [3]
+    # One drafted token at a = 0.2: (5 + 2 + 0.5) / 1.2 = 6.25 > 6: a burst step is cheaper.
+    assert not verification_pays([1], [0.2], cfg)
     # Fifteen rows, one drafts a token at a = 0.9 (the full loop's drained batch): verifying
     # (5 + 16 + 0.5 * 16) / 15.9 = 1.82 per token against (5 + 16) / 15 = 1.40: turned down,
     # and the confident row's estimate relaxes towards the prior (0.72).
@@ -416,6 +427,23 @@ def test_verification_is_turned_down_where_a_burst_step_makes_tokens_cheaper():
     eager = dataclasses.replace(cfg, **EAGER)
     assert draft_lengths(entropies, [DraftHistory(0.9)] * 15, eager, budget=100)[0] == 1
     assert not verification_pays([0, 0], [0.9, 0.9], eager)  # nothing drafted: nothing to gain
+
+
+def test_a_lone_row_drafts_what_fills_the_bucket_that_pays_best_on_measured_costs():
+    # Measured at batch 1: a burst step 10 ms; verifying 2, 4 and 8 slots 14, 18 and 27 ms
+    # (1.4x, 1.8x, 2.7x). Per burst step of cost, a row accepting a = 0.6 commits with 1
+    # draft 1.6 / 1.4 = 1.14 tokens; with 3, (1 + 0.6 + 0.36 + 0.216) / 1.8 = 1.21. It
+    # wants 2 (0.6 ** 2 >= 0.25 > 0.6 ** 3), which pad to 4 slots anyway, so it drafts 3.
+    costs = StepCosts(burst={1: 0.010}, verify={(1, 2): 0.014, (1, 4): 0.018, (1, 8): 0.027})
+    cfg = SpeculationConfig(enabled=True)
+    assert wanted_length(0.1, DraftHistory(0.6), cfg) == 2
+    assert draft_lengths([0.1], [DraftHistory(0.6)], cfg, 100, costs=costs) == [3]
+    # At a = 0.95: 3 drafts commit 3.71 / 1.8 = 2.06, 7 commit (1 + 5.73) / 2.7 = 2.49.
+    assert draft_lengths([0.1], [DraftHistory(0.95)], cfg, 100, costs=costs) == [7]
+    # At a = 0.3 (wants 1): 1.3 / 1.4 = 0.93 < 1, a burst step commits more.
+    assert draft_lengths([0.1], [DraftHistory(0.3)], cfg, 100, costs=costs) == [0]
+    # Within a budget of 2 drafts, 2 in 4 slots commit (1 + 0.96) / 1.8 = 1.09: 1 does better.
+    assert draft_lengths([0.1], [DraftHistory(0.6)], cfg, 2, costs=costs) == [1]
 
 
 @pytest.mark.parametrize(

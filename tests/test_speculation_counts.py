@@ -79,9 +79,10 @@ def test_counts_of_a_copying_request_by_hand():
     # Prefill (14 tokens in chunks of 8) takes two rounds; then, by hand:
     # - no token yet, so no entropy: a burst of K = 4 steps, T0..T3 (4 passes);
     # - acceptance 0.72 (the prior): 0.72 ** 4 >= 0.25, max_draft 3 drafts T5..T7 after the
-    #   row's own T4; the cost model prices the verifying step at (5 + 8 + 0.5) / (5 + 1) =
-    #   2.25 burst steps against 1 + 0.72 + 0.72**2 + 0.72**3 = 2.61 tokens: it verifies, all 3
-    #   accepted (1 pass, 4 tokens);
+    #   row's own T4; the cost model prices the verifying step (4 tokens) at (5 + 4 + 0.5) /
+    #   (5 + 1) = 1.58 burst steps against 1 + 0.72 + 0.72**2 + 0.72**3 = 2.61 tokens (1 draft:
+    #   1.25 against 1.72, fewer per step of cost): it verifies 3, all accepted (1 pass, 4
+    #   tokens);
     # - acceptance 0.7 * 0.72 + 0.3 = 0.804: 3 drafts again, all accepted: T8..T11, done.
     # 12 tokens = 6 passes + 6 accepted drafts, in 2 verifying passes.
     engine, prompt = _copying_engine(None)
@@ -92,19 +93,20 @@ def test_counts_of_a_copying_request_by_hand():
 
 
 def test_a_measured_verifying_step_too_dear_turns_the_drafts_down():
-    # The same request on a machine where a verifying step costs 3 burst steps (measured):
-    # 3 drafts at 0.72 gain 2.61 tokens < 3, so every round bursts (12 passes, no drafts).
-    # Where it costs 2 (1 + 1.61 > 2), the rounds verify as with the cost model.
-    dear = StepCosts(burst={1: 0.010}, verify={(1, 8): 0.030}, frozen=True)
+    # The same request on a machine where a verifying step of 4 tokens costs 3 burst steps
+    # (measured): 3 drafts at 0.72 make 2.61 tokens < 3, 1 draft in 2 tokens (priced by the
+    # model's ratio, 3 * 7.5 / 9.5 = 2.37) 1.72, so every round bursts (12 passes, no
+    # drafts). Where it costs 2 (1 + 1.61 > 2), the rounds verify as with the cost model.
+    dear = StepCosts(burst={1: 0.010}, verify={(1, 4): 0.030}, frozen=True)
     engine, prompt = _copying_engine(dear)
     (out,) = engine.generate([prompt], [RequestSettings(12)])
     assert out.token_ids == [token_of(1, i) for i in range(12)]
     assert _counts(out.metrics) == (12.0, 0.0, 0.0, 0.0)
-    cheap = StepCosts(burst={1: 0.010}, verify={(1, 8): 0.020}, frozen=True)
+    cheap = StepCosts(burst={1: 0.010}, verify={(1, 4): 0.020}, frozen=True)
     engine, prompt = _copying_engine(cheap)
     (out,) = engine.generate([prompt], [RequestSettings(12)])
     assert _counts(out.metrics) == (6.0, 6.0, 6.0, 2.0)
-    # measured_costs off: the cost model decides (2.25 < 2.61), whatever was measured.
+    # measured_costs off: the cost model decides (1.58 < 2.61), whatever was measured.
     engine, prompt = _copying_engine(dear, measured_costs=False)
     (out,) = engine.generate([prompt], [RequestSettings(12)])
     assert _counts(out.metrics) == (6.0, 6.0, 6.0, 2.0)
@@ -112,11 +114,12 @@ def test_a_measured_verifying_step_too_dear_turns_the_drafts_down():
 
 def test_the_engine_records_whole_bursts_and_verifying_steps():
     # The copying run above: one whole burst (T0..T3) and two verifying steps of 1 row and
-    # 3 drafts (token bucket 8). The mock compiles nothing, so every call is a sample.
+    # 3 drafts (token bucket 4: a verifying step alone pads to 2, 4, 8, ...). The mock
+    # compiles nothing, so every call is a sample.
     costs = StepCosts()
     engine, prompt = _copying_engine(costs)
     engine.generate([prompt], [RequestSettings(12)])
-    assert costs.samples() == {"burst rows=1": 1, "verify rows=1 tokens=8": 2}
+    assert costs.samples() == {"burst rows=1": 1, "verify rows=1 tokens=4": 2}
     # A burst cut short (2 tokens left: the scan's last steps run no row) is no sample.
     engine, prompt = _copying_engine(costs, enabled=False)
     engine.generate([prompt], [RequestSettings(6)])
@@ -132,14 +135,16 @@ def test_step_costs_read_medians_and_scale_unmeasured_shapes_by_the_model():
         costs.record_burst(1, seconds)
     assert costs.burst_seconds(1) == pytest.approx(0.044)  # median of 40, 50, 44 ms
     for seconds in (0.090, 0.500, 0.092):  # one slow call moves nothing
-        costs.record_verify(1, 3, 1, seconds)  # one drafted position checked
-    assert costs.verify_seconds(1, 7, None, 1) == pytest.approx(0.092)  # same bucket: 8 tokens
-    ratio, source = step_cost_ratio(1, 3, cfg, costs, 1.0)
+        costs.record_verify(1, 7, 1, seconds)  # one drafted position checked
+    assert costs.verify_seconds(1, 4, None, 1) == pytest.approx(0.092)  # same bucket: 8 tokens
+    ratio, source = step_cost_ratio(1, 7, cfg, costs, 1.0)
     assert ratio == pytest.approx(0.092 / 0.044) and source.startswith("measured")
     # 1 row and 12 drafts: 16 tokens, not measured; from the 8-token step by the model's
-    # ratio, (5 + 16 + 0.5) / (5 + 8 + 0.5).
+    # ratio, (5 + 16 + 0.5) / (5 + 8 + 0.5); 3 drafts, 4 tokens: (5 + 4 + 0.5) / 13.5.
     ratio, _ = step_cost_ratio(1, 12, cfg, costs, 1.0)
     assert ratio == pytest.approx(0.092 * 21.5 / 13.5 / 0.044)
+    ratio, _ = step_cost_ratio(1, 3, cfg, costs, 1.0)
+    assert ratio == pytest.approx(0.092 * 9.5 / 13.5 / 0.044)
     # Steps that checked all 7 positions: 158 and 160 ms. At 2.5 positions, a quarter of the
     # way from 1 to 7: 92 + 0.25 * (159 - 92) = 108.75 ms; past 7 (or below 1), the nearest.
     costs.record_verify(1, 7, 7, 0.158)
@@ -209,8 +214,8 @@ def test_verifying_figures_not_refreshed_for_stale_bursts_are_forgotten():
 def test_the_gate_on_measured_costs_both_ways_and_its_debug_line(caplog):
     cfg = SpeculationConfig(enabled=True, max_draft=3)
     # 3 drafts at 0.72: 1 + 2.61 tokens per verifying step against 1 per burst step.
-    cheap = StepCosts(burst={1: 0.04}, verify={(1, 8): 0.10}, frozen=True)  # 2.5x
-    dear = StepCosts(burst={1: 0.04}, verify={(1, 8): 0.15}, frozen=True)  # 3.75x
+    cheap = StepCosts(burst={1: 0.04}, verify={(1, 4): 0.10}, frozen=True)  # 2.5x
+    dear = StepCosts(burst={1: 0.04}, verify={(1, 4): 0.15}, frozen=True)  # 3.75x
     with caplog.at_level(logging.DEBUG, logger="etjax"):
         assert verification_pays([3], [0.72], cfg, cheap)
         assert not verification_pays([3], [0.72], cfg, dear)

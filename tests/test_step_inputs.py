@@ -76,6 +76,26 @@ def test_mixed_step_without_drafts_or_speculation_verifies_nothing_and_pads_to_i
     assert mixed_inputs(GEOMETRY, [4], [[6]], [1], [1.0], [], [[]], True).max_draft == 3
 
 
+def test_a_verifying_step_alone_pads_to_its_own_bucket_and_checks_what_its_slots_hold():
+    # One row and 1 draft: 2 slots, 1 draft checked; 2 drafts: 4 slots, 3 (the engine's
+    # max_draft) checked. Two rows drafting 1 and 3: 6 tokens in 8 slots.
+    one = mixed_inputs(GEOMETRY, [4], [[6]], [1], [1.0], [], [[9]], speculating=True)
+    assert one.batch.tokens.shape == (2,) and one.max_draft == 1
+    np.testing.assert_array_equal(one.batch.tokens, [0, 9])
+    np.testing.assert_array_equal(one.batch.positions, [1, 2])
+    two = mixed_inputs(GEOMETRY, [4], [[6]], [1], [1.0], [], [[9, 8]], speculating=True)
+    assert two.batch.tokens.shape == (4,) and two.max_draft == 3
+    rows = mixed_inputs(
+        GEOMETRY, [4, 5], [[6], [7, 8]], [1, 2], [1.0] * 2, [], [[9], [8, 7, 3]], True
+    )
+    assert rows.batch.tokens.shape == (8,) and rows.max_draft == 3
+    np.testing.assert_array_equal(rows.batch.decode_slot, [0, 2])
+    # Beside a chunk the step pads as any ragged step, to 8 at least, with every draft slot.
+    job = PrefillJob(row=1, tokens=[40], start=0, pages=[20])
+    mixed = mixed_inputs(GEOMETRY, [4], [[6]], [1], [1.0], [job], [[9]], speculating=True)
+    assert mixed.batch.tokens.shape == (8,) and mixed.max_draft == 3
+
+
 @pytest.mark.parametrize(
     "rows, drafts, message",
     [

@@ -21,7 +21,9 @@ class SpeculationConfig:
     max_draft: the most tokens one sequence drafts per step; static (the verification pass
       checks this many positions), so a larger value costs every verifying step a little.
     ngram_max, ngram_min: the longest and shortest tail of the sequence matched against its
-      earlier tokens (longest first).
+      earlier tokens (the longest found decides: etjax/drafting/ngram.py; 16 tells apart
+      the places a list's or a passage's short tails recur, where 3 drafted the item just
+      copied; docs/PERF.md, "Reading speculation at batch 1").
     entropy_max: no drafting after a token drawn from a distribution with more entropy than
       this (nats): the model is unsure, a copied continuation is unlikely to survive.
     acceptance_prior: the expected fraction of drafts accepted before a sequence has history
@@ -59,7 +61,7 @@ class SpeculationConfig:
 
     enabled: bool = False
     max_draft: int = 7
-    ngram_max: int = 3
+    ngram_max: int = 16
     ngram_min: int = 1
     entropy_max: float = 1.5
     acceptance_prior: float = 0.72

@@ -43,7 +43,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 
-from etjax.buckets import batch_bucket, ragged_token_bucket
+from etjax.buckets import batch_bucket, next_power_of_two
 
 WINDOW = 16  # samples kept per shape: the recent ones (the context grows, the cost with it)
 MIN_SAMPLES = 2  # samples a shape needs before the gate reads it
@@ -51,6 +51,19 @@ MIN_SAMPLES = 2  # samples a shape needs before the gate reads it
 # are forgotten: at batch 1, 256 tokens; a gate shut on costs that hold pays the cost
 # model's verifying steps (two, to measure again) once in that many bursts.
 STALE_BURSTS = 32
+# The fewest token slots a verifying step pads to: a lone row and one draft.
+MIN_VERIFY_TOKENS = 2
+
+
+def verify_token_bucket(num_tokens: int) -> int:
+    """Padded token count of a verifying step without prefill chunks (its rows' tokens and
+    drafts): a power of two from `MIN_VERIFY_TOKENS` up, where a step with chunks pads to
+    8 at least (`ragged_token_bucket`). On a CPU with 4-bit weights a step's products cost
+    with their rows (SmolLM2's at batch 1 on a 2-core Zen 4: 1, 2, 4 and 8 rows 14, 16, 20
+    and 32 ms of CPU time, docs/PERF.md), so a lone row checking 1 or 3 drafts runs 2 or 4
+    slots, not 8. At most two programs more per row bucket (2 and 4 tokens), only at the
+    smallest batches."""
+    return next_power_of_two(num_tokens, minimum=MIN_VERIFY_TOKENS)
 
 
 class StepCosts:
@@ -95,7 +108,7 @@ class StepCosts:
         """One ragged step of `rows` rows verifying `drafted` tokens (no prefill), which
         checked `checked` drafted positions, took `seconds`."""
         if not self.frozen:
-            shape = (batch_bucket(rows), ragged_token_bucket(rows + drafted))
+            shape = (batch_bucket(rows), verify_token_bucket(rows + drafted))
             self._verify.setdefault(shape, deque(maxlen=WINDOW)).append((checked, seconds))
             self._since_verify[shape[0]] = 0
 
@@ -111,7 +124,7 @@ class StepCosts:
         token bucket of its row bucket scaled by `model(rows, tokens)` (the cost model's
         price of a step of that many tokens); None when no verifying step of its row bucket
         is measured."""
-        bucket, tokens = batch_bucket(rows), ragged_token_bucket(rows + drafted)
+        bucket, tokens = batch_bucket(rows), verify_token_bucket(rows + drafted)
         exact = _at_positions(self._verify.get((bucket, tokens)), checked)
         if exact is not None:
             return exact

@@ -27,10 +27,9 @@ where the grammar forces a run, the run replaces the lookup.
 
 from __future__ import annotations
 
-from etjax.buckets import ragged_token_bucket
 from etjax.constraints.matcher import forced_tokens, valid_prefix
 from etjax.drafting.config import SpeculationConfig
-from etjax.drafting.costs import StepCosts
+from etjax.drafting.costs import StepCosts, verify_token_bucket
 from etjax.drafting.rule import verification_pays
 
 
@@ -106,7 +105,7 @@ def with_forced_drafts(
         return out, forced
     # Turned down: the runs cut to the padding the step's token bucket has anyway (a
     # drained batch of 20 rows runs 32 tokens), which may pay where the whole runs did not.
-    room = ragged_token_bucket(len(drafts) + sum(len(d) for d in drafts)) - len(drafts)
+    room = verify_token_bucket(len(drafts) + sum(len(d) for d in drafts)) - len(drafts)
     room -= sum(len(d) for j, d in enumerate(drafts) if not forced[j])
     for j in range(len(out)):
         if forced[j]:

@@ -8,27 +8,37 @@ import numpy as np
 def lookup_draft(context: np.ndarray, length: int, ngram_max: int, ngram_min: int) -> list[int]:
     """Up to `length` tokens proposed to follow `context` [n] int32 (prompt and output so far).
 
-    The last g tokens (g from ngram_max down to ngram_min) are searched for in the earlier
-    context; at the latest match followed by `length` tokens (else the latest match), the
-    tokens that followed it are proposed (fewer where the context ends first). No match: no
-    draft. One vectorised comparison per tail length, so a
-    round costs microseconds per sequence even at thousands of tokens.
+    The earlier occurrences of the context's last g tokens are found for g from 1 up, each
+    tail's among the last one's, until none is left or g reaches ngram_max: the longest tail
+    found (at least ngram_min tokens) decides. Of its occurrences, the latest followed by
+    `length` tokens (else the latest) proposes the tokens that followed it (fewer where the
+    context ends first). No match: no draft.
+
+    Longest, not latest: copying a list or a passage, a short tail ("\n- ") recurs after
+    every item, and its latest occurrence is the item just copied, whose successor is
+    rejected at once; the longest tail is found where the text being copied continues.
+    Each step compares only the occurrences left, so a lookup costs one pass over the
+    context and microseconds per sequence even at thousands of tokens.
     """
     n = len(context)
-    if length <= 0:
+    if length <= 0 or n < 2:
         return []
-    for g in range(min(ngram_max, n - 1), ngram_min - 1, -1):
-        tail = context[n - g :]
-        # Windows starting at 0 .. n - g - 1: every occurrence before the tail itself.
-        starts = np.ones(n - g, bool)
-        for offset in range(g):
-            starts &= context[offset : n - g + offset] == tail[offset]
-        hits = np.flatnonzero(starts)
-        if len(hits):
-            whole = hits[hits + g + length <= n]
-            follow = (whole[-1] if len(whole) else hits[-1]) + g
-            return context[follow : follow + length].tolist()
-    return []
+    # The ends (exclusive) of the tail's earlier occurrences, g tokens long: ends <= n - 1.
+    ends = np.flatnonzero(context[: n - 1] == context[n - 1]) + 1
+    found, g = None, 1
+    while len(ends):
+        if g >= ngram_min:
+            found = ends
+        if g == min(ngram_max, n - 1):
+            break
+        ends = ends[ends > g]  # room for one more token before the occurrence
+        ends = ends[context[ends - g - 1] == context[n - g - 1]]
+        g += 1
+    if found is None:
+        return []
+    whole = found[found + length <= n]
+    follow = whole[-1] if len(whole) else found[-1]
+    return context[follow : follow + length].tolist()
 
 
 class TokenHistory:
