@@ -142,7 +142,7 @@ def main() -> None:
     cases = [(kind, i, text) for kind, texts in kinds.items() for i, text in enumerate(texts)]
 
     def run(text: str, setting: str):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         (result,) = etjax.decode(
             text,
             model=model,
@@ -152,21 +152,29 @@ def main() -> None:
             max_batch_size=1,
             speculation=setting == "on",
         )
-        return time.perf_counter() - started, result
+        return time.perf_counter() - started, time.process_time() - cpu, result
 
     first = {}
     for kind, i, text in cases:  # warm-up: compiles, and the gate's costs are measured
         for setting in SETTINGS:
-            first[(kind, i, setting)] = run(text, setting)[1]
+            first[(kind, i, setting)] = run(text, setting)[2]
     seconds = {(kind, i, s): [] for kind, i, _ in cases for s in SETTINGS}
-    counts, identical = {}, {}
+    cpu_seconds = {key: [] for key in seconds}
+    counts = {key: [] for key in seconds}
+    identical = {}
     for rep in range(args.repeats):
         order = SETTINGS if rep % 2 == 0 else SETTINGS[::-1]
         for kind, i, text in cases:
             for setting in order:
-                elapsed, result = run(text, setting)
+                elapsed, cpu, result = run(text, setting)
                 seconds[(kind, i, setting)].append(elapsed)
-                counts[(kind, i, setting)] = {name: getattr(result, name) for name in DRAFT_COUNTS}
+                cpu_seconds[(kind, i, setting)].append(cpu)
+                # Every repetition's: the gate's inputs carry over from call to call (its
+                # measured costs, per process), so one prompt can draft in one repetition
+                # and not in the next.
+                counts[(kind, i, setting)].append(
+                    {name: getattr(result, name) for name in DRAFT_COUNTS}
+                )
                 same = result.token_ids == first[(kind, i, "off")].token_ids
                 identical[(kind, i)] = identical.get((kind, i), True) and same
             print(kind, i, {s: f"{seconds[(kind, i, s)][-1]:.2f} s" for s in SETTINGS}, flush=True)
@@ -175,7 +183,7 @@ def main() -> None:
         for (kind, i, setting), result in first.items()
         if setting == "off"
     }
-    raw = _raw(args, cases, seconds, counts, identical, copied, load_start)
+    raw = _raw(args, cases, (seconds, cpu_seconds), counts, identical, copied, load_start)
     raw["weights"] = model.weights_format  # what load_model's default ("auto") held
     markdown = _markdown(raw)
     print(markdown)
@@ -184,9 +192,11 @@ def main() -> None:
 
 
 def _raw(args, cases, seconds, counts, identical, copied, load_start) -> dict:
+    seconds, cpu_seconds = seconds
     rows = []
     for kind, i, text in cases:
         off, on = seconds[(kind, i, "off")], seconds[(kind, i, "on")]
+        cpu_off, cpu_on = cpu_seconds[(kind, i, "off")], cpu_seconds[(kind, i, "on")]
         rows.append(
             {
                 "kind": kind,
@@ -196,7 +206,12 @@ def _raw(args, cases, seconds, counts, identical, copied, load_start) -> dict:
                 "on_s": on,
                 # Paired: each repetition's two runs were next to each other.
                 "ratio": statistics.median(b / a for a, b in zip(off, on, strict=True)),
-                "counts": counts[(kind, i, "on")],
+                # The process's CPU time (its threads summed): what other processes' load
+                # moves less than the wall clock.
+                "cpu_off_s": cpu_off,
+                "cpu_on_s": cpu_on,
+                "cpu_ratio": statistics.median(b / a for a, b in zip(cpu_off, cpu_on, strict=True)),
+                "counts": counts[(kind, i, "on")],  # one per repetition
                 "identical": identical[(kind, i)],
                 "copied": copied[(kind, i)],
             }
@@ -237,33 +252,53 @@ def _markdown(raw: dict) -> str:
         'above word for word."; free-form: an instruction with little to copy. Copied: the '
         "fraction of the plain greedy output's tokens in runs of at least "
         f"{raw['copy_run']} tokens found verbatim in the prompt. Counts: what speculation did "
-        "in the last repetition (`Result` fields).",
+        "(`Result` fields), the median (min-max) over the repetitions: the gate's measured "
+        "costs carry over from call to call, so a prompt may draft in one and not the next. "
+        "on / off CPU: the paired ratio of the process's CPU time (threads summed), which "
+        "other processes' load moves less than the wall clock.",
         "",
-        "| kind | prompt | copied | off s | on s | on / off | drafted | accepted | "
+        "| kind | prompt | copied | off s | on s | on / off | on / off CPU | drafted | accepted | "
         "verifying passes | model passes | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in raw["rows"]:
-        c = row["counts"]
+        c = _count_spreads(row["counts"])
         lines.append(
             f"| {row['kind']} | {row['prompt']} | {row['copied']:.0%} | {_spread(row['off_s'])} | "
-            f"{_spread(row['on_s'])} | {row['ratio']:.2f}x | {c['drafted_tokens']} | "
+            f"{_spread(row['on_s'])} | {row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x | "
+            f"{c['drafted_tokens']} | "
             f"{c['accepted_tokens']} | {c['verify_steps']} | {c['model_passes']} | "
             f"{'yes' if row['identical'] else 'NO'} |"
         )
-    lines += ["", "| kind | on / off (median of prompts) | target | identical |"]
-    lines.append("|---|---|---|---|")
+    lines += ["", "| kind | on / off (median of prompts) | CPU | target | identical |"]
+    lines.append("|---|---|---|---|---|")
     for kind, target in TARGETS.items():
         rows = [r for r in raw["rows"] if r["kind"] == kind]
         if rows:
             ratio = statistics.median(r["ratio"] for r in rows)
+            # Runs written before CPU time was recorded have none.
+            cpu = statistics.median(r.get("cpu_ratio", float("nan")) for r in rows)
             same = all(r["identical"] for r in rows)
-            lines.append(f"| {kind} | {ratio:.2f}x | {target} | {'yes' if same else 'NO'} |")
+            lines.append(
+                f"| {kind} | {ratio:.2f}x | {cpu:.2f}x | {target} | {'yes' if same else 'NO'} |"
+            )
     for medians in raw["step_costs"].values():
         if medians:
             shown = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in medians.items())
             lines += ["", f"The gate's measured step costs (median): {shown}."]
     return "\n".join(lines)
+
+
+def _count_spreads(counts: list[dict[str, int]]) -> dict[str, str]:
+    # Each count's median (min-max) over the repetitions; one value where they agree.
+    spreads = {}
+    for name in DRAFT_COUNTS:
+        values = [c[name] for c in counts]
+        low, high = min(values), max(values)
+        middle = statistics.median(values)
+        shown = f"{middle:g}"
+        spreads[name] = shown if low == high else f"{shown} ({low}-{high})"
+    return spreads
 
 
 def _spread(values: list[float]) -> str:
