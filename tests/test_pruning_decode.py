@@ -155,11 +155,14 @@ def test_dense_decode_through_the_pallas_gpu_ragged_kernel_gives_the_xla_outputs
         np.testing.assert_allclose(a.entropy[:6], b.entropy, rtol=1e-4, atol=1e-5)
 
 
-def test_pruned_rows_in_a_ragged_step_decode_as_they_do_alone(tiny, monkeypatch):
-    # A short prompt decodes while a long one is still prefilling in 16-token chunks: its
-    # pruned tokens then run inside ragged steps beside the chunks (dense chunk attention,
-    # pruned row attention in one pass). Alone, the same request decodes in K-step bursts
-    # only. Both must keep the same blocks and give the same tokens and entropies.
+def test_pruned_rows_in_a_ragged_step_decode_as_they_do_in_bursts(
+    tiny, three_prompts, low_budget_three, monkeypatch
+):
+    # The 37-token prompt decodes while a 144-token one is still prefilling in 16-token
+    # chunks: its pruned tokens then run inside ragged steps beside the chunks (dense chunk
+    # attention, pruned row attention in one pass). In `low_budget_three` the same request
+    # decodes in K-step bursts only (the three prompts prefill in one step). Both must keep
+    # the same blocks and give the same tokens and entropies.
     from etjax.engine.device import DeviceBackend
 
     rows_per_step = []
@@ -170,25 +173,22 @@ def test_pruned_rows_in_a_ragged_step_decode_as_they_do_alone(tiny, monkeypatch)
         return mixed(self, rows, *args)
 
     monkeypatch.setattr(DeviceBackend, "mixed", counting)
-    rng = np.random.default_rng(4)
-    short, long = (rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (48, 120))
-    pruning = LOW_BUDGET
-    settings = RequestSettings(max_new_tokens=8, ignore_eos=True)
-
-    def run(prompts):
-        options = RuntimeOptions(page_size=4, steps_per_sync=4, prefill_chunk=16, pruning=pruning)
-        return generate_ids(
-            tiny.weights, tiny.config, tiny.tokenizer, prompts, [settings] * len(prompts), options
-        )
-
-    (alone,) = run([short])
-    rows_per_step.clear()
-    together, _ = run([short, long])
-    assert max(rows_per_step) >= 1, "no pruned row shared a step with a chunk"
-    assert max(alone.kept_blocks) < -(-56 // 4)  # blocks were really dropped
-    assert together.kept_blocks == alone.kept_blocks
-    assert together.token_ids == alone.token_ids
-    np.testing.assert_allclose(together.entropy, alone.entropy, rtol=1e-4, atol=1e-5)
+    short = three_prompts[0]
+    long = np.random.default_rng(4).integers(3, tiny.config.vocab_size, size=144).tolist()
+    # Nine chunks: the long prompt prefills through every step of the short one's decode (one
+    # program), and stops at its first token, with no decode burst to compile.
+    settings = [RequestSettings(max_new_tokens=n, ignore_eos=True) for n in (6, 1)]
+    options = RuntimeOptions(page_size=4, steps_per_sync=4, prefill_chunk=16, pruning=LOW_BUDGET)
+    together, _ = generate_ids(
+        tiny.weights, tiny.config, tiny.tokenizer, [short, long], settings, options
+    )
+    in_bursts = low_budget_three[0]
+    # Each of the short one's steps after its prefill (one a token) ran beside a chunk.
+    assert rows_per_step.count(1) == len(together.token_ids), rows_per_step
+    assert max(in_bursts.kept_blocks) < -(-43 // 4)  # blocks were really dropped
+    assert together.kept_blocks == in_bursts.kept_blocks
+    assert together.token_ids == in_bursts.token_ids
+    np.testing.assert_allclose(together.entropy, in_bursts.entropy, rtol=1e-4, atol=1e-5)
 
 
 def test_rows_pruning_one_document_select_it_together_and_read_it_once(tiny):
