@@ -344,29 +344,34 @@ def test_draft_lengths_follow_entropy_acceptance_and_budget():
     assert draft_lengths([0.9, 0.1, 3.0], histories, cfg, budget=100) == [1, 4, 0]
     assert draft_lengths([0.9, 0.1, 3.0], histories, cfg, budget=2) == [0, 2, 0]
     assert draft_lengths([0.1] * 8, [DraftHistory(0.8)] * 8, cfg, budget=100) == [0] * 8
+    # 1 of 4 drafts accepted: the second was rejected, the last two never tried; the
+    # positions checked accepted 1 of 2.
     record = DraftHistory(0.5)
     record.record(4, 1, cfg)
-    assert record.acceptance == pytest.approx(0.7 * 0.5 + 0.3 * 0.25)
+    assert record.acceptance == pytest.approx(0.7 * 0.5 + 0.3 * 0.5)
     assert (record.drafted, record.accepted, record.verify_steps) == (4, 1, 1)
+    record.record(3, 3, cfg)  # all accepted: 3 of 3
+    assert record.acceptance == pytest.approx(0.7 * 0.5 + 0.3)
 
 
 def test_the_engine_pools_the_steps_lookup_drafts_for_new_sequences():
     cfg = SpeculationConfig(enabled=True, acceptance_prior=0.72, acceptance_memory=0.7)
     pool = DraftHistory(cfg.acceptance_prior)
     rows = [DraftHistory(0.72), DraftHistory(0.5), DraftHistory(0.9)]
-    # Two lookup rows (3 drafted, 1 accepted; 2 and 0) and a constrained row's forced run
-    # (4 of 4), which the pool leaves out: it takes 1 of 5 as one verification. The forced
-    # row's own estimate stays (its lookups may differ), its totals count the run.
+    # Two lookup rows (3 drafted, 1 accepted: 1 of the 2 positions checked; 2 drafted, 0
+    # accepted: 0 of 1) and a constrained row's forced run (4 of 4), which the pool leaves
+    # out: it takes 1 of 3 positions as one verification. The forced row's own estimate
+    # stays (its lookups may differ), its totals count the run.
     record_verification(rows, [3, 2, 4], [1, 0, 4], [True, True, False], pool, cfg)
-    assert [h.acceptance for h in rows] == pytest.approx([0.7 * 0.72 + 0.3 / 3, 0.7 * 0.5, 0.9])
+    assert [h.acceptance for h in rows] == pytest.approx([0.7 * 0.72 + 0.3 / 2, 0.7 * 0.5, 0.9])
     assert (rows[2].drafted, rows[2].accepted, rows[2].verify_steps) == (4, 4, 1)
-    assert pool.acceptance == pytest.approx(0.7 * 0.72 + 0.3 * 0.2)
+    assert pool.acceptance == pytest.approx(0.7 * 0.72 + 0.3 / 3)
     assert (pool.drafted, pool.accepted, pool.verify_steps) == (5, 1, 1)
     # A step whose only drafts were forced leaves the pool as it was.
     record_verification(rows[2:], [2], [2], [False], pool, cfg)
-    assert pool.acceptance == pytest.approx(0.7 * 0.72 + 0.3 * 0.2)
-    # After two more such steps a new sequence would start at 0.38 and draft one token where
-    # the prior gives it 4 (0.38 ** 2 < 0.25 = min_survival <= 0.72 ** 4).
+    assert pool.acceptance == pytest.approx(0.7 * 0.72 + 0.3 / 3)
+    # After two more such steps a new sequence would start at 0.47 and draft one token where
+    # the prior gives it 4 (0.47 ** 2 < 0.25 = min_survival <= 0.72 ** 4).
     for _ in range(2):
         record_verification(rows[:2], [3, 2], [1, 0], [True, True], pool, cfg)
     assert wanted_length(0.1, DraftHistory(pool.acceptance), cfg) == 1

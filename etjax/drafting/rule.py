@@ -77,11 +77,23 @@ class DraftHistory:
     verify_steps: int = 0  # steps in which it drafted
 
     def record(
-        self, drafted: int, accepted: int, cfg: SpeculationConfig, learn: bool = True
+        self,
+        drafted: int,
+        accepted: int,
+        cfg: SpeculationConfig,
+        learn: bool = True,
+        checked: int | None = None,
     ) -> None:
         """Fold one verification in: `accepted` of `drafted` tokens survived. `learn`: it
         moves the acceptance estimate too (a lookup's verdict; a grammar's forced run is
-        certain and says nothing of how lookups fare, so it only counts in the totals)."""
+        certain and says nothing of how lookups fare, so it only counts in the totals).
+
+        The estimate is of a drafted position's chance to be accepted once the ones before
+        it were (what `expected_accepted` reads): accepted over the positions checked, up
+        to the first rejection (`checked`, default min(drafted, accepted + 1)); the drafts
+        after it were never tried. Over all drafted, a row whose 7 drafts failed at the
+        fifth would read 4 / 7 = 0.57 where its positions held 4 / 5 = 0.8, and drafts
+        filling a step's padding (`best_lengths`) would drag it lower still."""
         if drafted <= 0:
             return
         self.drafted += drafted
@@ -89,8 +101,9 @@ class DraftHistory:
         self.verify_steps += 1
         if not learn:
             return
+        checked = min(drafted, accepted + 1) if checked is None else checked
         memory = cfg.acceptance_memory
-        self.acceptance = memory * self.acceptance + (1 - memory) * accepted / drafted
+        self.acceptance = memory * self.acceptance + (1 - memory) * accepted / checked
 
     def rest(
         self, cfg: SpeculationConfig, toward: float | None = None, memory: float | None = None
@@ -121,7 +134,8 @@ def record_verification(
         history.record(n, took, cfg, learn=is_lookup)
     rows = zip(drafted, accepted, lookup, strict=True)
     pooled = [(n, took) for n, took, is_lookup in rows if is_lookup]
-    pool.record(sum(n for n, _ in pooled), sum(took for _, took in pooled), cfg)
+    checked = sum(min(n, took + 1) for n, took in pooled)
+    pool.record(sum(n for n, _ in pooled), sum(took for _, took in pooled), cfg, checked=checked)
 
 
 def wanted_length(
