@@ -153,10 +153,12 @@ def test_verification_accepts_right_drafts_and_rejects_wrong_ones_beside_prefill
     assert all(0 < o.metrics["acceptance_rate"] < 1 for o in spec)
     assert all(o.metrics["passes_per_token"] < 1 for o in spec)
     assert all(b.cost_flops[-1] > a.cost_flops[-1] for a, b in zip(plain, spec, strict=True))
-    # The second drafted token is always wrong: a verifying pass accepts at most one draft.
+    # Every third token of a lookup is wrong: a verifying pass accepts at most one draft,
+    # but the first, which runs the row's pending first token with the whole lookup after
+    # it, at most two.
     for o in spec:
         m = o.metrics
-        assert 0 < m["mean_accepted_length"] <= 1
+        assert 0 < m["mean_accepted_length"] * m["verify_steps"] <= m["verify_steps"] + 1
         accepted = m["acceptance_rate"] * m["drafted_tokens"]
         assert m["mean_accepted_length"] * m["verify_steps"] == pytest.approx(accepted)
 
@@ -225,8 +227,9 @@ def test_rollback_leaves_the_cache_and_allocator_as_a_plain_run(tiny_hf_dir, mon
     )
     # The block mass is the row's (both runs use row 0), by block.
     chex.assert_trees_all_close(spec_cache.block_mass, plain_cache.block_mass, atol=1e-5)
+    # (Few: the first round verifies, so the two runs pick the row at different lengths.)
     common = plain_held.keys() & spec_held.keys()
-    assert len(common) >= 3
+    assert len(common) >= 1
     assert {n: spec_held[n] for n in common} == {n: plain_held[n] for n in common}
 
 

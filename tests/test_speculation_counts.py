@@ -237,9 +237,10 @@ def test_a_call_that_compiles_moves_the_compile_count():
 def test_drafts_of_the_plain_greedy_output_are_all_accepted_and_counted(tiny_hf_dir, monkeypatch):
     # On the tiny model through decode(): the drafts are the plain greedy run's next tokens
     # (a lookup that always finds the passage it repeats), so verification accepts every one.
-    # By hand, 24 tokens: no entropy before the first token, so a burst of 8 (T0..T7); then
-    # acceptance 0.9 drafts max_draft = 7 after the row's own token, twice (T8..T15,
-    # T16..T23): 10 passes, 14 drafted, 14 accepted, 2 verifying passes.
+    # By hand, 24 tokens: T0 is drawn with the prompt and held pending; the first round
+    # runs it with 7 drafts after it (acceptance 0.9: max_draft = 7), T1..T7; then 7 drafts
+    # after the row's own token, twice (T8..T15, T16..T23): 3 passes, 21 drafted, 21
+    # accepted, 3 verifying passes.
     import etjax
     import etjax.engine.engine as engine_module
 
@@ -265,7 +266,7 @@ def test_drafts_of_the_plain_greedy_output_are_all_accepted_and_counted(tiny_hf_
     (fast,) = etjax.decode(text, model=tiny, max_new_tokens=24, ignore_eos=True, speculation=spec)
     assert fast.token_ids == plain.token_ids
     counts = (fast.model_passes, fast.drafted_tokens, fast.accepted_tokens, fast.verify_steps)
-    assert counts == (10, 14, 14, 2)
+    assert counts == (3, 21, 21, 3)
 
 
 def test_bench_summary_and_table_count_what_drafting_did():

@@ -522,14 +522,15 @@ class Engine:
         # constrained row's are cut where its grammar would refuse them.
         drafts = []
         for seq, n in zip(batch, lengths, strict=True):
-            # A row whose token is pending runs it without drafts, as the step that drew
-            # it would have (none before a row's first entropy), so that what speculation
-            # does and counts stays the same.
-            n = 0 if seq.token_pending else n
+            # A row whose token is pending (its first, drawn when it was made and streamed)
+            # runs that token this step instead of drawing one: its drafts follow it, so
+            # they are the lookup itself. Its first round may then verify rather than burst
+            # (on a copy, 7 drafts where 8 steps made 8 tokens).
+            own = 0 if seq.token_pending else 1
             lookup = (
                 lookup_draft(
                     seq.history.view(seq.prompt, seq.output.token_ids),
-                    n + 1,
+                    n + own,
                     spec.ngram_max,
                     spec.ngram_min,
                 )
@@ -539,7 +540,7 @@ class Engine:
             if seq.grammar >= 0:
                 drafts.append(lookup_within_grammar(seq.grammar, lookup) if lookup else [])
             else:
-                drafts.append(lookup[1:])
+                drafts.append(lookup[own:])
         return drafts
 
     def _mixed(
@@ -567,6 +568,9 @@ class Engine:
         elapsed = time.perf_counter() - started
         ran = _ran_pending(batch, out)
         committed = np.asarray(out.emitted).sum(axis=0) if batch else None
+        if batch:
+            # A row that ran a pending token committed its accepted drafts only.
+            committed = committed + np.asarray(ran, np.int64)
         if batch and not jobs and any(drafts) and self._measured(compiled):
             # A verifying step alone (the host arrays it returns are on the host: the
             # device is done), for the cost gate, with the drafted positions it checked:
