@@ -15,7 +15,7 @@ column. Run it on an idle host to read the wall column as the target's measure.
     .venv/bin/python benchmarks/plan_matrix.py [--models llama-3.1-8b,...] [--topologies v5e-1,...]
     .venv/bin/python benchmarks/plan_matrix.py --from-log RUN.log   # write a saved run's rows
 
-Writes the "plan matrix" section of docs/TPU.md and benchmarks/results/plan_matrix.json.
+Writes the "plan_matrix" section of docs/TPU.md and benchmarks/results/plan_matrix.json.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def table(rows: list[dict], context: int) -> str:
         "shorter of the two overlapping compiles.",
         "",
         "| model | topology | fits | largest batch at "
-        f"{context} | modelled tokens/s | programs compiled (CPU s each) | wall s | CPU s "
+        f"{context} | modelled tokens/s at batch 32, all chips (fits or not) "
+        "| programs compiled (CPU s each) | wall s | CPU s "
         "| quiet estimate s | errors |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -141,7 +142,7 @@ def main() -> None:
     if not args.no_write:
         from benchmarks.perf_report import write_section
 
-        write_section("plan matrix", markdown, {"rows": rows}, ROOT / "docs" / "TPU.md")
+        write_section("plan_matrix", markdown, {"rows": rows}, ROOT / "docs" / "TPU.md")
 
 
 if __name__ == "__main__":
