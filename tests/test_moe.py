@@ -185,6 +185,23 @@ def test_cost_model_counts_the_experts_a_token_runs():
     with torch.device("meta"):
         parameters = AutoModelForCausalLM.from_config(hf_config).num_parameters()
     assert cost.weight_bytes == 4.0 * (parameters - 6 * 3 * d * m)
+    # Held as int8 (weights="int8"): an expert's three matrices at a byte a weight and a
+    # float32 scale an output row (gate|up 2M rows of D, down D rows of M), and a token leaves
+    # 6 of the 8 unread in those bytes, not in float32's.
+    from etjax.model.quantized import weights_bytes
+    from etjax.model.weights import abstract_weights, routed_expert_bytes
+
+    held = abstract_weights(cfg, "int8")
+    expert = 3 * d * m + (2 * m + d) * 4
+    assert routed_expert_bytes(held, cfg) == 8 * expert
+    as_held = CostModel.for_model(
+        cfg,
+        page_size=4,
+        resident_bytes=weights_bytes(held),
+        expert_resident_bytes=routed_expert_bytes(held, cfg),
+    )
+    assert as_held.expert_bytes == expert
+    assert as_held.weight_bytes == weights_bytes(held) - 6 * expert
 
 
 @pytest.mark.parametrize(

@@ -98,9 +98,8 @@ def measure(
         options,
         workload_pages(prompts, settings, options),
     )
-    cost = CostModel.for_model(
-        model.config, options.page_size, options.kv_cache_dtype(model.config.dtype)
-    )
+    # The engine's own cost model: its weights as held (blocks, int8 or floats) and its KV's.
+    cost = engine.backend.cost
     CompileClock.start()
     compiled_before = CompileClock.seconds, CompileClock.programs
     start = time.perf_counter()

@@ -51,7 +51,7 @@ from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError
 from etjax.model.config import ModelConfig
 from etjax.model.quantized import weights_bytes
-from etjax.model.weights import Weights
+from etjax.model.weights import Weights, routed_expert_bytes
 from etjax.pruning.config import PruningThresholds
 from etjax.pruning.groups import PrunedGroups
 from etjax.runtime.footprint import check_fits
@@ -131,7 +131,11 @@ class DeviceBackend:
         # The one cost model of this engine's model, KV dtype and pages, and what a burst
         # reads by it (for the grouping: etjax/engine/burst_cost.py).
         self.cost = CostModel.for_model(
-            cfg, options.page_size, self.kv_dtype, resident_bytes=weights_bytes(self.weights)
+            cfg,
+            options.page_size,
+            self.kv_dtype,
+            resident_bytes=weights_bytes(self.weights),
+            expert_resident_bytes=routed_expert_bytes(self.weights, cfg),
         )
         self.burst_cost = BurstCost(self.cost, self.geometry)
         # A new row draws its first token when it is inserted (`RowInit.draw`).

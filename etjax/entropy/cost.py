@@ -69,11 +69,14 @@ class CostModel:
         page_size: int,
         kv_dtype: str | None = None,
         resident_bytes: float | None = None,
+        expert_resident_bytes: float | None = None,
     ) -> CostModel:
         """kv_dtype: the KV cache's ("float32", "bfloat16"); None: the model's dtype.
         resident_bytes: what the loaded weights hold (etjax/model/quantized.py's
         `weights_bytes`), for weights kept in blocks or another dtype than the model's; None:
-        every parameter in the model's dtype."""
+        every parameter in the model's dtype. expert_resident_bytes: what the routed experts
+        among them hold (etjax/model/weights.py `routed_expert_bytes`; None: the model's
+        dtype), of which a token reads its k experts' share."""
         d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         attention = d * cfg.qkv_size + cfg.num_heads * cfg.head_dim * d
         sparse = sum(cfg.is_sparse_layer(i) for i in range(cfg.num_layers))
@@ -85,17 +88,22 @@ class CostModel:
             + sparse * routed
             + d * v  # the LM head, tied or not
         )
-        unread = sparse * (cfg.num_experts - cfg.num_experts_per_tok) * expert
         itemsize = cfg.jnp_dtype.itemsize
+        all_experts = (
+            sparse * cfg.num_experts * expert * itemsize
+            if expert_resident_bytes is None
+            else expert_resident_bytes
+        )
+        # One expert's bytes summed over the sparse layers, as held; a token leaves E - k unread.
+        one_expert = all_experts / cfg.num_experts if cfg.num_experts else 0.0
+        unread = (cfg.num_experts - cfg.num_experts_per_tok) * one_expert
         kv_itemsize = itemsize if kv_dtype is None else jnp.dtype(kv_dtype).itemsize
         return cls(
             matmul_flops_per_token=2.0 * matmul_params,
             attention_flops_per_key=4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim,
             weight_bytes=float(
-                (parameter_count(cfg) - unread) * itemsize
-                if resident_bytes is None
-                # The routed experts stay in the model's dtype whatever the weights option.
-                else resident_bytes - unread * itemsize
+                (parameter_count(cfg) * itemsize if resident_bytes is None else resident_bytes)
+                - unread
             ),
             kv_bytes_per_key=2.0 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize,
             page_size=page_size,
@@ -105,7 +113,7 @@ class CostModel:
             window_keys=float((-(-cfg.attention_window // page_size) + 1) * page_size),
             experts_per_token=cfg.num_experts_per_tok,
             expert_flops=2.0 * sparse * expert,
-            expert_bytes=float(sparse * expert * itemsize),
+            expert_bytes=float(one_expert),
         )
 
     def layer_keys(

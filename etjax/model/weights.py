@@ -23,7 +23,7 @@ import jax
 from etjax.model.config import ModelConfig
 from etjax.model.families import family
 from etjax.model.leaves import HIDDEN, STORED, VOCAB, Leaf, Part, Table, axes_of
-from etjax.model.quantized import INT8, abstract_quantized
+from etjax.model.quantized import INT8, abstract_quantized, weights_bytes
 
 
 def _untied(cfg: ModelConfig) -> bool:
@@ -103,3 +103,15 @@ def model_leaves(cfg: ModelConfig) -> Table:
 def parameter_count(cfg: ModelConfig) -> int:
     """Parameters of a model with this config (tied embeddings counted once)."""
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract_weights(cfg)))
+
+
+def routed_expert_bytes(weights: Weights, cfg: ModelConfig) -> int:
+    """Bytes the stacked routed experts of `weights` hold, every layer's, as they are held (in
+    blocks, int8 or floats; a tree of arrays or of shapes): 0 for a model without them."""
+    per_expert = [name for name, leaf in family(cfg.architecture).layer.items() if leaf.per_expert]
+    return sum(
+        weights_bytes(getattr(layer, name))
+        for layer in weights.layers
+        for name in per_expert
+        if getattr(layer, name) is not None
+    )

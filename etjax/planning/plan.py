@@ -33,7 +33,7 @@ from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError, ModelLoadError
 from etjax.model.config import ModelConfig
 from etjax.model.quantized import check_weights, resolve_weights, weight_formats
-from etjax.model.weights import Weights, abstract_weights
+from etjax.model.weights import Weights, abstract_weights, routed_expert_bytes
 from etjax.planning.isolation import ChildError, CompilerCrash, run_isolated
 from etjax.planning.programs import PROGRAMS, ProgramReport, compile_planned
 from etjax.planning.topology import Topology, check_libtpu, libtpu_version
@@ -316,8 +316,6 @@ def plan_config(
     store_sharding = placement and placement.state(store, cfg.vocab_size)
     state_pc = _bytes_per_chip(store, store_sharding)
     weights_all = _tree_bytes(held)
-    # What the held form saves on the cost model's bytes, which count every weight in cfg.dtype.
-    saved = _tree_bytes(abstract_weights(cfg)) - weights_all
     usable = topo.chip.hbm_bytes * hbm_fraction
     programs: tuple[ProgramReport, ...] = ()
     errors: tuple[str, ...] = ()
@@ -356,7 +354,7 @@ def plan_config(
         compiled_layers=compiled,
         full_layers=cfg.num_layers,
         hbm_fraction=hbm_fraction,
-        modelled=modelled_decode(cfg, options, kv_dtype_name, topo, context, saved),
+        modelled=modelled_decode(cfg, options, kv_dtype_name, topo, context, held),
         weights=_held_name(held),
         errors=errors,
     )
@@ -387,7 +385,7 @@ def modelled_decode(
     kv_dtype: str | None,
     topology: Topology,
     context: int,
-    saved_weight_bytes: float = 0.0,
+    held: Weights | None = None,
 ) -> dict:
     """A decode step of `max_batch_size` rows of `context` tokens on the topology's chips, by
     the roofline: max(bytes / bandwidth, FLOPs / peak) per chip, each chip reading its share of
@@ -404,15 +402,21 @@ def modelled_decode(
       blocks, with its sink and recent blocks: the most pruning saves), plus the float32 key
       bounds of every page that block selection scores.
 
-    `saved_weight_bytes`: what the weights' held form (int8) saves on the cost model's count
-    of every weight in cfg.dtype, read once a step less."""
-    cost = CostModel.for_model(cfg, options.page_size, kv_dtype)
+    `held`: the weights as held (shapes; int8 or blocks read fewer bytes a step than cfg.dtype,
+    the routed experts' share as held too); None: every weight in cfg.dtype."""
+    cost = CostModel.for_model(
+        cfg,
+        options.page_size,
+        kv_dtype,
+        resident_bytes=None if held is None else _tree_bytes(held),
+        expert_resident_bytes=None if held is None else routed_expert_bytes(held, cfg),
+    )
     rows, chip, n = options.max_batch_size, topology.chip, topology.chips
     # A step of many rows reads the union of their experts (between k and all of them per
     # layer), not one row's k (etjax/entropy/cost.py).
     experts = cfg.num_experts_per_tok
     extra_experts = min(cfg.num_experts - experts, (rows - 1) * experts) if experts else 0
-    weight_bytes = cost.weight_bytes + extra_experts * cost.expert_bytes - saved_weight_bytes
+    weight_bytes = cost.weight_bytes + extra_experts * cost.expert_bytes
     ps = options.page_size
     blocks = pages_needed(context, ps)
     floor = np.float32(options.pruning.min_fraction)
