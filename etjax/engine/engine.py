@@ -243,8 +243,8 @@ class Engine:
         A request the engine cannot serve (no tokens, an id outside the vocabulary, more
         tokens than its context limit, more pages than the pool) raises `RequestError` here,
         before it can reach a round: the engine and every other request go on as if it had
-        never been submitted. (`RequestSettings` checks
-        its own fields, max_new_tokens >= 1 among them, when it is made.)"""
+        never been submitted. (`RequestSettings` checks its own fields, max_new_tokens >= 1
+        among them, when it is made.)"""
         prompt = self._checked_prompt(prompt)
         self._check_context(len(prompt), settings)
         self._check_pool_fits(len(prompt), settings)
