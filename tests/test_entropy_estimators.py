@@ -80,6 +80,24 @@ def test_bounds_bracket_exact_entropy(batch):
     assert np.all(exact >= 0)
 
 
+@pytest.mark.parametrize("k", [1, 64])
+def test_bounds_bracket_peaked_entropy_to_float32_rounding(k):
+    # A confident step: one logit 15-40 above the rest of SmolLM2's vocabulary, so the tail
+    # holds 1e-3 to 1e-14 of the mass. Taken as 1 - sum(top-k p), the rounding of the
+    # normaliser (an ulp of the peak) lost most of a 1e-6 tail, and the upper bound fell
+    # 2.5e-5 nats below the float64 entropy; summed over the tail, the bracket holds to
+    # float32's rounding relative to the entropy itself.
+    rng = np.random.default_rng(7)
+    z = rng.normal(0, 1, (10, 49152)).astype(np.float32)
+    peaks = np.repeat([15.0, 20.0, 25.0, 30.0, 40.0], 2)
+    z[np.arange(10), rng.integers(49152, size=10)] += peaks
+    exact = _reference_entropy(z)
+    lower, upper = (np.asarray(x, np.float64) for x in _bounds(z, k))
+    rounding = 1e-7 + 1e-6 * exact
+    assert np.all(lower <= exact + rounding)
+    assert np.all(exact <= upper + rounding)
+
+
 @pytest.mark.parametrize("vocab", [5, 1000, 49152])
 def test_topk_equals_exact_when_k_is_the_vocabulary(vocab):
     z = np.random.default_rng(vocab).normal(0, 3, (4, vocab)).astype(np.float32)

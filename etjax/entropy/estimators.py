@@ -6,12 +6,13 @@ given entropy 0.
 
 The top-k family trades the O(V) p log p pass for a top-k selection: `topk_entropy` counts only
 the k most likely tokens (a lower bound), and `tail_bounds` brackets the entropy of the tail mass
-m = 1 - sum(top-k p) using only that each tail probability is at most p_k, the k-th largest:
+m (the mass outside the top k) using only that each tail probability is at most p_k, the k-th
+largest:
   packed:  -m log p_k          (as few tokens as allowed hold the mass)  <= tail entropy
   spread:  -m log(m / (V - k)) (the mass spread uniformly)              >= tail entropy
-so `lower <= exact <= upper` holds for every distribution. The normaliser (log-sum-exp) is
-still one O(V) reduction, but a cheaper one than the entropy's exp-multiply-add, and it shards
-across a vocabulary axis as a partial reduction.
+so `lower <= exact <= upper` holds for every distribution. The normaliser (the sum of the
+weights) and m are still O(V) reductions, but cheaper ones than the entropy's exp-multiply-add,
+and they shard across a vocabulary axis as partial reductions.
 """
 
 from __future__ import annotations
@@ -144,21 +145,41 @@ def tail_bounds(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
     With k >= V both equal the exact entropy. The upper bound is the conservative estimate the
     pruning budget reads: it never understates uncertainty.
+
+    The tail's mass is summed over the tail itself, not taken as 1 - sum(top-k p): on a peaked
+    distribution that difference cancels, and the rounding of the normaliser (an ulp of the
+    largest logit, 1e-6 at a logit of 25) could leave the tail a tenth of its mass, putting
+    the upper bound 1e-5 nats below the float64 entropy. Both sums are of e^(z - max z), so
+    each probability carries a rounding error relative to itself alone.
     """
     vocab = logits.shape[-1]
-    top, log_z = _top_k(logits, k)
-    log_p = top - log_z
-    p = jnp.exp(log_p)
-    head = -jnp.sum(_xlogx(p, log_p), axis=-1)
+    z = logits.astype(jnp.float32)
+    top, _ = top_k(z, min(k, vocab))  # two stages: a sharded vocabulary is not gathered
+    peak = top[:, :1]
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    head_weights = jnp.exp(top - peak)
+    tail_weight = _tail_weight(z, top, peak) if k < vocab else 0.0
+    total = jnp.maximum(jnp.sum(head_weights, axis=-1) + tail_weight, _TINY)
+    log_p = top - peak - jnp.log(total)[:, None]
+    head = -jnp.sum(_xlogx(head_weights / total[:, None], log_p), axis=-1)
     if k >= vocab:
         return head, head
-    tail_mass = jnp.clip(1.0 - jnp.sum(p, axis=-1), 0.0, 1.0)
+    tail_mass = jnp.clip(tail_weight / total, 0.0, 1.0)
     log_p_k = log_p[:, -1]  # the k-th largest probability bounds every tail probability
     lower = head - tail_mass * jnp.where(jnp.isfinite(log_p_k), log_p_k, 0.0)
     upper = head - tail_mass * (jnp.log(jnp.maximum(tail_mass, _TINY)) - jnp.log(vocab - k))
-    # Rounding in 1 - sum(p) can put a vanishing tail a hair outside the bracket; the packed
-    # bound can never exceed the spread one, so order them explicitly.
+    # Rounding can still put a vanishing tail a hair outside the bracket; the packed bound
+    # can never exceed the spread one, so order them explicitly.
     return jnp.minimum(lower, upper), jnp.maximum(lower, upper)
+
+
+def _tail_weight(z: jax.Array, top: jax.Array, peak: jax.Array) -> jax.Array:
+    # [B] sum of e^(z - peak) over the tokens outside the top k: those below the k-th largest
+    # logit, and the ties with it that top_k left out (a count times one weight).
+    kth = top[:, -1:]
+    below = jnp.sum(jnp.where(z < kth, jnp.exp(z - peak), 0.0), axis=-1)
+    ties = jnp.sum(z == kth, axis=-1) - jnp.sum(top == kth, axis=-1)
+    return below + ties.astype(jnp.float32) * jnp.exp(kth[:, 0] - peak[:, 0])
 
 
 def _top_k(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
