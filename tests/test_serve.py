@@ -80,6 +80,10 @@ def server(tmp_path_factory, smollm2):
     )
     command = [sys.executable, "-m", "etjax.cli", "serve", "--port", "0", "--config", str(config)]
     command += ["--api-key", KEY, "--max-body-bytes", str(MAX_BODY), "--grace-period", "60"]
+    # One warm-up request, not a program for every bucket: the tests' requests compile the
+    # few they run, and the suite's time stays with them (tests/test_serve_mock.py checks
+    # what the default warm-up lays out).
+    command += ["--warm-up", "one"]
     process = subprocess.Popen(
         command, env=subprocess_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True
     )

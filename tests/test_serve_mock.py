@@ -211,3 +211,42 @@ def test_200_streams_with_50_disconnects_leak_no_page(served):
     assert f'etjax_requests_total{{outcome="cancelled"}} {DISCONNECTS}' in text
     assert f'etjax_requests_total{{outcome="ok"}} {REQUESTS - DISCONNECTS}' in text
     assert 'etjax_requests_total{outcome="error"} 0' in text
+
+
+class _WarmUpTokenizer:
+    # "Hello" is one token under a page (4 here); "Warm-up request i:" three, the last i's.
+    @staticmethod
+    def encode(text: str) -> list[int]:
+        if text.startswith("Warm-up request"):
+            return [5, 6, 7 + int(text.split()[-1].rstrip(":"))]
+        return [3]
+
+
+def test_the_warm_up_runs_a_step_of_every_token_bucket_and_a_burst_of_every_row_bucket():
+    # What a server compiles before it says ready (etjax/serve/warm_up.py): one ragged step of
+    # each padded token count up to the budget (8, 16, 32, 64 for a budget of 64) and one
+    # burst of each padded row count up to the batch (1, 2, 4, 8), as the engine's own host
+    # logic lays out the warm-up's requests; by hand, 4 and 4 programs.
+    import dataclasses
+
+    from etjax.buckets import batch_bucket, ragged_token_bucket
+    from etjax.serve.warm_up import warm_up
+
+    engine, backend = mock_engine(batch=8, pages=512, prefill_chunk=64)
+    engine.options = dataclasses.replace(engine.options, token_budget=64, max_prefill_rows=8)
+    steps, bursts = [], []
+    mixed, decode = backend.mixed, backend.decode
+
+    def counted_mixed(rows, pages, lengths, budgets, jobs, drafts=None):
+        steps.append(len(rows) + sum(len(j.tokens) for j in jobs))
+        return mixed(rows, pages, lengths, budgets, jobs, drafts)
+
+    def counted_decode(rows, pages, lengths, budgets, tokens_left=None):
+        bursts.append(len(rows))
+        return decode(rows, pages, lengths, budgets, tokens_left)
+
+    backend.mixed, backend.decode = counted_mixed, counted_decode
+    warm_up(engine, _WarmUpTokenizer(), "buckets")
+    assert {ragged_token_bucket(n) for n in steps} == {8, 16, 32, 64}
+    assert {batch_bucket(n) for n in bursts} == {1, 2, 4, 8}
+    assert backend.prefill_tokens == 8 + 16 + 32 + 64 + (1 + 2 + 4 + 8)  # none from the cache

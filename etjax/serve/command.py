@@ -28,6 +28,7 @@ API_KEY_ENV = "ETJAX_API_KEY"
 def add_serve(commands) -> None:
     """Register `etjax serve` on the CLI's subcommands."""
     from etjax.serve.limits import ServeLimits
+    from etjax.serve.warm_up import WARM_UPS
 
     d = ServeLimits()
     serve = commands.add_parser(
@@ -70,6 +71,14 @@ def add_serve(commands) -> None:
         default=d.grace_period,
         help="seconds in-flight requests get to finish after SIGTERM",
     )
+    serve.add_argument(
+        "--warm-up",
+        choices=WARM_UPS,
+        default="buckets",
+        help="before ready, compile a step program for every token and row bucket "
+        "(buckets), or run one short request (one: a quicker start; a first batch may wait "
+        "for the compiler)",
+    )
     serve.set_defaults(run=run_serve)
 
 
@@ -107,7 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
     log.info("listening on http://%s:%d (loading the model)", where, port)
     if api_key is None and not _loopback(host):
         log.warning("%s is reachable from other machines and no API key is set", where)
-    state = ServerState(config, limits, model_arg=args.model, api_key=api_key)
+    state = ServerState(config, limits, model_arg=args.model, api_key=api_key, warm_up=args.warm_up)
     server = _Server(state, limits.grace_period)
     app = make_app(state, on_failure=server.stop)
     server.configure(app)

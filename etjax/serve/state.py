@@ -4,8 +4,8 @@ model, the engine bridge, the metrics and the limits; and `load`, which brings i
 The server listens before the model loads, so `/health` can say 503 while it loads and warms
 up; `load` runs on a thread of its own: the model, an engine over a page pool of fixed size
 (the run config's `[engine] num_pages`, else `DEFAULT_POOL_PAGES`: the pool's size is a shape
-of every step program, so it is fixed for the server's life), a warm-up request that compiles
-the prefill and decode programs, then the engine thread.
+of every step program, so it is fixed for the server's life), a warm-up that compiles the
+step programs requests will run (etjax/serve/warm_up.py), then the engine thread.
 """
 
 from __future__ import annotations
@@ -18,18 +18,17 @@ from collections.abc import Callable
 from etjax.engine_build import build_engine, request_pages
 from etjax.loaders.embedded import EMBEDDED_MODEL_NAME
 from etjax.loaders.loaded_model import Model
-from etjax.request_fields import RequestSettings
 from etjax.run_config import RunConfig
 from etjax.serve.body import ServeRequest
 from etjax.serve.bridge import EngineBridge
 from etjax.serve.errors import ApiError
 from etjax.serve.limits import ServeLimits
 from etjax.serve.metrics import Metrics
+from etjax.serve.warm_up import warm_up
 
 log = logging.getLogger("etjax")
 
 DEFAULT_POOL_PAGES = 1024  # 16K tokens at 16 a page; SmolLM2-135M's float32 KV: 0.75 GB
-WARMUP_PROMPT = "Hello"
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
 
 
@@ -41,6 +40,7 @@ class ServerState:
     limits: ServeLimits
     model_arg: str | None = None  # --model, or None for the config's (or the embedded) model
     api_key: str | None = None
+    warm_up: str = "buckets"  # etjax/serve/warm_up.py: which programs compile before ready
     phase: str = LOADING
     failure: str = ""
     model: Model | None = None
@@ -108,8 +108,8 @@ class ServerState:
                 num_pages=options.num_pages or DEFAULT_POOL_PAGES,
             )
             started = time.perf_counter()
-            _warm_up(engine, self.model)
-            log.info("warmed up in %.1fs", time.perf_counter() - started)
+            warm_up(engine, self.model.tokenizer, self.warm_up)
+            log.info("warmed up (%s) in %.1fs", self.warm_up, time.perf_counter() - started)
             self.bridge = EngineBridge(
                 engine, self.metrics, self.limits.max_waiting, self.limits.request_timeout
             )
@@ -121,12 +121,3 @@ class ServerState:
             log.error("the model failed to load: %s", e)
             self.phase, self.failure = FAILED, str(e)
             on_failure()
-
-
-def _warm_up(engine, model: Model) -> None:
-    # One greedy request that prefills and then decodes a burst and a few steps: the
-    # programs every request runs are compiled before /health says ready.
-    ids = model.tokenizer.encode(WARMUP_PROMPT)
-    steps = engine.options.steps_per_sync
-    settings = RequestSettings(max_new_tokens=steps + 2, ignore_eos=True)
-    engine.generate([ids], [settings])
