@@ -65,6 +65,10 @@ SEEDED = SamplerSettings(temperature=0.9, top_p=0.95, seed=5)  # the "label" row
 # is free.
 DRAFTING = SpeculationConfig(enabled=True, pass_fixed_tokens=1000.0, measured_costs=False)
 
+# Validity, etjax against itself, and 8 greedy tokens against transformers, over short prompts:
+# the module compiles far more than it runs, so it compiles cheaply (tests/compile_level.py).
+pytestmark = pytest.mark.compile_bound
+
 
 def _chat(model, text: str) -> list[int]:
     # A short system turn in place of the template's default: every prompt fits one ragged
@@ -141,7 +145,6 @@ def test_constrained_outputs_parse_and_validate(runs):
     assert matcher.live_count() == 0  # every request's matcher released
 
 
-@pytest.mark.compile_bound  # validity, not tokens: compiles cheaply (tests/compile_level.py)
 @settings(max_examples=examples(2))
 @given(schemas=st.lists(DRAWN_SCHEMAS, min_size=8, max_size=8))
 def test_drawn_schemas_give_valid_json_or_say_they_were_cut(smollm2, runs, schemas):
