@@ -110,7 +110,7 @@ def test_drafting_reads_the_calibrated_entropy(monkeypatch):
 
     seen = []
 
-    def record(entropies, histories, cfg, budget, pool=None, costs=None):
+    def record(entropies, histories, cfg, budget, pool=None, costs=None, tails=None):
         seen.append(list(entropies))
         return [0] * len(entropies)  # draft nothing: the rounds stay plain bursts
 

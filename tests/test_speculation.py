@@ -15,8 +15,16 @@ import jax
 import numpy as np
 import pytest
 
-from etjax.drafting import DraftHistory, SpeculationConfig, StepCosts, TokenHistory, lookup_draft
+from etjax.drafting import (
+    DraftHistory,
+    SpeculationConfig,
+    StepCosts,
+    TokenHistory,
+    lookup_draft,
+    matched_tail,
+)
 from etjax.drafting.rule import (
+    COPY_ACCEPTANCE,
     draft_lengths,
     expected_accepted,
     record_verification,
@@ -312,6 +320,55 @@ def test_prompt_lookup_by_hand():
     assert lookup_draft(copy, 2, 16, 1) == [20, 21]
     assert lookup_draft(copy, 2, 16, 6) == [20, 21]  # the longest: "5 6 10 11 5 6"
     assert lookup_draft(copy, 2, 16, 7) == []  # no tail of 7 recurs
+
+
+def test_matched_tail_by_hand():
+    ctx = np.array([5, 6, 7, 8, 9, 5, 6, 7], np.int32)
+    assert matched_tail(ctx, 16) == 3  # "5 6 7" recurs, "9 5 6 7" does not
+    assert matched_tail(ctx, 2) == 2
+    assert matched_tail(np.array([1, 2, 3], np.int32), 16) == 0  # the last token is new
+    assert matched_tail(np.array([7], np.int32), 16) == 0
+    # The list copied in test_prompt_lookup_by_hand: "5 6 10 11 5 6" recurs, 6 tokens.
+    copy = np.array([5, 6, 10, 11, 5, 6, 20, 21, 5, 6, 30, 31, 9, 5, 6, 10, 11, 5, 6], np.int32)
+    assert matched_tail(copy, 16) == 6
+
+
+def test_a_copy_under_way_drafts_after_an_uncertain_token_on_its_own_estimate():
+    # Measured at batch 1: a burst step 10 ms; verifying 2, 4 and 8 slots 14, 18, 27 ms.
+    costs = StepCosts(burst={1: 0.010}, verify={(1, 2): 0.014, (1, 4): 0.018, (1, 8): 0.027})
+    cfg = SpeculationConfig(enabled=True, acceptance_memory=0.7, min_survival=0.25)
+    # A row whose drafts failed where the model left the text (0.2 < 0.25: it drafts
+    # nothing), after an uncertain token (3.0 > entropy_max 1.5).
+    row = DraftHistory(0.2)
+    assert draft_lengths([3.0], [row], cfg, 100, costs=costs, tails=[7]) == [0]
+    # A tail of 8 (COPY_TAIL) is a copy: it drafts by the copy estimate, 0.9. The gate, per
+    # burst step of cost: 1 draft (1 + 0.9) / 1.4 = 1.36 tokens; 3, (1 + 0.9 + 0.81 +
+    # 0.729) / 1.8 = 1.91; 7, (1 + 9 * (1 - 0.9 ** 7)) / 2.7 = 5.695 / 2.7 = 2.11: 7.
+    assert COPY_ACCEPTANCE == 0.9
+    assert draft_lengths([3.0], [row], cfg, 100, costs=costs, tails=[8]) == [7]
+    # Its verdict (3 of the 4 positions checked) moves the copy estimate, not the other,
+    # nor the pool that new rows start from.
+    pool = DraftHistory(0.72)
+    record_verification([row], [7], [3], [True], pool, cfg)
+    assert row.copying == pytest.approx(0.7 * 0.9 + 0.3 * 3 / 4)
+    assert row.acceptance == 0.2
+    assert (pool.acceptance, pool.drafted) == (0.72, 0)
+    assert (row.drafted, row.accepted, row.verify_steps) == (7, 3, 1)
+    # The next round's tail is short and its token sure: the other estimate decides (0.2:
+    # nothing) and rests towards the pool.
+    assert draft_lengths([0.1], [row], cfg, 100, pool, costs=costs, tails=[2]) == [0]
+    assert row.acceptance == pytest.approx(0.7 * 0.2 + 0.3 * 0.72)
+    # A copy estimate that fell below min_survival rests towards COPY_ACCEPTANCE.
+    row.copying = 0.2
+    assert draft_lengths([0.1], [row], cfg, 100, costs=costs, tails=[16]) == [0]
+    assert row.copying == pytest.approx(0.7 * 0.2 + 0.3 * 0.9)
+    # With ngram_max 4, a tail of 4 is as long as the lookup looks: a copy.
+    short = dataclasses.replace(cfg, ngram_max=4, ngram_min=1)
+    assert draft_lengths([3.0], [DraftHistory(0.2)], short, 100, costs=costs, tails=[4]) == [7]
+    # Two rows, a budget of 4 drafts: the copy is served before a surer row without one.
+    rows = [DraftHistory(0.9), DraftHistory(0.9)]
+    eager = dataclasses.replace(cfg, max_draft=4, draft_budget=6, **EAGER)
+    assert draft_lengths([0.1, 2.0], rows, eager, 100, tails=[1, 12]) == [0, 4]
 
 
 def test_token_history_grows_with_the_output():

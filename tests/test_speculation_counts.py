@@ -83,7 +83,8 @@ def test_counts_of_a_copying_request_by_hand():
     #   (5 + 1) = 1.58 burst steps against 1 + 0.72 + 0.72**2 + 0.72**3 = 2.61 tokens (1 draft:
     #   1.25 against 1.72, fewer per step of cost): it verifies 3, all accepted (1 pass, 4
     #   tokens);
-    # - acceptance 0.7 * 0.72 + 0.3 = 0.804: 3 drafts again, all accepted: T8..T11, done.
+    # - T0..T7 recur in the prompt: a tail of 8, a copy round (rule.py, `COPY_TAIL`) at the
+    #   copy estimate 0.9: 3 drafts again, all accepted: T8..T11, done.
     # 12 tokens = 6 passes + 6 accepted drafts, in 2 verifying passes.
     engine, prompt = _copying_engine(None)
     (out,) = engine.generate([prompt], [RequestSettings(12)])
@@ -93,11 +94,13 @@ def test_counts_of_a_copying_request_by_hand():
 
 
 def test_a_measured_verifying_step_too_dear_turns_the_drafts_down():
-    # The same request on a machine where a verifying step of 4 tokens costs 3 burst steps
-    # (measured): 3 drafts at 0.72 make 2.61 tokens < 3, 1 draft in 2 tokens (priced by the
-    # model's ratio, 3 * 7.5 / 9.5 = 2.37) 1.72, so every round bursts (12 passes, no
-    # drafts). Where it costs 2 (1 + 1.61 > 2), the rounds verify as with the cost model.
-    dear = StepCosts(burst={1: 0.010}, verify={(1, 4): 0.030}, frozen=True)
+    # The same request on a machine where a verifying step of 4 tokens costs 3.5 burst steps
+    # (measured): 3 drafts at 0.72 make 2.61 tokens, and at the copy estimate 0.9 (from the
+    # third round the tail T0..T7 is a copy's: rule.py, `COPY_TAIL`) 3.44 < 3.5; 1 draft in 2
+    # tokens (priced by the model's ratio, 3.5 * 7.5 / 9.5 = 2.76) 1.72 or 1.9: every round
+    # bursts (12 passes, no drafts). Where it costs 2 (1 + 1.61 > 2), the rounds verify as
+    # with the cost model.
+    dear = StepCosts(burst={1: 0.010}, verify={(1, 4): 0.035}, frozen=True)
     engine, prompt = _copying_engine(dear)
     (out,) = engine.generate([prompt], [RequestSettings(12)])
     assert out.token_ids == [token_of(1, i) for i in range(12)]

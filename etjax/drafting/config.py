@@ -23,9 +23,12 @@ class SpeculationConfig:
     ngram_max, ngram_min: the longest and shortest tail of the sequence matched against its
       earlier tokens (the longest found decides: etjax/drafting/ngram.py; 16 tells apart
       the places a list's or a passage's short tails recur, where 3 drafted the item just
-      copied; docs/PERF.md, "Reading speculation at batch 1").
+      copied; docs/PERF.md, "Reading speculation at batch 1"). A matched tail of
+      min(8, ngram_max) tokens is a copy under way (rule.py, `COPY_TAIL`).
     entropy_max: no drafting after a token drawn from a distribution with more entropy than
-      this (nats): the model is unsure, a copied continuation is unlikely to survive.
+      this (nats): the model is unsure, a copied continuation is unlikely to survive; except
+      where the lookup matched a copy's tail (above), which drafts by its own acceptance
+      estimate whatever the entropy.
     acceptance_prior: the expected fraction of drafts accepted before a sequence has history
       (0.72: what the defaults accepted on the mixed workload, batch 1, docs/PERF.md; at 0.5
       the cost gate would turn down a fresh sequence's first drafts, so it never learned);

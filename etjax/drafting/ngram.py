@@ -20,25 +20,41 @@ def lookup_draft(context: np.ndarray, length: int, ngram_max: int, ngram_min: in
     Each step compares only the occurrences left, so a lookup costs one pass over the
     context and microseconds per sequence even at thousands of tokens.
     """
-    n = len(context)
-    if length <= 0 or n < 2:
+    if length <= 0:
         return []
-    # The ends (exclusive) of the tail's earlier occurrences, g tokens long: ends <= n - 1.
+    size, found = _longest_tail(context, ngram_max)
+    if size < ngram_min:
+        return []
+    n = len(context)
+    whole = found[found + length <= n]
+    follow = whole[-1] if len(whole) else found[-1]
+    return context[follow : follow + length].tolist()
+
+
+def matched_tail(context: np.ndarray, ngram_max: int) -> int:
+    """How many of `context`'s last tokens ([n] int32) recur earlier in it, up to ngram_max:
+    the tail `lookup_draft` matches (0 where the last token is new). A long one is a copy
+    under way: the text being copied continues where the tail recurs (etjax/drafting/rule.py,
+    `COPY_TAIL`)."""
+    return _longest_tail(context, ngram_max)[0]
+
+
+def _longest_tail(context: np.ndarray, ngram_max: int) -> tuple[int, np.ndarray]:
+    # The longest tail g <= ngram_max of the context found earlier in it, and the ends
+    # (exclusive, <= n - 1) of its earlier occurrences; (0, empty) where none is.
+    n = len(context)
+    if n < 2:
+        return 0, np.zeros(0, np.int64)
     ends = np.flatnonzero(context[: n - 1] == context[n - 1]) + 1
-    found, g = None, 1
+    found, g = (0, ends), 1
     while len(ends):
-        if g >= ngram_min:
-            found = ends
+        found = (g, ends)
         if g == min(ngram_max, n - 1):
             break
         ends = ends[ends > g]  # room for one more token before the occurrence
         ends = ends[context[ends - g - 1] == context[n - g - 1]]
         g += 1
-    if found is None:
-        return []
-    whole = found[found + length <= n]
-    follow = whole[-1] if len(whole) else found[-1]
-    return context[follow : follow + length].tolist()
+    return found
 
 
 class TokenHistory:

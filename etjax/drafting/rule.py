@@ -8,6 +8,20 @@ drafted token that is rejected costs a token's compute for nothing. (AdaEDL, arX
 2410.18351, stops drafting on an entropy-based bound of the acceptance probability; here there
 is no draft model, so the target's own entropy plays that part.)
 
+The lookup has evidence of its own: how long a tail of the text it matched (ngram.py,
+`matched_tail`). Where the last `COPY_TAIL` tokens or more recur earlier, a copy is under way,
+and its round is a copy round: it drafts whatever the last token's entropy, by an
+acceptance estimate of its own. Copying a passage, the model's uncertain tokens are where it
+chooses between the passage's wording and its own; once the choice is made the copy usually
+goes on, and the tail says so. Over the plain greedy outputs of 26 batch-1 prompts
+(docs/PERF.md, "Speculation at batch 1: the copy's evidence"), a lookup's drafted position
+was accepted 0.97 of the time after a tail of 8 tokens or more, 0.87 after 2-7, 0.45 after
+one, and the last token's entropy hardly mattered (after one above `entropy_max`: 0.95,
+0.85, 0.48). Before, each of a passage's uncertain tokens (9 of 64 in one) was followed by
+a plain burst of `steps_per_sync` steps. The copy estimate is kept apart from the row's
+other one because a copy fails where the model leaves the text, a few drafts in a row, and
+then returns to it: with one estimate those failures shut drafting for the rest of the copy.
+
 How far to draft follows how the sequence's drafts fared: with a running estimate a of the
 fraction of its drafted tokens accepted, k drafted tokens all survive with probability about
 a ** k, so the rule drafts the largest k with a ** k >= `min_survival` (at most `max_draft`).
@@ -28,7 +42,8 @@ every other round. The pool itself rests towards the prior, by a smaller step
 (`POOL_REST_MEMORY`) once per round in which sure rows drafted nothing, so an engine whose
 drafts failed still tries again now and then.
 
-Over the batch, drafting sequences are served lowest entropy first until the step holds
+Over the batch, drafting sequences are served copy rounds first, then lowest entropy first,
+until the step holds
 `draft_budget` tokens, the rows' own included (and within the step's token budget): a batch
 of more rows than that drafts nothing.
 
@@ -63,6 +78,20 @@ from etjax.drafting.costs import StepCosts, verify_token_bucket
 # (docs/PERF.md).
 POOL_REST_MEMORY = 0.95
 
+# A copy under way: the lookup's matched tail (etjax/drafting/ngram.py, `matched_tail`) is
+# at least this long (or ngram_max, if shorter). Over the plain greedy outputs of 26 batch-1
+# prompts (benchmarks/speculation_gate.py's 12 and 14 held out: passages, edits, free-form),
+# a lookup's drafted positions were accepted 0.97 of the time after a tail of 8 or more;
+# after 2-7 tokens 0.87, but 0.59-0.76 in free-form answers, whose tails of 5-7 (a summary
+# reusing a phrase of its document) made them draft and lose at a threshold of 4 or 6. A
+# free-form answer's tail reached 8 only where it repeated itself (a poem's lines, the chat
+# template after its end), and there its drafts were accepted too (docs/PERF.md,
+# "Speculation at batch 1: the copy's evidence").
+COPY_TAIL = 8
+# Where a row's estimate for its copy rounds starts, and what it relaxes towards: below the
+# 0.95-0.97 measured after a tail of 8 or more (above), as a row's failures pull it down.
+COPY_ACCEPTANCE = 0.9
+
 log = logging.getLogger("etjax")
 
 
@@ -75,6 +104,16 @@ class DraftHistory:
     drafted: int = 0
     accepted: int = 0
     verify_steps: int = 0  # steps in which it drafted
+    # The estimate for copy rounds (the lookup matched a tail of `COPY_TAIL` tokens), and
+    # whether this round is one (`draft_lengths` sets it): the verdict and any rest move
+    # that estimate, not `acceptance`.
+    copying: float = COPY_ACCEPTANCE
+    copy: bool = False
+
+    @property
+    def estimate(self) -> float:
+        """The acceptance estimate this round drafts by: `copying` in a copy round."""
+        return self.copying if self.copy else self.acceptance
 
     def record(
         self,
@@ -103,16 +142,24 @@ class DraftHistory:
             return
         checked = min(drafted, accepted + 1) if checked is None else checked
         memory = cfg.acceptance_memory
-        self.acceptance = memory * self.acceptance + (1 - memory) * accepted / checked
+        estimate = memory * self.estimate + (1 - memory) * accepted / checked
+        if self.copy:
+            self.copying = estimate
+        else:
+            self.acceptance = estimate
 
     def rest(
         self, cfg: SpeculationConfig, toward: float | None = None, memory: float | None = None
     ) -> None:
         """A round without drafting although the model was sure: relax towards `toward`
         (a row: the engine's pooled estimate), or the prior, keeping `memory` of the
-        estimate (default `acceptance_memory`; the pool keeps POOL_REST_MEMORY)."""
-        target = cfg.acceptance_prior if toward is None else toward
+        estimate (default `acceptance_memory`; the pool keeps POOL_REST_MEMORY). In a copy
+        round the copy estimate relaxes, towards `COPY_ACCEPTANCE`."""
         memory = cfg.acceptance_memory if memory is None else memory
+        if self.copy:
+            self.copying = memory * self.copying + (1 - memory) * COPY_ACCEPTANCE
+            return
+        target = cfg.acceptance_prior if toward is None else toward
         self.acceptance = memory * self.acceptance + (1 - memory) * target
 
 
@@ -129,9 +176,11 @@ def record_verification(
     step's lookup drafts (`lookup[i]`) summed, as one verification. A constrained row's
     forced drafts are always accepted and say nothing of how lookups fare: they count in the
     row's totals but move no estimate (the row may draft by lookup where its next token is
-    free)."""
+    free). Nor do a copy round's drafts move the pool: it is where new rows start and
+    resting rows return for their other rounds, which copies would flatter."""
     for history, n, took, is_lookup in zip(histories, drafted, accepted, lookup, strict=True):
         history.record(n, took, cfg, learn=is_lookup)
+    lookup = [is_lookup and not h.copy for h, is_lookup in zip(histories, lookup, strict=True)]
     rows = zip(drafted, accepted, lookup, strict=True)
     pooled = [(n, took) for n, took, is_lookup in rows if is_lookup]
     checked = sum(min(n, took + 1) for n, took in pooled)
@@ -144,12 +193,13 @@ def wanted_length(
     cfg: SpeculationConfig,
     pool: DraftHistory | None = None,
 ) -> int:
-    """Tokens one sequence would draft: 0 above `entropy_max` (or with no token yet), else the
-    largest k <= max_draft with acceptance ** k >= min_survival (0 also rests the history,
-    towards `pool`'s estimate if given)."""
-    if entropy is None or entropy > cfg.entropy_max:
+    """Tokens one sequence would draft: 0 above `entropy_max` (or with no token yet) unless
+    this is a copy round (`history.copy`), else the largest k <= max_draft with
+    estimate ** k >= min_survival (0 also rests the history, towards `pool`'s estimate if
+    given)."""
+    if not history.copy and (entropy is None or entropy > cfg.entropy_max):
         return 0
-    a = min(max(history.acceptance, 1e-6), 1 - 1e-6)
+    a = min(max(history.estimate, 1e-6), 1 - 1e-6)
     k = min(cfg.max_draft, math.floor(math.log(cfg.min_survival) / math.log(a)))
     if k <= 0:
         history.rest(cfg, None if pool is None else pool.acceptance)
@@ -163,25 +213,35 @@ def draft_lengths(
     budget: int,
     pool: DraftHistory | None = None,
     costs: StepCosts | None = None,
+    tails: list[int] | None = None,
 ) -> list[int]:
     """Each sequence's draft length this step: `wanted_length`, granted lowest entropy first
-    while the step stays within `draft_budget` tokens (one per row plus drafts) and `budget`
-    drafted tokens, if verifying them pays (`verification_pays`, with the step costs
-    measured on this machine in `costs`). `pool`: the engine's pooled estimate, which resting
-    rows relax towards and which itself rests once in a round where a sure row drafted
-    nothing."""
+    (copy rounds before them) while the step stays within `draft_budget` tokens (one per row
+    plus drafts) and `budget` drafted tokens, if verifying them pays (`verification_pays`,
+    with the step costs measured on this machine in `costs`). `pool`: the engine's pooled
+    estimate, which resting rows relax towards and which itself rests once in a round where
+    a sure row drafted nothing. `tails`: each row's matched tail (ngram.py,
+    `matched_tail`); a row's round is a copy round where it is at least `COPY_TAIL` (or
+    ngram_max) long (None: no row's is)."""
+    copy_tail = min(COPY_TAIL, cfg.ngram_max)
+    tails = [0] * len(histories) if tails is None else tails
+    for history, tail in zip(histories, tails, strict=True):
+        history.copy = tail >= copy_tail
     wanted = [wanted_length(h, d, cfg, pool) for h, d in zip(entropies, histories, strict=True)]
-    sure = [h is not None and h <= cfg.entropy_max for h in entropies]
+    sure = [
+        d.copy or (h is not None and h <= cfg.entropy_max)
+        for h, d in zip(entropies, histories, strict=True)
+    ]
     # A sure row that wants nothing has rested (`wanted_length`).
     rested = any(s and not w for s, w in zip(sure, wanted, strict=True))
     left = min(cfg.draft_budget - len(wanted), budget)
-    order = sorted(range(len(wanted)), key=lambda i: entropies[i] or 0.0)
+    order = sorted(range(len(wanted)), key=lambda i: (not histories[i].copy, entropies[i] or 0.0))
     granted = [0] * len(wanted)
     room = left
     for i in order:
         granted[i] = max(min(wanted[i], room), 0)
         room -= granted[i]
-    acceptance = [d.acceptance for d in histories]
+    acceptance = [d.estimate for d in histories]
     lengths = best_lengths(granted, order, acceptance, cfg, left, costs)
     if lengths is None:
         # Turned down by the cost: confident rows rest, as when their own estimate stops

@@ -54,6 +54,7 @@ from etjax.drafting import (
     draft_lengths,
     lookup_draft,
     lookup_within_grammar,
+    matched_tail,
     record_verification,
     with_forced_drafts,
 )
@@ -514,29 +515,29 @@ class Engine:
         signal = [s.output.calibrated_entropy for s in batch]
         entropies = [h[-1] if h else None for h in signal]
         histories = [s.drafts for s in batch]
+        contexts = [s.history.view(s.prompt, s.output.token_ids) for s in batch]
+        # The lookup's own evidence: a long matched tail is a copy under way, which drafts
+        # whatever the last token's entropy (rule.py, `COPY_TAIL`). A batch too wide to
+        # draft skips the lookups.
+        tails = (
+            [matched_tail(c, spec.ngram_max) for c in contexts]
+            if len(batch) < spec.draft_budget
+            else None
+        )
         lengths = draft_lengths(
-            entropies, histories, spec, budget, self.draft_pool, costs=self.step_costs
+            entropies, histories, spec, budget, self.draft_pool, costs=self.step_costs, tails=tails
         )
         # The lookup continues the committed text, so its first token predicts the one the
         # device samples this step; the drafts are what follows that prediction. A
         # constrained row's are cut where its grammar would refuse them.
         drafts = []
-        for seq, n in zip(batch, lengths, strict=True):
+        for seq, context, n in zip(batch, contexts, lengths, strict=True):
             # A row whose token is pending (its first, drawn when it was made and streamed)
             # runs that token this step instead of drawing one: its drafts follow it, so
             # they are the lookup itself. Its first round may then verify rather than burst
             # (on a copy, 7 drafts where 8 steps made 8 tokens).
             own = 0 if seq.token_pending else 1
-            lookup = (
-                lookup_draft(
-                    seq.history.view(seq.prompt, seq.output.token_ids),
-                    n + own,
-                    spec.ngram_max,
-                    spec.ngram_min,
-                )
-                if n
-                else []
-            )
+            lookup = lookup_draft(context, n + own, spec.ngram_max, spec.ngram_min) if n else []
             if seq.grammar >= 0:
                 drafts.append(lookup_within_grammar(seq.grammar, lookup) if lookup else [])
             else:
