@@ -17,6 +17,7 @@ import heapq
 from collections.abc import Callable, Iterable, Sequence
 
 from etjax.buckets import pages_bucket
+from etjax.cache import spare_pool
 from etjax.cache.page_allocator import pages_needed
 from etjax.compilation_cache import use_persistent_cache
 from etjax.drafting import measured_costs
@@ -124,4 +125,7 @@ def generate_ids(
     pages = options.num_pages or device_pool_pages(cfg, options, weights)
     pages = pages or workload_pages(prompts, settings, options)
     engine = build_engine(weights, cfg, tokenizer, options, num_pages=pages)
-    return engine.generate(prompts, settings, on_text=on_text, on_done=on_done)
+    outputs = engine.generate(prompts, settings, on_text=on_text, on_done=on_done)
+    if engine.backend.placement is None:  # the next call's engine takes its pool
+        spare_pool.give_back(weights, engine.backend.cache)
+    return outputs

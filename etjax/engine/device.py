@@ -23,6 +23,7 @@ import numpy as np
 
 from etjax.attention import resolve_backend
 from etjax.buckets import batch_bucket, next_power_of_two
+from etjax.cache import spare_pool
 from etjax.cache.kv_cache import copy_page, forget_row_mass, init_kv_cache
 from etjax.calibration.ramp import shifted_thresholds
 from etjax.calibration.signal import row_params
@@ -164,17 +165,19 @@ class DeviceBackend:
         # row included) and block of the pruned table; nothing else reads it.
         by_mass = self.attention_backend.prunes and options.pruning.ranks_by_mass
         allocate = jax.eval_shape if self.compile_only else (lambda make: make())
-        self.cache = allocate(
-            functools.partial(
-                init_kv_cache,
-                cfg,
-                self.num_pages,
-                options.page_size,
-                self.rows + 1 if by_mass else 1,
-                self.geometry.pruned_table_width if by_mass else 1,
-                self.kv_dtype,
-            )
+        make_cache = functools.partial(
+            init_kv_cache,
+            cfg,
+            self.num_pages,
+            options.page_size,
+            self.rows + 1 if by_mass else 1,
+            self.geometry.pruned_table_width if by_mass else 1,
+            self.kv_dtype,
         )
+        if self.compile_only or placement is not None:
+            self.cache = allocate(make_cache)
+        else:  # one device: the pool an engine of the same weights left, if it fits
+            self.cache = spare_pool.take(weights, make_cache)
         self.store = allocate(functools.partial(empty_store, cfg, self.rows + 1, self.eos_ids))
         if placement is None:
             return
