@@ -11,8 +11,8 @@ from etjax.runtime.options import RequestSettings, RuntimeOptions
 
 # Preemption needs sequences that outgrow their pool while they decode: 48 tokens (at 24 the
 # policy test's pool holds them all and none is preempted). A row beside a document being
-# prefilled needs fewer: 24 covers the document's 4 mixed steps and then 20 tokens of bursts
-# of all four rows, and halves the five runs' decoding (33 to 31 s alone, loaded 2 cores).
+# prefilled needs fewer: 24 covers the 3 mixed steps it decodes in beside the document and
+# then 20 tokens of bursts of all five rows, and halves the six runs' decoding.
 NEW = 48
 NEW_BESIDE_DOCUMENT = 24
 
@@ -55,17 +55,18 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
 
 
 def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
-    # A 1.6K-token document (four prefill chunks) beside three short prompts: the short rows
-    # decode while the document is prefilled in the same ragged steps, then all four decode
+    # Four short prompts, then a 1.4K-token document: the short rows decode while the
+    # document is prefilled in the same ragged steps (352 of its tokens beside the prompts,
+    # then 508 and 508 beside four decode tokens, then its last 60), then all five decode
     # together, each reading only its own pages. So the dense engine never splits the batch
     # by width (grouping.py pays only under pruning), and every row's tokens equal those it
-    # gets alone.
-    document = smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:1600]
-    prompts = [document] + [smollm2.tokenizer.encode(lee[20 + i])[:40] for i in range(3)]
-    # The batch size of the other test's reference run (and its pool below): their programs
-    # of the same buckets serve both.
+    # gets alone. Five rows and those steps take the programs of the other test's reference
+    # run (its token buckets of 512 and 64 and its decode bucket of 8 rows); alone, the
+    # document's three prefill chunks take the 512-token program too.
+    prompts = [smollm2.tokenizer.encode(lee[20 + i])[:40] for i in range(4)]
+    prompts.append(smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:1428])
     options = RuntimeOptions(max_batch_size=8)
-    # The pool decode() would size for them (all four at once).
+    # The pool decode() would size for them (all five at once).
     new = NEW_BESIDE_DOCUMENT
     pages = pool_pages([pages_needed(len(p) + new + 8, 16) for p in prompts], options)
     outputs, engine = _run(smollm2, prompts, options, pages, new)
