@@ -3,9 +3,14 @@ decoding; vocabulary-sharded logits reach the entropy estimators without being g
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+from typing import IO
 
 import numpy as np
 import pytest
@@ -15,18 +20,70 @@ from etjax.errors import ConfigError
 from tests.subprocess_env import ROOT, subprocess_env
 
 
-def _run_worker(module: str, *args: str, timeout: int = 900) -> dict:
-    # A worker process whose JAX sees 8 CPU devices.
-    proc = subprocess.run(
+@dataclasses.dataclass
+class _Worker:
+    """A worker process whose JAX sees 8 CPU devices; it prints its JSON result last. Its output
+    goes to files: a pipe that fills would block it while another worker is waited for."""
+
+    proc: subprocess.Popen
+    stdout: IO[str]
+    stderr: IO[str]
+
+    def result(self, timeout: int = 900) -> dict:
+        returncode = self.proc.wait(timeout=timeout)
+        self.stderr.seek(0)
+        assert returncode == 0, self.stderr.read()[-3000:]
+        self.stdout.seek(0)
+        return json.loads(self.stdout.read().strip().splitlines()[-1])
+
+
+def _start_worker(stack: contextlib.ExitStack, module: str, *args: str) -> _Worker:
+    # `stack` closes its files, and kills it if it still runs (a test failed before waiting).
+    stdout, stderr = (
+        stack.enter_context(tempfile.TemporaryFile("w+"))  # noqa: SIM115 - the stack closes it
+        for _ in range(2)
+    )
+    proc = subprocess.Popen(
         [sys.executable, "-m", module, *args],
         env=subprocess_env(forced_devices=8),
         cwd=ROOT,
-        capture_output=True,
+        stdout=stdout,
+        stderr=stderr,
         text=True,
-        timeout=timeout,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    stack.callback(proc.kill)  # a no-op once it has ended
+    return _Worker(proc, stdout, stderr)
+
+
+def _run_worker(module: str, *args: str) -> dict:
+    with contextlib.ExitStack() as stack:
+        return _start_worker(stack, module, *args).result()
+
+
+def _moe_command(family: str, tmp_path_factory, tokenizer) -> tuple[str, ...]:
+    from tests.test_moe import save_tiny_moe
+
+    directory = save_tiny_moe(family, tmp_path_factory, tokenizer)
+    return ("tests.mesh_worker", str(directory), "--meshes", "1x1,2x4", "--temperatures", "0.0,0.8")
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_hf_dir, family_dirs, tmp_path_factory, hf_smollm2_tokenizer):
+    """The module's workers, started together when its first test needs one: each compiles its
+    programs on one core (XLA:CPU compiles a program on one thread) while this process waits,
+    so on 2 cores they take about half as long as one after the other. The tiny Llama's
+    meshes are split in two workers of about equal compile time (the 2x4 mesh with pruning
+    on, the costliest, compiles as long again as its dense run); no program compiles twice."""
+    tiny = ("tests.mesh_worker", str(tiny_hf_dir("llama")), "--temperatures", "0.0,0.8")
+    commands = {
+        "tiny": (*tiny, "--meshes", "1x1,1x8,8x1", "--pruned-meshes", "1x1"),
+        "tiny-2x4": (*tiny, "--meshes", "2x4", "--pruned-meshes", "2x4"),
+        "qwen3_moe": _moe_command("qwen3_moe", tmp_path_factory, hf_smollm2_tokenizer),
+        "families": ("tests.family_mesh_worker", "2x4", *map(str, family_dirs.values())),
+        "vocabulary": ("tests.vocab_shard_worker",),
+    }
+    with contextlib.ExitStack() as stack:
+        yield {name: _start_worker(stack, *command) for name, command in commands.items()}
 
 
 def test_mesh_shape_parsing_and_errors():
@@ -38,19 +95,13 @@ def test_mesh_shape_parsing_and_errors():
 
 
 @pytest.fixture(scope="module")
-def tiny_on_meshes(tiny_hf_dir) -> dict:
-    # One worker for every mesh, dense and pruned: a second would start JAX, load the model
-    # and compile the one-device run again.
-    return _run_worker(
-        "tests.mesh_worker",
-        str(tiny_hf_dir("llama")),
-        "--meshes",
-        "1x1,1x8,2x4,8x1",
-        "--temperatures",
-        "0.0,0.8",
-        "--pruned-meshes",
-        "1x1,2x4",
-    )
+def tiny_on_meshes(workers) -> dict:
+    first, second = workers["tiny"].result(), workers["tiny-2x4"].result()
+    return {
+        "devices": min(first["devices"], second["devices"]),
+        "outputs": {t: first["outputs"][t] | second["outputs"][t] for t in ("0.0", "0.8")},
+        "pruned": first["pruned"] | second["pruned"],
+    }
 
 
 def test_tiny_model_outputs_equal_on_every_mesh(tiny_on_meshes):
@@ -73,20 +124,15 @@ def test_tiny_model_pruned_outputs_equal_on_every_mesh(tiny_on_meshes):
 # Mixtral's check takes as long again as Qwen3-MoE's (its own four step programs to compile,
 # about 10 s of CPU), so it runs with the slow tests.
 @pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow)])
-def test_tiny_moe_outputs_equal_on_every_mesh(family, tmp_path_factory, hf_smollm2_tokenizer):
+def test_tiny_moe_outputs_equal_on_every_mesh(
+    family, workers, tmp_path_factory, hf_smollm2_tokenizer
+):
     # Expert parallelism: on a 2x4 mesh each device holds 2 of the 8 experts and runs the
     # rows routed to them. Greedy and seeded tokens, and the top-3 ids, equal one device's.
-    from tests.test_moe import save_tiny_moe
-
-    directory = save_tiny_moe(family, tmp_path_factory, hf_smollm2_tokenizer)
-    result = _run_worker(
-        "tests.mesh_worker",
-        str(directory),
-        "--meshes",
-        "1x1,2x4",
-        "--temperatures",
-        "0.0,0.8",
-    )
+    if family in workers:
+        result = workers[family].result()
+    else:
+        result = _run_worker(*_moe_command(family, tmp_path_factory, hf_smollm2_tokenizer))
     outputs = result["outputs"]
     for temperature in ("0.0", "0.8"):
         assert outputs[temperature]["2x4"] == outputs[temperature]["1x1"], temperature
@@ -101,19 +147,12 @@ def test_tiny_moe_outputs_equal_on_every_mesh(family, tmp_path_factory, hf_smoll
     assert result["experts"]["1x1"]["experts_gate_up"]["shards"] == [[8, 64, 64]]
 
 
-def test_dense_families_on_a_mesh_match_transformers(tmp_path_factory, hf_smollm2_tokenizer):
-    # Qwen3, Phi-3 and Gemma 2, each its tiny model of test_qwen3/_phi3/_gemma2 cut to 2
-    # layers, 8 query heads over 4 KV heads (so the KV pages split by head), on a 2x4 mesh:
-    # both rows' logits through the paged cache (a prefill chunk, then a decode token beside a
-    # second chunk) within the families' tolerance of transformers', greedy tokens the same.
-    # One worker for the three and one program each (tests/family_mesh_worker.py says why
-    # not the engine); the engine's own path on meshes is the tiny Llama's and Qwen3-MoE's.
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tests.conftest import relative_error
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, hf_smollm2_tokenizer) -> dict[str, Path]:
+    """Qwen3, Phi-3 and Gemma 2, each its tiny model of test_qwen3/_phi3/_gemma2 cut to 2
+    layers, 8 query heads over 4 KV heads (so the KV pages split by head), saved."""
     from tests.test_gemma2 import tiny_gemma2_config
-    from tests.test_phi3 import TOLERANCE, tiny_phi3_config
+    from tests.test_phi3 import tiny_phi3_config
     from tests.test_qwen3 import save_tiny_model, tiny_qwen3_config
 
     heads = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
@@ -123,15 +162,29 @@ def test_dense_families_on_a_mesh_match_transformers(tmp_path_factory, hf_smollm
         "phi3": tiny_phi3_config(**heads),  # windowed every layer
         "gemma2": tiny_gemma2_config(**heads, head_dim=8),  # windowed, then global
     }
-    directories = {
+    return {
         name: save_tiny_model(
             config, tmp_path_factory.mktemp(f"mesh-{name}"), hf_smollm2_tokenizer, seed=11
         )
         for name, config in configs.items()
     }
-    result = _run_worker("tests.family_mesh_worker", "2x4", *map(str, directories.values()))
+
+
+def test_dense_families_on_a_mesh_match_transformers(workers, family_dirs):
+    # Qwen3, Phi-3 and Gemma 2 (`family_dirs`) on a 2x4 mesh: both rows' logits through the
+    # paged cache (a prefill chunk, then a decode token beside a second chunk) within the
+    # families' tolerance of transformers', greedy tokens the same.
+    # One worker for the three and one program each (tests/family_mesh_worker.py says why
+    # not the engine); the engine's own path on meshes is the tiny Llama's and Qwen3-MoE's.
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.conftest import relative_error
+    from tests.test_phi3 import TOLERANCE
+
+    result = workers["families"].result()
     assert result["devices"] == 8
-    for name, directory in directories.items():
+    for name, directory in family_dirs.items():
         saved = np.load(directory / "mesh-2x4.npz")
         reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
         for ids, logits in zip(saved["ids"], saved["logits"], strict=True):
@@ -165,8 +218,8 @@ def test_smollm2_greedy_outputs_equal_on_every_mesh():
         assert outputs[mesh] == outputs["1x1"], mesh
 
 
-def test_vocabulary_sharded_entropy_is_never_gathered():
-    result = _run_worker("tests.vocab_shard_worker")
+def test_vocabulary_sharded_entropy_is_never_gathered(workers):
+    result = workers["vocabulary"].result()
     # The exact entropy, the top-k tail bounds, top-k itself and the sampler (temperature,
     # entropic controller, top-p / min-p) on [4, V] logits split 8 ways over the vocabulary:
     # no collective moves a full vocabulary row, and tokens and values equal the one-device
