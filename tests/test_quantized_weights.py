@@ -144,6 +144,9 @@ def test_auto_loads_a_quantized_gguf_as_blocks_on_this_cpu(
     assert weight_formats(etjax.load_model(tiny_hf_dir("llama")).weights) == {}
 
 
+# etjax against itself over a short prompt, 16 tokens: compiles more than it runs, so it
+# compiles cheaply (tests/compile_level.py).
+@pytest.mark.compile_bound
 def test_smollm2_q4_1_stored_is_the_file(smollm2, smollm2_path):
     stored = etjax.load_model(smollm2_path, weights="stored")
     assert set(weight_formats(stored.weights).values()) == {"q4_1", "q8_0"}  # embedding Q8_0
