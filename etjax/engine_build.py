@@ -60,6 +60,7 @@ def build_engine(
         cost.kv_bytes_per_key,
         options.max_batch_size,
         options.page_size,
+        options.speculation.pass_fixed_tokens,
     )
     kwargs = {} if clock is None else {"clock": clock}
     # What the engine's steps cost on this machine, measured by the engines of this process

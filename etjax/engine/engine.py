@@ -15,7 +15,8 @@ A round (`step`):
   4. with speculation on, confident sequences of the batch draft tokens (etjax/drafting);
      admitted sequences get their next prompt chunk (at most `prefill_chunk` tokens each, at
      most `max_prefill_rows` of them) within what the token budget leaves after one token
-     (and its drafts) per picked sequence;
+     (and its drafts) per picked sequence; a policy may have the chunks wait and the batch
+     burst instead, for a bounded time (etjax/engine/scheduler.py, `prefill_waits`);
   5. the device runs one ragged step: the batch's sequences decode a token each (and verify
      their drafts: etjax/runtime/verify.py) and the chunks are appended, in one flat batch;
      a finished context makes its sequence resident, and waiting sequences with the same
@@ -228,6 +229,12 @@ class Engine:
         self.draft_pool = DraftHistory(options.speculation.acceptance_prior)
         self.step_costs = step_costs
         self._drawing: list[Sequence] = []  # made resident this round, first token drawn
+        # Prompt chunks waiting for bursts (scheduler.py, `prefill_waits`): the rounds in a
+        # row they waited and those rounds' seconds; the seconds of the last round with
+        # chunks; what the last round was ("chunks", "waited" or None) and when it started.
+        self._waited_rounds, self._waited_seconds, self._chunk_seconds = 0, 0.0, 0.0
+        self._round_kind: str | None = None
+        self._round_started = 0.0
         self._publish_stats()
 
     # Submission -------------------------------------------------------------------------
@@ -378,6 +385,7 @@ class Engine:
         started = time.perf_counter()
         device = 0.0
         now = self.clock()
+        self._time_last_round(now)
         live = self.live
         for seq in live:
             if seq.cancelled:
@@ -395,16 +403,54 @@ class Engine:
         drafts, forced = self._drafts(batch, budget)
         budget -= sum(len(d) for d in drafts)
         jobs = self._prefill_jobs(prefilling, budget)
+        waits = self._prefill_waits(batch, jobs, verifies=any(drafts))
+        if waits:
+            jobs = []  # the batch bursts; the chunks come in a later round
         if jobs or any(drafts):
             device += self._mixed(batch, jobs, drafts, forced)
         elif batch:
             device += self._decode(batch)
+        self._round_kind = "waited" if waits else "chunks" if jobs else None
         self.live = [s for s in self.live if not s.finished]
         self.round += 1
         self.device_seconds += device
         self.host_seconds += time.perf_counter() - started - device
         self._publish_stats()
         return bool(self.live)
+
+    def _prefill_waits(
+        self, batch: list[Sequence], jobs: list[tuple[Sequence, PrefillJob]], verifies: bool
+    ) -> bool:
+        # Whether this round's chunks wait for a burst of the batch: the policy's choice
+        # within the scheduler's bound (scheduler.py, `prefill_waits`). A round that verifies
+        # drafts is a ragged step anyway: its chunks never wait.
+        if not jobs or verifies:
+            self._waited_rounds, self._waited_seconds = 0, 0.0  # nothing is kept waiting
+            return False
+        waits = scheduler.prefill_waits(
+            self.policy,
+            batch,
+            [(seq, len(job.tokens)) for seq, job in jobs],
+            self.options.steps_per_sync,
+            self._waited_rounds,
+            self._waited_seconds,
+            self._chunk_seconds,
+            self.options.min_advance_rounds,
+        )
+        if waits:
+            self._waited_rounds += 1
+        else:
+            self._waited_rounds, self._waited_seconds = 0, 0.0
+        return waits
+
+    def _time_last_round(self, now: float) -> None:
+        # The last round's time on the engine's clock (from its start to this one's), kept
+        # for the bound on waiting chunks: a round that ran chunks, or one they waited in.
+        if self._round_kind == "chunks":
+            self._chunk_seconds = now - self._round_started
+        elif self._round_kind == "waited":
+            self._waited_seconds += now - self._round_started
+        self._round_started = now
 
     def _pick_batch(self, running: list[Sequence]) -> list[Sequence]:
         batch = scheduler.pick_batch(

@@ -21,6 +21,31 @@ waited so none waits forever. Admitted requests still prefilling are ranked the 
 what their first token still costs: the fewest context tokens left to prefill first (aged by
 the rounds since admission), so a short question is not made to wait behind the prefill of
 a long document admitted with it (FCFS prefills in admission order).
+
+A decode burst or a prompt chunk. A round that runs any prompt chunk is one ragged step, in
+which every decoding row gets one token; a round without runs a burst of `steps_per_sync`
+(K) decode steps. So while a 2K-6K-token document prefills in chunks of 512, FCFS holds
+every decoding request to one token a round for as long as that takes: on the `online`
+workload (SmolLM2, a 2-core CPU, docs/PERF.md "The chunk rounds") 40 of a run's 79 rounds
+carried a chunk and took 73% of its device time, and the decoding rows got 133 tokens in
+them against 1,096 in the 39 bursts. The entropic policy values both uses of the round by
+the paper's rule, expected entropy reduction per unit of cost, with a step of n tokens
+costing F + n token computes (F: the pass's fixed cost, `pass_fixed_tokens`):
+
+- a burst of the batch: sum of d_s * min(K, left_s) over its rows (d_s: `expected_drop`,
+  left_s: tokens it may still generate), for K * (F + rows);
+- the ragged step: sum of d_s (a token each) for F + rows + the chunks' tokens. A chunk
+  resolves no uncertainty of its own: its prompt tokens have none until the sequence's first
+  token, so the chunks count only when one of them ends its prompt. That round draws the
+  first token, with an expected drop (the prior) a burst cannot give, and the new row decodes
+  with the batch from then on; such a round is never deferred.
+
+The chunks yield when the burst resolves more per cost, which is whenever the rows have K
+tokens left and expect any drop: K * (F + rows) buys K times the ragged step's tokens for
+less than K times its cost. Rows that are resolved (no drop expected) or about to finish
+do not hold a prompt back. How long prompts may wait is the scheduler's to bound
+(scheduler.py, `prefill_waits`): without a bound this rule would defer a document's
+prefill for as long as anyone decodes. FCFS and `priority` never defer (as before).
 """
 
 from __future__ import annotations
@@ -44,6 +69,13 @@ class Policy(Protocol):
     def run_priority(self, seq: Sequence, round_: int) -> float:
         """Value of running a resident sequence now: larger runs first, smaller yields pages."""
 
+    def prefill_yields(
+        self, batch: list[Sequence], chunks: list[tuple[Sequence, int]], steps: int
+    ) -> bool:
+        """Whether the round should run `batch` as a burst of `steps` decode steps and give
+        `chunks` ((sequence, tokens) pairs) a later round, rather than one ragged step
+        (the module docstring; the scheduler bounds how long they wait)."""
+
     def observe(self, seq: Sequence, num_new_tokens: int) -> None:
         """Called after a burst with the tokens `seq` just produced."""
 
@@ -59,6 +91,11 @@ class FcfsPolicy:
 
     def run_priority(self, seq: Sequence, round_: int) -> float:
         return -float(seq.order)
+
+    def prefill_yields(
+        self, batch: list[Sequence], chunks: list[tuple[Sequence, int]], steps: int
+    ) -> bool:
+        return False  # prompts never wait for a burst: the baseline as it always ran
 
     def observe(self, seq: Sequence, num_new_tokens: int) -> None:
         pass
@@ -89,6 +126,7 @@ class EntropicPolicy:
     window: int = 16
     prior_drop: float = 0.5
     aging: float = 0.05  # fraction of the prior's priority added per round waited
+    pass_fixed_tokens: float = 5.0  # a pass's fixed cost in token computes (F above)
     name: str = "entropic"
 
     def token_bytes(self, seq: Sequence) -> float:
@@ -117,18 +155,45 @@ class EntropicPolicy:
     def run_priority(self, seq: Sequence, round_: int) -> float:
         return self.expected_drop(seq) / self.token_bytes(seq)
 
+    def prefill_yields(
+        self, batch: list[Sequence], chunks: list[tuple[Sequence, int]], steps: int
+    ) -> bool:
+        if not batch or any(seq.prefilled + n >= len(seq.context) for seq, n in chunks):
+            return False  # nothing to burst, or a first token is drawn this round
+        fixed, rows = self.pass_fixed_tokens, len(batch)
+        drops = [self.expected_drop(s) for s in batch]
+        left = [s.settings.max_new_tokens - len(s.output.token_ids) for s in batch]
+        burst = sum(d * min(steps, n) for d, n in zip(drops, left, strict=True))
+        ragged = sum(drops)
+        # burst / (steps * (fixed + rows)) > ragged / (fixed + rows + chunk tokens)
+        tokens = sum(n for _, n in chunks)
+        return burst * (fixed + rows + tokens) > ragged * steps * (fixed + rows)
+
     def observe(self, seq: Sequence, num_new_tokens: int) -> None:
         pass  # the estimate reads the sequence's own trace
 
 
 def make_policy(
-    name: str, weight_bytes: float, kv_bytes_per_key: float, batch_size: int, page_size: int
+    name: str,
+    weight_bytes: float,
+    kv_bytes_per_key: float,
+    batch_size: int,
+    page_size: int,
+    pass_fixed_tokens: float = 5.0,
 ):
-    """The policy called `name` (one of POLICIES), with the model's cost constants."""
+    """The policy called `name` (one of POLICIES), with the model's cost constants
+    (`pass_fixed_tokens`: a model pass's fixed cost in token computes, the speculation
+    config's cost model)."""
     if name == "fcfs":
         return FcfsPolicy()
     if name == "priority":
         return PriorityPolicy()
     if name == "entropic":
-        return EntropicPolicy(weight_bytes, kv_bytes_per_key, batch_size, page_size)
+        return EntropicPolicy(
+            weight_bytes,
+            kv_bytes_per_key,
+            batch_size,
+            page_size,
+            pass_fixed_tokens=pass_fixed_tokens,
+        )
     raise ValueError(f"policy={name!r}; must be one of {POLICIES}")
