@@ -6,9 +6,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import IO
 
@@ -60,6 +62,38 @@ def _run_worker(module: str, *args: str) -> dict:
         return _start_worker(stack, module, *args).result()
 
 
+class _Workers:
+    """Named worker commands run one per core at a time (two at least), in the order given:
+    each compiles its programs on one thread (XLA:CPU compiles a program so) while this
+    process waits, so on 2 cores two take about as long as one, and no more than that many
+    hold memory at once. A worker starts as soon as a slot is free, checked whenever a result
+    is awaited."""
+
+    def __init__(self, stack: contextlib.ExitStack, commands: dict):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+        self._stack, self._slots = stack, max(2, cores)
+        self._pending = dict(commands)
+        self._running: dict[str, _Worker] = {}
+        self._ended: dict[str, _Worker] = {}
+        self._fill()
+
+    def result(self, name: str, timeout: int = 900) -> dict:
+        deadline = time.monotonic() + timeout
+        while name not in self._ended:
+            assert time.monotonic() < deadline, f"the {name} worker ran past {timeout} s"
+            time.sleep(0.05)
+            for ended in [n for n, w in self._running.items() if w.proc.poll() is not None]:
+                self._ended[ended] = self._running.pop(ended)
+            self._fill()
+        return self._ended[name].result()
+
+    def _fill(self) -> None:
+        while self._pending and len(self._running) < self._slots:
+            name, command = next(iter(self._pending.items()))
+            del self._pending[name]
+            self._running[name] = _start_worker(self._stack, *command)
+
+
 def _moe_command(family: str, tmp_path_factory, tokenizer) -> tuple[str, ...]:
     from tests.test_moe import save_tiny_moe
 
@@ -68,12 +102,11 @@ def _moe_command(family: str, tmp_path_factory, tokenizer) -> tuple[str, ...]:
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_hf_dir, family_dirs, tmp_path_factory, hf_smollm2_tokenizer):
-    """The module's workers, started together when its first test needs one: each compiles its
-    programs on one core (XLA:CPU compiles a program on one thread) while this process waits,
-    so on 2 cores they take about half as long as one after the other. The tiny Llama's
-    meshes are split in two workers of about equal compile time (the 2x4 mesh with pruning
-    on, the costliest, compiles as long again as its dense run); no program compiles twice."""
+def workers(tiny_hf_dir, family_dirs, tmp_path_factory, hf_smollm2_tokenizer) -> _Workers:
+    """The module's workers, from its first test that needs one (`_Workers`). The tiny
+    Llama's meshes are split in two workers of about equal compile time (the 2x4 mesh with
+    pruning on, the costliest, compiles as long again as its dense run), so no program
+    compiles twice; those two run first, then the others in the order the tests read them."""
     tiny = ("tests.mesh_worker", str(tiny_hf_dir("llama")), "--temperatures", "0.0,0.8")
     commands = {
         "tiny": (*tiny, "--meshes", "1x1,1x8,8x1", "--pruned-meshes", "1x1"),
@@ -83,7 +116,7 @@ def workers(tiny_hf_dir, family_dirs, tmp_path_factory, hf_smollm2_tokenizer):
         "vocabulary": ("tests.vocab_shard_worker",),
     }
     with contextlib.ExitStack() as stack:
-        yield {name: _start_worker(stack, *command) for name, command in commands.items()}
+        yield _Workers(stack, commands)
 
 
 def test_mesh_shape_parsing_and_errors():
@@ -96,7 +129,7 @@ def test_mesh_shape_parsing_and_errors():
 
 @pytest.fixture(scope="module")
 def tiny_on_meshes(workers) -> dict:
-    first, second = workers["tiny"].result(), workers["tiny-2x4"].result()
+    first, second = workers.result("tiny"), workers.result("tiny-2x4")
     return {
         "devices": min(first["devices"], second["devices"]),
         "outputs": {t: first["outputs"][t] | second["outputs"][t] for t in ("0.0", "0.8")},
@@ -129,8 +162,8 @@ def test_tiny_moe_outputs_equal_on_every_mesh(
 ):
     # Expert parallelism: on a 2x4 mesh each device holds 2 of the 8 experts and runs the
     # rows routed to them. Greedy and seeded tokens, and the top-3 ids, equal one device's.
-    if family in workers:
-        result = workers[family].result()
+    if family == "qwen3_moe":
+        result = workers.result(family)
     else:
         result = _run_worker(*_moe_command(family, tmp_path_factory, hf_smollm2_tokenizer))
     outputs = result["outputs"]
@@ -182,7 +215,7 @@ def test_dense_families_on_a_mesh_match_transformers(workers, family_dirs):
     from tests.conftest import relative_error
     from tests.test_phi3 import TOLERANCE
 
-    result = workers["families"].result()
+    result = workers.result("families")
     assert result["devices"] == 8
     for name, directory in family_dirs.items():
         saved = np.load(directory / "mesh-2x4.npz")
@@ -219,7 +252,7 @@ def test_smollm2_greedy_outputs_equal_on_every_mesh():
 
 
 def test_vocabulary_sharded_entropy_is_never_gathered(workers):
-    result = workers["vocabulary"].result()
+    result = workers.result("vocabulary")
     # The exact entropy, the top-k tail bounds, top-k itself and the sampler (temperature,
     # entropic controller, top-p / min-p) on [4, V] logits split 8 ways over the vocabulary:
     # no collective moves a full vocabulary row, and tokens and values equal the one-device
