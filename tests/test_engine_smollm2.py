@@ -55,16 +55,18 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
 
 
 def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
-    # Four short prompts, then a 1.4K-token document: the short rows decode while the
-    # document is prefilled in the same ragged steps (352 of its tokens beside the prompts,
-    # then 508 and 508 beside four decode tokens, then its last 60), then all five decode
-    # together, each reading only its own pages. So the dense engine never splits the batch
-    # by width (grouping.py pays only under pruning), and every row's tokens equal those it
-    # gets alone. Five rows and those steps take the programs of the other test's reference
-    # run (its token buckets of 512 and 64 and its decode bucket of 8 rows); alone, the
-    # document's three prefill chunks take the 512-token program too.
-    prompts = [smollm2.tokenizer.encode(lee[20 + i])[:40] for i in range(4)]
-    prompts.append(smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:1428])
+    # Four short prompts, then a 1.6K-token document: the short rows decode while the
+    # document is prefilled in the same ragged steps (328 of its tokens beside the prompts,
+    # then 508, 508 and 253 beside four decode tokens), then all five decode together, each
+    # reading only its own pages. So the dense engine never splits the batch by width
+    # (grouping.py pays only under pruning), and every row's tokens equal those it gets alone.
+    # The lengths keep every step in the other test's programs: its reference run's 512- and
+    # 64-token buckets and 8-row bursts, batched; alone, the document's four chunks (the
+    # last of 61 tokens) and each 46-token prompt, none of them cut to a smaller bucket on a
+    # CPU (etjax/buckets.py `cut_to_bucket`: a 40-token prompt would run as 32, then 8).
+    prompts = [smollm2.tokenizer.encode(lee[20 + i])[:46] for i in range(4)]
+    prompts.append(smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:1597])
+    assert [len(p) for p in prompts] == [46] * 4 + [1597]
     options = RuntimeOptions(max_batch_size=8)
     # The pool decode() would size for them (all five at once).
     new = NEW_BESIDE_DOCUMENT
