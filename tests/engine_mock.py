@@ -58,7 +58,6 @@ class MockBackend:
     weight_bytes: float = 1e12
     vocab_size: int = 1000  # prompts hold request ids and 5; token_of stays below 910
     context_limit: int = 1 << 20  # the longest request it serves: none of the tests' reach it
-    step_fixed_tokens: float | None = None  # prompt chunks are never cut to a bucket
     id_at: int = 0  # where in its prompt a request's id is
     # As the device: a new row draws its first token when inserted (RowInit.draw), which
     # its next step runs. Off: every first token comes from a decode.

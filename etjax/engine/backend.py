@@ -71,9 +71,6 @@ class Backend(Protocol):
     # Whether `insert` draws a new row's first token (`RowInit.draw`; the engine asks only
     # then).
     draws_first_tokens: bool
-    # What a ragged step costs besides its padded tokens, in tokens' worth, where a prompt
-    # chunk cut to a smaller bucket can pay (etjax/buckets.py `cut_to_bucket`); None: never.
-    step_fixed_tokens: float | None
 
     def mixed(
         self,

@@ -68,15 +68,6 @@ from etjax.runtime.steps import StepStatics, decode_steps, first_token, mixed_st
 PADDED_ROW_STEPS = 512
 
 
-# What a ragged prefill step costs on a CPU besides its padded tokens, in tokens' worth:
-# SmolLM2-135M's prompts of 8, 64, 128 and 256 tokens (one step each, padded to their
-# bucket) took 0.07, 0.25, 0.40 and 0.73 s of CPU time on a 2-core AMD EPYC Zen 4 under load
-# (2026-12-07): 2.8 ms a token and about 16 tokens' worth more a call (an upper bound: the
-# calls also built an engine). An accelerator's step is its weights' read, whatever its
-# tokens: there no chunk is cut.
-CPU_STEP_FIXED_TOKENS = 16.0
-
-
 class DeviceBackend:
     """The real device: SmolLM2 or any loaded model, on whatever JAX runs on."""
 
@@ -150,9 +141,6 @@ class DeviceBackend:
         self.burst_cost = BurstCost(self.cost, self.geometry)
         # A new row draws its first token when it is inserted (`RowInit.draw`).
         self.draws_first_tokens = True
-        # On a CPU a step costs its padded tokens, so a chunk just past a bucket is cut to it.
-        on_cpu = (platform or jax.default_backend()) == "cpu"
-        self.step_fixed_tokens = CPU_STEP_FIXED_TOKENS if on_cpu else None
 
     def _start_rows(self) -> None:
         # The host's record of the rows: what each inserted row starts with and what the

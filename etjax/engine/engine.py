@@ -15,10 +15,8 @@ A round (`step`):
   4. with speculation on, confident sequences of the batch draft tokens (etjax/drafting);
      admitted sequences get their next prompt chunk (at most `prefill_chunk` tokens each, at
      most `max_prefill_rows` of them) within what the token budget leaves after one token
-     (and its drafts) per picked sequence (where no row decodes and a step costs its
-     padded tokens, as on a CPU, the last chunk is cut to a bucket: etjax/buckets.py
-     `cut_to_bucket`); a policy may have the chunks wait and the batch burst instead, for a
-     bounded time (etjax/engine/scheduler.py, `prefill_waits`);
+     (and its drafts) per picked sequence; a policy may have the chunks wait and the batch
+     burst instead, for a bounded time (etjax/engine/scheduler.py, `prefill_waits`);
   5. the device runs one ragged step: the batch's sequences decode a token each (and verify
      their drafts: etjax/runtime/verify.py) and the chunks are appended, in one flat batch;
      a finished context makes its sequence resident, and waiting sequences with the same
@@ -45,7 +43,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from etjax.buckets import cut_to_bucket
 from etjax.cache.page_allocator import pages_needed
 from etjax.cache.prefix_cache import CachedPage, PrefixCache
 from etjax.constraints.matcher import failure as grammar_failure
@@ -519,34 +516,17 @@ class Engine:
     ) -> list[tuple[Sequence, PrefillJob]]:
         # The next chunk of each admitted sequence, in the policy's prefill order (FCFS: oldest
         # admission first), within the token budget and `max_prefill_rows`.
-        # Where no row decodes, the last chunk may be cut so the step's tokens do not just
-        # pass a bucket (buckets.py `cut_to_bucket`: on a CPU, 136 tokens run as 128, then
-        # 8). Beside decoding rows a chunk stays whole: its rest would cost the rows another
-        # ragged round, and a policy may hold chunks that end no prompt (`_prefill_waits`).
         opts = self.options
-        decoding = opts.token_budget - budget  # the batch's tokens and drafts
-        jobs, others = [], decoding
+        jobs = []
         for seq in scheduler.prefill_order(prefilling, self.policy, self.round):
             if len(jobs) == opts.max_prefill_rows or budget <= 0:
                 break
             end = min(seq.prefilled + opts.prefill_chunk, len(seq.context), seq.prefilled + budget)
-            jobs.append((seq, end))
-            budget -= end - seq.prefilled
-            others += end - seq.prefilled
-        if jobs and not decoding:
-            seq, end = jobs[-1]
-            chunk = end - seq.prefilled
-            end = seq.prefilled + cut_to_bucket(
-                others - chunk, chunk, self.backend.step_fixed_tokens
-            )
-            jobs[-1] = (seq, end)
-        return [(seq, self._prefill_job(seq, end)) for seq, end in jobs]
-
-    def _prefill_job(self, seq: Sequence, end: int) -> PrefillJob:
-        # `seq`'s prompt chunk up to context position `end`.
-        chunk = seq.context[seq.prefilled : end]
-        targets = _prompt_targets(seq, seq.prefilled, end)
-        return PrefillJob(seq.row, chunk, seq.prefilled, seq.pages, targets)
+            chunk = seq.context[seq.prefilled : end]
+            targets = _prompt_targets(seq, seq.prefilled, end)
+            jobs.append((seq, PrefillJob(seq.row, chunk, seq.prefilled, seq.pages, targets)))
+            budget -= len(chunk)
+        return jobs
 
     def _drafts(self, batch: list[Sequence], budget: int) -> tuple[list[list[int]], list[bool]]:
         # What each row of the batch drafts this round (etjax/drafting), and whether it is a
