@@ -62,8 +62,7 @@ def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
     # (grouping.py pays only under pruning), and every row's tokens equal those it gets alone.
     # The lengths keep every step in the other test's programs: its reference run's 512- and
     # 64-token buckets and 8-row bursts, batched; alone, the document's four chunks (the
-    # last of 61 tokens) and each 46-token prompt, none of them cut to a smaller bucket on a
-    # CPU (etjax/buckets.py `cut_to_bucket`: a 40-token prompt would run as 32, then 8).
+    # last of 61 tokens) and each 46-token prompt, in the 64-token bucket.
     prompts = [smollm2.tokenizer.encode(lee[20 + i])[:46] for i in range(4)]
     prompts.append(smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:1597])
     assert [len(p) for p in prompts] == [46] * 4 + [1597]
