@@ -48,30 +48,33 @@ def test_entropic_chunks_wait_when_a_burst_resolves_more_per_cost():
 
 
 def test_entropic_chunks_run_when_one_ends_its_prompt_or_the_rows_resolve_nothing():
-    batch = [_decoding(0, [3.0, 2.5, 2.0], 103)]
+    batch = [_decoding(0, [3.0, 2.5, 2.0], 103), _decoding(1, [3.0, 2.5, 2.0], 103)]
+    doc = _prefilling(2, 1000, 0)
     policy = _entropic()
     # The chunk reaches the prompt's end: the round draws a first token; it never waits.
-    assert not policy.prefill_yields(batch, [(_prefilling(1, 100, 36), 64)], K)
+    assert not policy.prefill_yields(batch, [(_prefilling(2, 100, 36), 64)], K)
     # Flat entropy (d = 0): the burst resolves nothing a ragged step would not.
-    flat = [_decoding(0, [2.0, 2.0, 2.0], 103)]
-    assert not policy.prefill_yields(flat, [(_prefilling(1, 1000, 0), 64)], K)
-    # No batch: nothing to burst.
-    assert not policy.prefill_yields([], [(_prefilling(1, 1000, 0), 64)], K)
+    flat = [_decoding(0, [2.0, 2.0, 2.0], 103), _decoding(1, [2.0, 2.0, 2.0], 103)]
+    assert not policy.prefill_yields(flat, [(doc, 64)], K)
+    # Fewer than two rows per waiting prompt: one row, or two rows and two prompts.
+    assert not policy.prefill_yields(batch[:1], [(doc, 64)], K)
+    assert not policy.prefill_yields(batch, [(doc, 64), (_prefilling(3, 1000, 0), 64)], K)
+    assert not policy.prefill_yields([], [(doc, 64)], K)
 
 
-@pytest.mark.parametrize("chunk, waits", [(42, False), (43, True)])
-def test_entropic_a_row_about_to_finish_lets_a_short_chunk_run(chunk, waits):
-    # One row with d = 0.5 and 1 token left: a burst gives it 1 token for 8 * (5 + 1) = 48,
-    # the ragged step 1 token for 5 + 1 + chunk. The burst is dearer unless the chunk costs
-    # more than 42 token computes.
-    batch = [_decoding(0, [3.0, 2.5, 2.0], 4)]
-    doc = _prefilling(1, 1000, 0)
+@pytest.mark.parametrize("chunk, waits", [(49, False), (50, True)])
+def test_entropic_rows_about_to_finish_let_a_short_chunk_run(chunk, waits):
+    # Two rows with d = 0.5 and 1 token left each: a burst gives them 2 tokens for
+    # 8 * (5 + 2) = 56, the ragged step 2 tokens for 5 + 2 + chunk. The burst is dearer
+    # unless the chunk costs more than 49 token computes.
+    batch = [_decoding(0, [3.0, 2.5, 2.0], 4), _decoding(1, [3.0, 2.5, 2.0], 4)]
+    doc = _prefilling(2, 1000, 0)
     assert _entropic().prefill_yields(batch, [(doc, chunk)], K) is waits
 
 
 def test_scheduler_bounds_the_wait_by_rounds_and_by_the_chunk_round_s_time():
-    batch = [_decoding(0, [3.0, 2.5, 2.0], 103)]
-    chunks = [(_prefilling(1, 1000, 0), 64)]
+    batch = [_decoding(0, [3.0, 2.5, 2.0], 103), _decoding(1, [3.0, 2.5, 2.0], 103)]
+    chunks = [(_prefilling(2, 1000, 0), 64)]
     policy = _entropic()
 
     def waits(rounds: int, seconds: float, chunk_seconds: float, r: int = 4) -> bool:
@@ -108,32 +111,28 @@ def _costed(backend, engine, chunk: float, burst: float) -> list[str]:
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "entropic"])
-def test_a_short_request_bursts_while_a_long_prompt_prefills(policy):
-    # Request 1 (4-token prompt, 24 new tokens, entropy falling 0.1 a token) and request 2
-    # (80-token prompt, 4 new) arrive together; chunks of 8 tokens, bursts of K = 2 steps, a
-    # chunk round costs 10 on the clock and a burst 6, R = 4. Round 0 prefills all of 1 and
-    # 2's first chunk. FCFS then runs 2's nine other chunks in rounds 1-9 (1 gets a token in
-    # each) and bursts both from round 10: 1 finishes in round 17. The entropic policy bursts
-    # while 2's chunks wait up to the chunk round's time (two bursts, 12 >= 10; the rounds'
-    # bound, three, does not bind): chunk, burst, burst, ... until 1 finishes in round 14;
-    # 2's last five chunks then run alone (the last, ending its prompt, would never wait).
-    engine, backend = _engine(policy, batch=2, resident=2, entropy={1: (5.0, 0.1)})
+def test_short_requests_burst_while_a_long_prompt_prefills(policy):
+    # Requests 1 and 3 (4-token prompts, 24 new tokens, entropy falling 0.1 a token) and
+    # request 2 (80-token prompt, 4 new) arrive together; chunks of 8 tokens, two prompts a
+    # round, bursts of K = 2 steps; a chunk round costs 10 on the clock and a burst 6; R = 4.
+    # Round 0 prefills 1 and 3. FCFS then runs 2's ten chunks in rounds 1-10 (1 and 3 get a
+    # token in each) and bursts all three from round 11: 1 and 3 finish in round 17. Under
+    # the entropic policy 2's chunks wait while the bursts run in their place took less
+    # than the chunk round (two bursts, 12 >= 10; the rounds' bound, three, does not bind):
+    # burst, burst, chunk, ... until 1 and 3 finish in round 14; 2's last five chunks then
+    # run alone (the last, ending its prompt, would never wait).
+    engine, backend = _engine(policy, batch=3, resident=3, entropy={1: (5.0, 0.1), 3: (5.0, 0.1)})
     kinds = _costed(backend, engine, chunk=10.0, burst=6.0)
     short = engine.submit([1] + [5] * 3, RequestSettings(24))
+    other = engine.submit([3] + [5] * 3, RequestSettings(24))
     long = engine.submit([2] + [5] * 79, RequestSettings(4))
     engine.run_until_idle()
-    assert short.result().token_ids == [token_of(1, i) for i in range(24)]
+    for r, handle in ((1, short), (3, other)):
+        assert handle.result().token_ids == [token_of(r, i) for i in range(24)]
     assert long.result().token_ids == [token_of(2, i) for i in range(4)]
     if policy == "fcfs":
-        assert kinds == ["chunk"] * 10 + ["burst"] * 8
-        assert short.sequence.finish_round == 17
+        assert kinds == ["chunk"] * 11 + ["burst"] * 7
+        assert short.sequence.finish_round == other.sequence.finish_round == 17
     else:
-        assert (
-            kinds
-            == ["chunk"]
-            + ["burst", "burst", "chunk"] * 4
-            + ["burst"] * 2
-            + ["chunk"] * 5
-            + ["burst"] * 2
-        )
-        assert short.sequence.finish_round == 14
+        assert kinds == ["chunk"] + ["burst", "burst", "chunk"] * 5 + ["chunk"] * 5 + ["burst"] * 2
+        assert short.sequence.finish_round == other.sequence.finish_round == 14

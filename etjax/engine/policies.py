@@ -43,9 +43,14 @@ n tokens costing F + n token computes (F: the pass's fixed cost, `pass_fixed_tok
 The chunks yield when the burst resolves more per cost, which is whenever the rows have K
 tokens left and expect any drop: K * (F + rows) buys K times the ragged step's tokens for
 less than K times its cost. Rows that are resolved (no drop expected) or about to finish
-do not hold a prompt back. How long prompts may wait is the scheduler's to bound
-(scheduler.py, `prefill_waits`): without a bound this rule would defer a document's
-prefill for as long as anyone decodes. FCFS and `priority` never defer (as before).
+do not hold a prompt back, nor does a batch of fewer than two rows per waiting prompt: a
+burst in the chunks' place delays each waiting prompt by the burst and moves each row on by
+K - 1 tokens, which shortens a row's latency only if it finishes before the prompt's
+prefill does; with few rows the delay outweighs it (simulated at 80% load, 16 requests:
+p99 1.03x FCFS's without this floor, 1.00x with it; 32 requests: mean and p99 alike).
+How long prompts may wait is the scheduler's to bound (scheduler.py, `prefill_waits`):
+without a bound this rule would defer a document's prefill for as long as anyone decodes.
+FCFS and `priority` never defer (as before).
 """
 
 from __future__ import annotations
@@ -158,8 +163,10 @@ class EntropicPolicy:
     def prefill_yields(
         self, batch: list[Sequence], chunks: list[tuple[Sequence, int]], steps: int
     ) -> bool:
-        if not batch or any(seq.prefilled + n >= len(seq.context) for seq, n in chunks):
-            return False  # nothing to burst, or a first token is drawn this round
+        if len(batch) < 2 * len(chunks):
+            return False  # too few rows to gain what the waiting prompts lose
+        if any(seq.prefilled + n >= len(seq.context) for seq, n in chunks):
+            return False  # a first token is drawn this round
         fixed, rows = self.pass_fixed_tokens, len(batch)
         drops = [self.expected_drop(s) for s in batch]
         left = [s.settings.max_new_tokens - len(s.output.token_ids) for s in batch]
