@@ -28,14 +28,14 @@ Guarantees, whatever the policy:
 - Prompt chunks go to admitted sequences in the policy's prefill order; where it is not
   arrival order (entropic: fewest tokens left first), aging by the rounds since admission
   bounds how long any prefill waits.
-- Prefill keeps half the device while it waits for bursts (`prefill_waits`). A policy may
+- Prefill keeps half the time while it waits for bursts (`prefill_waits`). A policy may
   run a round's batch as a decode burst and leave the prompt chunks for a later round
   (policies.py, "A decode burst or a prompt chunk"); the scheduler lets the chunks wait only
-  while the bursts run in their place since the last round with chunks took less device
-  time than that round did, and for at most R - 1 rounds in a row. So while any sequence
-  is prefilling, a round with chunks runs at least once in every R rounds, and prefill gets
-  at least about half of the device time it would get (the bursts that displace it last as
-  long as the chunk round before them, give or take the last burst, which may overshoot).
+  while the bursts run in their place since the last round with chunks took less time (on
+  the engine's clock) than that round did, and for at most R - 1 rounds in a row. So while
+  any sequence is prefilling, a round with chunks runs at least once in every R rounds, and
+  prefill gets about half of the time or more (the bursts that displace it last as long as
+  the chunk round before them, give or take the last burst, which may overshoot).
   The decoding rows' guarantee above is unchanged: the batch runs in every round either way.
   Why half: on the `online` workload at 80% load (simulated with a 2-core CPU's step costs)
   waiting up to twice the chunk round's time cut the short requests' latency further but
