@@ -98,6 +98,7 @@ def test_greedy_with_speculation_equals_greedy_without(smollm2, lee):
     ],
     ids=["top_p", "entropic", "mirostat", "penalty_top_k"],
 )
+@pytest.mark.compile_bound  # etjax against etjax: its sampler's program compiles cheaply
 def test_sampling_with_speculation_draws_the_same_tokens(smollm2, lee, sampler):
     # Verification draws each position with the row's own key, sampler state and logits, so
     # every seeded draw is the one the plain engine makes: its distribution is the plain one.
@@ -133,6 +134,10 @@ def _oracle(prompts, plain, vocab_size, counter=None):
 
 
 FORCED = SpeculationConfig(enabled=True, entropy_max=100.0, acceptance_prior=0.9, **EAGER)
+# Three drafts a lookup, the third wrong (`_oracle`): a row's token and its drafts fill 4
+# slots, and a run compiles fewer verifying steps than with 7 drafts in 8 slots (the pruned
+# test: 13 programs where 15).
+FORCED_3 = dataclasses.replace(FORCED, max_draft=3)
 
 
 def test_verification_accepts_right_drafts_and_rejects_wrong_ones_beside_prefill(
@@ -274,7 +279,7 @@ def test_pruned_engine_verifies_drafts_as_pruned_steps_would(tiny_hf_dir, monkey
         engine_module, "lookup_draft", _oracle(prompts[:1], dense[:1], tiny.config.vocab_size)
     )
     keep_all = dataclasses.replace(pruned, min_fraction=1.0)
-    both = _generate(tiny, prompts, settings, FORCED, pruning=keep_all, **engine)
+    both = _generate(tiny, prompts, settings, FORCED_3, pruning=keep_all, **engine)
     for a, b in zip(dense, both, strict=True):
         assert b.token_ids == a.token_ids
         np.testing.assert_allclose(b.entropy, a.entropy, rtol=1e-4, atol=1e-5)
@@ -284,7 +289,7 @@ def test_pruned_engine_verifies_drafts_as_pruned_steps_would(tiny_hf_dir, monkey
     monkeypatch.setattr(
         engine_module, "lookup_draft", _oracle(prompts[:1], flat_only[:1], tiny.config.vocab_size)
     )
-    both = _generate(tiny, prompts, settings, FORCED, pruning=flat, **engine)
+    both = _generate(tiny, prompts, settings, FORCED_3, pruning=flat, **engine)
     assert both[0].metrics["drafted_tokens"] > 0 and both[0].metrics["passes_per_token"] < 1
     for a, b in zip(flat_only, both, strict=True):
         assert b.token_ids == a.token_ids
@@ -292,7 +297,7 @@ def test_pruned_engine_verifies_drafts_as_pruned_steps_would(tiny_hf_dir, monkey
         np.testing.assert_allclose(b.entropy, a.entropy, rtol=1e-4, atol=1e-5)
     assert sum(both[0].kept_blocks) < 0.5 * sum(dense[0].kept_blocks)
 
-    both = _generate(tiny, prompts, settings, FORCED, pruning=pruned, **engine)
+    both = _generate(tiny, prompts, settings, FORCED_3, pruning=pruned, **engine)
     assert both[1].token_ids == pruned_only[1].token_ids
     np.testing.assert_array_equal(both[1].kept_blocks, pruned_only[1].kept_blocks)
     assert both[0].metrics["drafted_tokens"] > 0 and both[1].metrics["drafted_tokens"] == 0
@@ -540,6 +545,9 @@ def test_speculation_conflicts_are_named(tmp_path):
         load_run_config(path)
 
 
+# etjax against etjax, on the programs test_greedy_with_speculation_equals_greedy_without
+# compiled cheaply (as users compile, it compiled two of them again: 16 s).
+@pytest.mark.compile_bound
 def test_decode_takes_speculation_and_names_bad_values(smollm2, lee):
     import etjax
     from etjax.errors import RequestError
