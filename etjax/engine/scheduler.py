@@ -84,7 +84,7 @@ def prefill_waits(
     """Whether this round runs `batch` as a burst and `chunks` ((sequence, tokens) pairs)
     wait: the policy prefers it (`Policy.prefill_yields`) and the bound of the module
     docstring allows it. waited_rounds, waited_seconds: the rounds in a row without chunks
-    while some were ready, and their device seconds; chunk_seconds: the device seconds of
+    while some were ready, and their seconds on the engine's clock; chunk_seconds: those of
     the last round that ran chunks (0 before one has run, so the first never waits)."""
     if not batch or not chunks or waited_rounds + 1 >= min_advance_rounds:
         return False
