@@ -23,7 +23,7 @@ class SpeculationConfig:
     ngram_max, ngram_min: the longest and shortest tail of the sequence matched against its
       earlier tokens (the longest found decides: etjax/drafting/ngram.py; 16 tells apart
       the places a list's or a passage's short tails recur, where 3 drafted the item just
-      copied; docs/PERF.md, "Reading speculation at batch 1"). A matched tail of
+      copied; docs/PERF.md, "Speculation at batch 1: what the counts hid"). A matched tail of
       min(8, ngram_max) tokens is a copy under way (rule.py, `COPY_TAIL`).
     entropy_max: no drafting after a token drawn from a distribution with more entropy than
       this (nats): the model is unsure, a copied continuation is unlikely to survive; except
