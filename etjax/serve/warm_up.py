@@ -10,12 +10,14 @@ their requests (a ragged step of 16, 64 and 128 tokens and a burst of 16 rows; i
 overhead run lost a quarter of one repetition to them, docs/PERF.md).
 
 `buckets` (the default) runs, for each token bucket, one prompt of that many tokens alone
-(its prefill is a ragged step of exactly that size), then, for each row bucket, that many
-short prompts at once for a burst or two of that many rows. No prompt shares a page another
-filled, so the prefix cache shortens none of them. What neither wave runs still compiles when
-it first comes: a JSON schema's constrained rows, speculation's verifying steps, a pruned
-step at a new width. `one` runs a single short request (the prefill and a burst of one row):
-a quicker start where a first batch may wait, as in the tests.
+(its prefill is a ragged step of exactly that size; a bucket larger than `prefill_chunk`,
+which only several prompts' chunks together fill, is left to the first such round), then,
+for each row bucket, that many short prompts at once for a burst or two of that many rows.
+No prompt shares a page another filled, so the prefix cache shortens none of them. What
+neither wave runs still compiles when it first comes: a JSON schema's constrained rows,
+speculation's verifying steps, a pruned step at a new width. `one` runs a single short
+request (the prefill and a burst of one row): a quicker start where a first batch may wait,
+as in the tests.
 """
 
 from __future__ import annotations
