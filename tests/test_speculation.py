@@ -25,6 +25,7 @@ from etjax.drafting import (
 )
 from etjax.drafting.rule import (
     COPY_ACCEPTANCE,
+    ONE_TOKEN_TAIL_ACCEPTANCE,
     draft_lengths,
     expected_accepted,
     record_verification,
@@ -363,8 +364,9 @@ def test_a_copy_under_way_drafts_after_an_uncertain_token_on_its_own_estimate():
     # nothing) and rests towards the pool.
     assert draft_lengths([0.1], [row], cfg, 100, pool, costs=costs, tails=[2]) == [0]
     assert row.acceptance == pytest.approx(0.7 * 0.2 + 0.3 * 0.72)
-    # A copy estimate that fell below min_survival rests towards COPY_ACCEPTANCE.
-    row.copying = 0.2
+    # A copy estimate that fell below min_survival, within a copy (the last round's tail was
+    # long too), rests towards COPY_ACCEPTANCE.
+    row.copying, row.copy = 0.2, True
     assert draft_lengths([0.1], [row], cfg, 100, costs=costs, tails=[16]) == [0]
     assert row.copying == pytest.approx(0.7 * 0.2 + 0.3 * 0.9)
     # With ngram_max 4, a tail of 4 is as long as the lookup looks: a copy.
@@ -374,6 +376,36 @@ def test_a_copy_under_way_drafts_after_an_uncertain_token_on_its_own_estimate():
     rows = [DraftHistory(0.9), DraftHistory(0.9)]
     eager = dataclasses.replace(cfg, max_draft=4, draft_budget=6, **EAGER)
     assert draft_lengths([0.1, 2.0], rows, eager, 100, tails=[1, 12]) == [0, 4]
+
+
+def test_a_new_copy_starts_at_the_copy_prior_and_a_one_token_tail_drafts_by_its_evidence():
+    costs = StepCosts(burst={1: 0.010}, verify={(1, 2): 0.016, (1, 4): 0.018, (1, 8): 0.027})
+    cfg = SpeculationConfig(enabled=True, acceptance_memory=0.7, min_survival=0.25)
+    # The model left a copy: its drafts failed (copy estimate 0.2), then a round's tail was
+    # short. When a tail of 8 recurs, a new copy starts from COPY_ACCEPTANCE (0.9), and
+    # drafts 7 (2.11 tokens per burst step of cost, the test above).
+    row = DraftHistory(0.2, copying=0.2)
+    assert draft_lengths([0.1], [row], cfg, 100, costs=costs, tails=[2]) == [0]
+    assert draft_lengths([3.0], [row], cfg, 100, costs=costs, tails=[9]) == [7]
+    assert row.copying == COPY_ACCEPTANCE
+    # A sure row whose own estimate is 0.9, after a lookup that matched one token: it drafts
+    # by at most ONE_TOKEN_TAIL_ACCEPTANCE (0.45): k = 1 (0.45 ** 2 < 0.25), which commits
+    # (1 + 0.45) / 1.6 = 0.91 tokens per burst step of cost, below a burst's 1: turned down,
+    # and the row rests (towards the prior 0.72) from its own 0.9, not from the cap.
+    assert ONE_TOKEN_TAIL_ACCEPTANCE == 0.45
+    sure = DraftHistory(0.9)
+    assert draft_lengths([0.1], [sure], cfg, 100, costs=costs, tails=[1]) == [0]
+    assert sure.acceptance == pytest.approx(0.7 * 0.9 + 0.3 * cfg.acceptance_prior)
+    # Where verifying 2 slots costs 1.1 burst steps (an accelerator's step is bound by
+    # reading the weights): (1 + 0.45) / 1.1 = 1.32 > 1, one draft.
+    cheap = StepCosts(burst={1: 0.010}, verify={(1, 2): 0.011, (1, 4): 0.012, (1, 8): 0.014})
+    sure = DraftHistory(0.9)
+    assert draft_lengths([0.1], [sure], cfg, 100, costs=cheap, tails=[1]) == [1]
+    # Its verdict moves its own estimate (0.9), not the cap: one of one accepted.
+    record_verification([sure], [1], [1], [True], DraftHistory(0.72), cfg)
+    assert sure.acceptance == pytest.approx(0.7 * 0.9 + 0.3 * 1.0)
+    # A longer tail lifts the cap: 0.9 ** 13 >= 0.25, 7 drafts (max_draft).
+    assert draft_lengths([0.1], [sure], cfg, 100, costs=cheap, tails=[2]) == [7]
 
 
 def test_token_history_grows_with_the_output():

@@ -21,6 +21,10 @@ one, and the last token's entropy hardly mattered (after one above `entropy_max`
 a plain burst of `steps_per_sync` steps. The copy estimate is kept apart from the row's
 other one because a copy fails where the model leaves the text, a few drafts in a row, and
 then returns to it: with one estimate those failures shut drafting for the rest of the copy.
+For the same reason a new copy (a long tail after a round with a short one) starts again
+from `COPY_ACCEPTANCE`. The shortest tail is evidence too, against: after a tail of one
+token a drafted position was accepted 0.45 of the time, so such a round drafts by at most
+that (`ONE_TOKEN_TAIL_ACCEPTANCE`), whatever the row's estimate learnt over longer ones.
 
 How far to draft follows how the sequence's drafts fared: with a running estimate a of the
 fraction of its drafted tokens accepted, k drafted tokens all survive with probability about
@@ -91,6 +95,14 @@ COPY_TAIL = 8
 # Where a row's estimate for its copy rounds starts, and what it relaxes towards: below the
 # 0.95-0.97 measured after a tail of 8 or more (above), as a row's failures pull it down.
 COPY_ACCEPTANCE = 0.9
+# A lookup that matched the last token alone (a tail of 1) has little evidence: over the same
+# outputs its drafted positions were accepted 0.45 of the time, 0.48 after an uncertain token.
+# A row's estimate, learnt over its longer tails, overstates that round: after a copy's end
+# (the model leaves the passage, and the next tokens recur once at most) three such rounds
+# of 3 drafts each were rejected whole, 1.8 burst steps each for one token. Such a round
+# drafts by at most this estimate; with a 2-core CPU's step costs the gate then turns it
+# down, where a verifying step costs about a burst step (an accelerator) one draft pays.
+ONE_TOKEN_TAIL_ACCEPTANCE = 0.45
 
 log = logging.getLogger("etjax")
 
@@ -109,11 +121,15 @@ class DraftHistory:
     # that estimate, not `acceptance`.
     copying: float = COPY_ACCEPTANCE
     copy: bool = False
+    # This round's cap on `acceptance` from the lookup's evidence (`draft_lengths` sets it:
+    # ONE_TOKEN_TAIL_ACCEPTANCE after a tail of one token).
+    ceiling: float = 1.0
 
     @property
     def estimate(self) -> float:
-        """The acceptance estimate this round drafts by: `copying` in a copy round."""
-        return self.copying if self.copy else self.acceptance
+        """The acceptance estimate this round drafts by: `copying` in a copy round, else
+        `acceptance` within this round's `ceiling`."""
+        return self.copying if self.copy else min(self.acceptance, self.ceiling)
 
     def record(
         self,
@@ -142,7 +158,9 @@ class DraftHistory:
             return
         checked = min(drafted, accepted + 1) if checked is None else checked
         memory = cfg.acceptance_memory
-        estimate = memory * self.estimate + (1 - memory) * accepted / checked
+        # The verdict moves the estimate itself, not this round's cap of it.
+        before = self.copying if self.copy else self.acceptance
+        estimate = memory * before + (1 - memory) * accepted / checked
         if self.copy:
             self.copying = estimate
         else:
@@ -224,9 +242,15 @@ def draft_lengths(
     `matched_tail`); a row's round is a copy round where it is at least `COPY_TAIL` (or
     ngram_max) long (None: no row's is)."""
     copy_tail = min(COPY_TAIL, cfg.ngram_max)
+    looked_up = tails is not None
     tails = [0] * len(histories) if tails is None else tails
     for history, tail in zip(histories, tails, strict=True):
+        if tail >= copy_tail and not history.copy:
+            # A new copy (the last round's tail was shorter): the failures where the model
+            # left the last one say where it left, not whether it leaves this one early.
+            history.copying = max(history.copying, COPY_ACCEPTANCE)
         history.copy = tail >= copy_tail
+        history.ceiling = ONE_TOKEN_TAIL_ACCEPTANCE if looked_up and tail == 1 else 1.0
     wanted = [wanted_length(h, d, cfg, pool) for h, d in zip(entropies, histories, strict=True)]
     sure = [
         d.copy or (h is not None and h <= cfg.entropy_max)
