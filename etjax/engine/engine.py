@@ -229,10 +229,10 @@ class Engine:
         self.draft_pool = DraftHistory(options.speculation.acceptance_prior)
         self.step_costs = step_costs
         self._drawing: list[Sequence] = []  # made resident this round, first token drawn
-        # Prompt chunks waiting for bursts (scheduler.py, `prefill_waits`): the rounds in a
-        # row they waited and those rounds' seconds; the seconds of the last round with
-        # chunks; what the last round was ("chunks", "waited" or None) and when it started.
-        self._waited_rounds, self._waited_seconds, self._chunk_seconds = 0, 0.0, 0.0
+        # Prompt chunks waiting for bursts (scheduler.py, `prefill_waits`): the seconds of
+        # the rounds in a row they waited; those of the last round with chunks; what the last
+        # round was ("chunks", "waited" or None) and when it started.
+        self._waited_seconds, self._chunk_seconds = 0.0, 0.0
         self._round_kind: str | None = None
         self._round_started = 0.0
         self._publish_stats()
@@ -425,22 +425,18 @@ class Engine:
         # within the scheduler's bound (scheduler.py, `prefill_waits`). A round that verifies
         # drafts is a ragged step anyway: its chunks never wait.
         if not jobs or verifies:
-            self._waited_rounds, self._waited_seconds = 0, 0.0  # nothing is kept waiting
+            self._waited_seconds = 0.0  # nothing is kept waiting
             return False
         waits = scheduler.prefill_waits(
             self.policy,
             batch,
             [(seq, len(job.tokens)) for seq, job in jobs],
             self.options.steps_per_sync,
-            self._waited_rounds,
             self._waited_seconds,
             self._chunk_seconds,
-            self.options.min_advance_rounds,
         )
-        if waits:
-            self._waited_rounds += 1
-        else:
-            self._waited_rounds, self._waited_seconds = 0, 0.0
+        if not waits:
+            self._waited_seconds = 0.0
         return waits
 
     def _time_last_round(self, now: float) -> None:

@@ -42,15 +42,34 @@ n tokens costing F + n token computes (F: the pass's fixed cost, `pass_fixed_tok
 
 The chunks yield when the burst resolves more per cost, which is whenever the rows have K
 tokens left and expect any drop: K * (F + rows) buys K times the ragged step's tokens for
-less than K times its cost. Rows that are resolved (no drop expected) or about to finish
-do not hold a prompt back, nor does a batch of fewer than two rows per waiting prompt: a
-burst in the chunks' place delays each waiting prompt by the burst and moves each row on by
-K - 1 tokens, which shortens a row's latency only if it finishes before the prompt's
-prefill does; with few rows the delay outweighs it (simulated at 80% load, 16 requests:
-p99 1.03x FCFS's without this floor, 1.00x with it; 32 requests: mean and p99 alike).
-How long prompts may wait is the scheduler's to bound (scheduler.py, `prefill_waits`):
-without a bound this rule would defer a document's prefill for as long as anyone decodes.
-FCFS and `priority` never defer (as before).
+less than K times its cost. Rows that are resolved (no drop expected) do not hold a prompt
+back.
+
+Which rows a burst is for. Per unit of cost the burst always looks better, so that rule
+alone would hold a prompt back for as long as anyone decodes; what it leaves out is the
+prompt's wait, and a burst shortens a row's latency only if the row finishes before the
+prompt's prefill would have ended: such a row escapes crawling a token a round through the
+rest of that prefill, at most L token computes (L: the tokens the waiting prompts have left
+to prefill; the rows' own tokens in those rounds cost F + rows either way). A row that
+outlives the prefill gains nothing: it crawls through it later instead. So the chunks wait
+only for rows about to finish, shortest remaining work first (as SRPT orders jobs): with
+the rows' tokens left x_1 <= x_2 <= ..., finishing the first j costs each of the m waiting
+prompts x_j * (F + rows) of delay, and saves each of those j rows up to L, so the chunks
+wait only if j * L > w * m * x_j * (F + rows) for some j, where w
+(`prefill_delay_weight`) counts a prompt's delay w times: a prefill pushed back pushes back
+the prompts queued behind it, and the prompt's own decode then runs beside the next
+document's chunks, a token a round. Simulated (docs/PERF.md, "Prompt chunks only for rows
+about to finish"; the engine's host logic on a 2-core CPU's step costs, the `online`
+workload at 80% load, 32 requests, 24 Poisson draws; this rule alone, without the
+scheduler's bound): w = 1 (the delay counted once) gave mean latency 0.75x FCFS's but p99
+1.18x, the documents 1.54x; w from 6 to 11 all gave mean 0.70-0.77x and p99 0.78-0.86x,
+the documents 0.89-0.95x (faster than under FCFS: their own decode crawls less); w = 12
+waits too rarely (mean 0.83x). w = 8, the middle; with the scheduler's bound, 0.75x and
+0.81x. Only rows with fewer than L / w tokens left can hold a prompt back, and no
+sequence becomes resident in a round whose chunks wait (a prompt ends only in a round that
+runs chunks), so every wait ends once those rows finish.
+FCFS and `priority` never defer (as before); the scheduler also bounds how long prompts
+wait in time (scheduler.py, `prefill_waits`).
 """
 
 from __future__ import annotations
@@ -132,6 +151,7 @@ class EntropicPolicy:
     prior_drop: float = 0.5
     aging: float = 0.05  # fraction of the prior's priority added per round waited
     pass_fixed_tokens: float = 5.0  # a pass's fixed cost in token computes (F above)
+    prefill_delay_weight: float = 8.0  # w above: how much a waiting prompt's delay counts
     name: str = "entropic"
 
     def token_bytes(self, seq: Sequence) -> float:
@@ -163,11 +183,11 @@ class EntropicPolicy:
     def prefill_yields(
         self, batch: list[Sequence], chunks: list[tuple[Sequence, int]], steps: int
     ) -> bool:
-        if len(batch) < 2 * len(chunks):
-            return False  # too few rows to gain what the waiting prompts lose
         if any(seq.prefilled + n >= len(seq.context) for seq, n in chunks):
             return False  # a first token is drawn this round
         fixed, rows = self.pass_fixed_tokens, len(batch)
+        if not self.rows_finish_first(batch, chunks, fixed + rows):
+            return False
         drops = [self.expected_drop(s) for s in batch]
         left = [s.settings.max_new_tokens - len(s.output.token_ids) for s in batch]
         burst = sum(d * min(steps, n) for d, n in zip(drops, left, strict=True))
@@ -175,6 +195,18 @@ class EntropicPolicy:
         # burst / (steps * (fixed + rows)) > ragged / (fixed + rows + chunk tokens)
         tokens = sum(n for _, n in chunks)
         return burst * (fixed + rows + tokens) > ragged * steps * (fixed + rows)
+
+    def rows_finish_first(
+        self, batch: list[Sequence], chunks: list[tuple[Sequence, int]], step_cost: float
+    ) -> bool:
+        """Whether some j rows of `batch` (those with the fewest tokens left) finish soon
+        enough to be worth the chunks' wait: j * L > w * m * x_j * step_cost, with L the
+        tokens the m chunks' prompts have left to prefill, x_j the j-th fewest tokens left,
+        step_cost a burst step's cost (the module docstring, "Which rows a burst is for")."""
+        prompt_left = sum(len(seq.context) - seq.prefilled for seq, _ in chunks)
+        delay = self.prefill_delay_weight * len(chunks) * step_cost
+        left = sorted(s.settings.max_new_tokens - len(s.output.token_ids) for s in batch)
+        return any((j + 1) * prompt_left > delay * x for j, x in enumerate(left))
 
     def observe(self, seq: Sequence, num_new_tokens: int) -> None:
         pass  # the estimate reads the sequence's own trace
