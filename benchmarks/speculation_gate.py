@@ -42,9 +42,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.perf_report import machine_line, write_section
+from benchmarks.speculation_bound import fewest_burst_steps
 from etjax.bench.perf_doc import cpu_name
+from etjax.drafting import SpeculationConfig
 from etjax.drafting.costs import measured_tables
-from etjax.runtime.options import DRAFT_COUNTS
+from etjax.drafting.rule import draft_caps, step_cost_ratio
+from etjax.runtime.options import DRAFT_COUNTS, RuntimeOptions
 
 SETTINGS = ("off", "on")
 KINDS = ("copy-heavy", "passage", "free-form")
@@ -184,11 +187,39 @@ def main() -> None:
         if setting == "off"
     }
     raw = _raw(args, cases, (seconds, cpu_seconds), counts, identical, copied, load_start)
+    for row in raw["rows"]:
+        off = first[(row["kind"], row["prompt"], "off")]
+        row["bound"] = best_ratio(off.prompt_token_ids, off.token_ids, row["off_s"])
     raw["weights"] = model.weights_format  # what load_model's default ("auto") held
     markdown = _markdown(raw)
     print(markdown)
     if not args.no_write:
         write_section("speculation_gate", markdown, raw)
+
+
+def best_ratio(prompt: list[int], output: list[int], off_seconds: list[float]) -> float | None:
+    """The least on / off latency any drafting rule could reach on this prompt here
+    (benchmarks/speculation_bound.py): the plain call's time with its decode steps replaced
+    by the fewest burst steps of cost that commit the same output, priced by the gate's
+    measured costs at batch 1 (None before both a burst and a verifying step are measured)."""
+    cfg = SpeculationConfig(enabled=True)
+    # The table of the speculating engines: the one with a verifying step at batch 1.
+    tables = [t for t in measured_tables().values() if t.verify_seconds(1, 1, max) is not None]
+    burst = tables[0].burst_seconds(1) if tables else None
+    if burst is None:
+        return None
+
+    def ratio(drafted: int, checked: int) -> float:
+        return step_cost_ratio(1, drafted, cfg, tables[0], checked)[0]
+
+    def steps(counts) -> float:
+        burst_steps = RuntimeOptions().steps_per_sync  # decode()'s, as the calls ran
+        return fewest_burst_steps(
+            prompt, output, ratio, burst_steps, counts, cfg.ngram_max, cfg.ngram_min
+        )
+
+    off = statistics.median(off_seconds)
+    return (off - burst * (steps(()) - steps(draft_caps(cfg.max_draft)))) / off
 
 
 def _raw(args, cases, seconds, counts, identical, copied, load_start) -> dict:
@@ -255,23 +286,30 @@ def _markdown(raw: dict) -> str:
         "(`Result` fields), the median (min-max) over the repetitions: the gate's measured "
         "costs carry over from call to call, so a prompt may draft in one and not the next. "
         "on / off CPU: the paired ratio of the process's CPU time (threads summed), which "
-        "other processes' load moves less than the wall clock.",
+        "other processes' load moves less than the wall clock. Best rule: the least on / off "
+        "any drafting rule could reach with this lookup and these step costs "
+        "(benchmarks/speculation_bound.py: the plain output's rounds chosen by an oracle "
+        "that knows where each draft fails, priced by the measured costs below; the plain "
+        "call's other time, prefill and host, unchanged).",
         "",
-        "| kind | prompt | copied | off s | on s | on / off | on / off CPU | drafted | accepted | "
-        "verifying passes | model passes | identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| kind | prompt | copied | off s | on s | on / off | on / off CPU | best rule | "
+        "drafted | accepted | verifying passes | model passes | identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in raw["rows"]:
         c = _count_spreads(row["counts"])
         lines.append(
             f"| {row['kind']} | {row['prompt']} | {row['copied']:.0%} | {_spread(row['off_s'])} | "
             f"{_spread(row['on_s'])} | {row['ratio']:.2f}x | {row['cpu_ratio']:.2f}x | "
-            f"{c['drafted_tokens']} | "
+            f"{_times(row.get('bound'))} | {c['drafted_tokens']} | "
             f"{c['accepted_tokens']} | {c['verify_steps']} | {c['model_passes']} | "
             f"{'yes' if row['identical'] else 'NO'} |"
         )
-    lines += ["", "| kind | on / off (median of prompts) | CPU | target | identical |"]
-    lines.append("|---|---|---|---|---|")
+    lines += [
+        "",
+        "| kind | on / off (median of prompts) | CPU | best rule | target | identical |",
+        "|---|---|---|---|---|---|",
+    ]
     for kind, target in TARGETS.items():
         rows = [r for r in raw["rows"] if r["kind"] == kind]
         if rows:
@@ -279,8 +317,11 @@ def _markdown(raw: dict) -> str:
             # Runs written before CPU time was recorded have none.
             cpu = statistics.median(r.get("cpu_ratio", float("nan")) for r in rows)
             same = all(r["identical"] for r in rows)
+            bounds = [r["bound"] for r in rows if r.get("bound") is not None]
+            bound = statistics.median(bounds) if len(bounds) == len(rows) else None
             lines.append(
-                f"| {kind} | {ratio:.2f}x | {cpu:.2f}x | {target} | {'yes' if same else 'NO'} |"
+                f"| {kind} | {ratio:.2f}x | {cpu:.2f}x | {_times(bound)} | {target} | "
+                f"{'yes' if same else 'NO'} |"
             )
     for medians in raw["step_costs"].values():
         if medians:
@@ -299,6 +340,10 @@ def _count_spreads(counts: list[dict[str, int]]) -> dict[str, str]:
         shown = f"{middle:g}"
         spreads[name] = shown if low == high else f"{shown} ({low}-{high})"
     return spreads
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _spread(values: list[float]) -> str:

@@ -299,7 +299,7 @@ def best_lengths(
     burst steps, a row accepting 0.72 of its drafts does best with 3 (2.61 tokens for 1.8
     steps), one accepting 0.95 with 7."""
     best, best_rate, tried = None, float(len(granted)), []  # a burst step: a token a row
-    for cap in _caps(cfg.max_draft) if any(granted) else []:
+    for cap in draft_caps(cfg.max_draft) if any(granted) else []:
         lengths = _filled([min(g, cap) for g in granted], order, cfg.max_draft, left)
         if lengths in tried:  # a cap above every granted length: the same step
             continue
@@ -310,8 +310,9 @@ def best_lengths(
     return best
 
 
-def _caps(max_draft: int) -> list[int]:
-    # Drafts per row that fill a lone row's bucket (1, 3, 7, ...), then max_draft.
+def draft_caps(max_draft: int) -> list[int]:
+    """Drafts per row that fill a lone row's step bucket (1, 3, 7, ...), then max_draft: the
+    lengths a verifying step at batch 1 is worth considering at."""
     caps, cap = [], 1
     while cap < max_draft:
         caps.append(cap)
