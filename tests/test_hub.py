@@ -14,9 +14,12 @@ from etjax.loaders import hub
 from tests.subprocess_env import subprocess_env
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+# Each model named on the command line: its name and source, then its tokens for one prompt.
+# One process for all (a second load's decode reuses the first's compiled programs).
 LOAD = (
-    "import sys, etjax; m = etjax.load_model(sys.argv[1]); "
-    "print(m.name, m.source); print(etjax.decode('Hi', model=m, max_new_tokens=2)[0].token_ids)"
+    "import sys, etjax\nfor name in sys.argv[1:]:\n    m = etjax.load_model(name)\n"
+    "    print(m.name, m.source)\n"
+    "    print(etjax.decode('Hi', model=m, max_new_tokens=2)[0].token_ids)"
 )
 
 
@@ -33,20 +36,17 @@ def test_a_cached_hub_id_loads_offline_as_its_local_directory(tiny_hf_dir, tmp_p
     shutil.copytree(tiny_hf_dir("llama"), snapshot)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
-    env = _env(tmp_path)
-    by_id = subprocess.run(
-        [sys.executable, "-c", LOAD, "someone/tiny-llama"], env=env, capture_output=True, text=True
-    )
-    assert by_id.returncode == 0, by_id.stderr
-    name_line, tokens = by_id.stdout.splitlines()[-2:]
-    assert name_line == f"someone/tiny-llama {snapshot}"
-    by_path = subprocess.run(
-        [sys.executable, "-c", LOAD, str(tiny_hf_dir("llama"))],
-        env=env,
+    by_path = str(tiny_hf_dir("llama"))
+    loaded = subprocess.run(
+        [sys.executable, "-c", LOAD, "someone/tiny-llama", by_path],
+        env=_env(tmp_path),
         capture_output=True,
         text=True,
     )
-    assert by_path.stdout.splitlines()[-1] == tokens  # the same model, the same tokens
+    assert loaded.returncode == 0, loaded.stderr
+    name_line, tokens, _, path_tokens = loaded.stdout.splitlines()[-4:]
+    assert name_line == f"someone/tiny-llama {snapshot}"
+    assert path_tokens == tokens  # the same model, the same tokens
 
 
 def test_an_uncached_hub_id_offline_says_how_to_get_it(tmp_path):
