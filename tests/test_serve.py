@@ -36,8 +36,7 @@ from tests.engine_mock import mock_engine
 from tests.subprocess_env import subprocess_env
 
 # etjax against itself (the server against decode()) over short prompts and a few tokens: both
-# compile cheaply (tests/compile_level.py), so the server reads the reference's programs from
-# the run's cache, and its own compile in half the time.
+# compile cheaply (tests/compile_level.py), in about half the time, and run alike.
 pytestmark = [pytest.mark.real_model, pytest.mark.compile_bound]
 
 KEY = "test-key-1"
