@@ -67,8 +67,9 @@ def test_a_wheel_runs_batch_with_the_shipped_config_and_preset(tmp_path):
     env.pop("PYTHONPATH")  # not the checkout
     work = tmp_path / "elsewhere"
     work.mkdir()
+    # Where `import etjax` finds it, without importing it (and JAX with it) for that.
     where = subprocess.run(
-        [str(python), "-c", "import etjax; print(etjax.__file__)"],
+        [str(python), "-c", "import importlib.util as u; print(u.find_spec('etjax').origin)"],
         cwd=work,
         env=env,
         capture_output=True,
