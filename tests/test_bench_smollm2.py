@@ -19,15 +19,23 @@ pytestmark = pytest.mark.real_model  # the bench runs SmolLM2
 
 @pytest.mark.compile_bound  # etjax against itself over two short requests
 def test_bench_timing_only_run_writes_its_files(tmp_path, capsys):
-    # The default suite's run: two configs, two short requests, no quality or reference.
+    # The default suite's run: two configs, two short requests, no quality or reference. The
+    # requests come from a workload file, a few tokens each: the `mixed` workload's two would
+    # generate up to 162 and 194 tokens under each config, most of the test's time.
+    workload = tmp_path / "short.jsonl"
+    records = [
+        {"prompt": "The river", "max_new_tokens": 12},
+        {"prompt": "Write one sentence about the sea.", "max_new_tokens": 20},
+    ]
+    workload.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "bench"
     code = main(
         [
             "bench",
+            "--workload",
+            str(workload),
             "--configs",
             "baseline,scheduling_only",
-            "--requests",
-            "2",
             "--repetitions",
             "1",
             "--no-quality",
@@ -38,11 +46,11 @@ def test_bench_timing_only_run_writes_its_files(tmp_path, capsys):
         ]
     )
     assert code == 0, capsys.readouterr().err
-    raw = json.loads((out / "mixed" / "results.json").read_text())
+    raw = json.loads((out / "short" / "results.json").read_text())
     assert raw["same_tokens_as"] == {"scheduling_only": "baseline"}
-    table = (out / "mixed" / "table.md").read_text()
+    table = (out / "short" / "table.md").read_text()
     assert "| scheduling_only |" in table and "| relative to baseline |" in table
-    assert (out / "mixed" / "latency_cdf.png").stat().st_size > 0
+    assert (out / "short" / "latency_cdf.png").stat().st_size > 0
 
 
 @pytest.mark.slow
