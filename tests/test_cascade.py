@@ -139,9 +139,14 @@ def test_decode_bursts_over_a_shared_prefix_match_full_passes(tiny, monkeypatch)
         assert len(out.shared_blocks) == new
         assert set(np.round(out.shared_blocks, 4)) <= {0.0, 6.0, round(8 * 2 / 3, 4)}
         assert 6.0 in out.shared_blocks
-    for prompt, out in zip(prompts, outs, strict=True):
-        sequence = np.array([prompt + out.token_ids], np.int32)
-        logits = full_logits(tiny.weights, tiny.config, sequence, page_size=4)[0]
-        predicting = logits[len(prompt) - 1 : len(prompt) - 1 + new]
+    # One full pass over the four sequences, padded at the end (causal: the padding is read
+    # by no position before it), compiled once.
+    sequences = [prompt + out.token_ids for prompt, out in zip(prompts, outs, strict=True)]
+    ids = np.zeros((len(sequences), max(map(len, sequences))), np.int32)
+    for row, sequence in enumerate(sequences):
+        ids[row, : len(sequence)] = sequence
+    logits = full_logits(tiny.weights, tiny.config, ids, page_size=4)
+    for row, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+        predicting = logits[row, len(prompt) - 1 : len(prompt) - 1 + new]
         np.testing.assert_array_equal(predicting.argmax(-1), out.token_ids)
         np.testing.assert_allclose(out.entropy, exact_entropy(predicting), rtol=1e-4, atol=1e-5)
