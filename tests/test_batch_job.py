@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 
 import etjax
 from etjax import request_checks
+from etjax.cli import main
 from etjax.errors import ConfigError
 from etjax.jobs.batch import run_batch, shard_path
+from etjax.jobs.output_lock import lock_path
 from etjax.jobs.records import REQUEST_FIELDS, parse_record, request_fingerprint
 from etjax.jobs.results_file import ResultsFile
 from etjax.run_config import load_run_config
@@ -176,11 +178,14 @@ def test_killed_job_resumes_with_nothing_lost_or_duplicated(tiny, tiny_hf_dir, t
     job.wait()
     partial = out.read_bytes().count(b"\n")
     assert 3 <= partial < len(lines)
-    subprocess.run([*command, str(out), *common], env=env, check=True, capture_output=True)
+    assert lock_path(out).read_text().strip() == str(job.pid)  # left behind, owner dead
+    # The rerun, the same command, runs here: another process would pay for its imports,
+    # model load and trace again (tests/test_batch_faults.py reruns so too).
+    assert main([*command[3:], str(out), *common]) == 0  # it takes the dead job's lock over
+    assert not lock_path(out).exists()
     resumed = _results(out)
     assert sorted(int(r["id"]) for r in resumed) == list(range(10))  # each exactly once
-    # The same job run clean gives the same results (run here: a third process would pay
-    # for its imports and model load again, and it compiles as the children do).
+    # The same job run clean gives the same results.
     clean = tmp_path / "clean.jsonl"
     run_batch(src, clean, load_run_config(config), tiny, show_progress=False)
     assert {r["id"]: r["token_ids"] for r in resumed} == {
@@ -497,8 +502,6 @@ def test_openai_batch_lines_are_answered_in_that_format_and_resume(tiny, tmp_pat
 
 
 def test_ordered_rewrites_the_results_in_input_order(tiny_hf_dir, tmp_path):
-    from etjax.cli import main
-
     lines = [json.dumps({"id": f"r{i}", "prompt": "x" * (40 - 4 * i)}) for i in range(6)]
     src = _write(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
