@@ -19,6 +19,7 @@ import etjax
 from etjax.errors import ModelLoadError
 from etjax.loaders.hf_config import hf_config_to_model_config
 from tests.conftest import TINY_VOCAB, relative_error
+from tests.greedy_reference import greedy_choices
 from tests.model_runner import full_logits
 
 TOLERANCE = 1e-4
@@ -117,15 +118,9 @@ def test_tiny_qwen3_greedy_decode_matches_transformers(tiny_qwen3, hf_tiny_qwen3
         texts, model=tiny_qwen3, max_new_tokens=NEW_TOKENS, ignore_eos=True, page_size=4
     )
     for result in results:
-        prompt = result.prompt_token_ids
-        with torch.no_grad():
-            generated = hf_tiny_qwen3.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-            )
-        assert result.token_ids == generated[0, len(prompt) :].tolist()
+        # transformers' greedy search, in one teacher-forced pass (tests/greedy_reference.py).
+        expected = greedy_choices(hf_tiny_qwen3, result.prompt_token_ids, result.token_ids)
+        assert len(result.token_ids) == NEW_TOKENS and result.token_ids == expected
 
 
 def assert_gguf_reads_as_hf_dir(model, hf_model, arch: str, tmp_path, **config_changes):
