@@ -11,8 +11,8 @@ from etjax.runtime.options import RequestSettings, RuntimeOptions
 
 # Preemption needs sequences that outgrow their pool while they decode: 48 tokens (at 24 the
 # policy test's pool holds them all and none is preempted). A row beside a document being
-# prefilled needs fewer: 24 covers the 3 mixed steps it decodes in beside the document and
-# then 20 tokens of bursts of all five rows, and halves the six runs' decoding.
+# prefilled needs fewer: 24 covers the mixed step it decodes in beside the document and then
+# 22 tokens of bursts of all five rows, and halves the six runs' decoding.
 NEW = 48
 NEW_BESIDE_DOCUMENT = 24
 
@@ -55,17 +55,18 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
 
 
 def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
-    # Four short prompts, then a 1.6K-token document: the short rows decode while the
+    # Four short prompts, then an 800-token document: the short rows decode while the
     # document is prefilled in the same ragged steps (328 of its tokens beside the prompts,
-    # then 508, 508 and 253 beside four decode tokens), then all five decode together, each
-    # reading only its own pages. So the dense engine never splits the batch by width
-    # (grouping.py pays only under pruning), and every row's tokens equal those it gets alone.
-    # The lengths keep every step in the other test's programs: its reference run's 512- and
-    # 64-token buckets and 8-row bursts, batched; alone, the document's four chunks (the
-    # last of 61 tokens) and each 46-token prompt, in the 64-token bucket.
+    # then 472 beside four decode tokens), then all five decode together, each reading only
+    # its own pages. So the dense engine never splits the batch by width (grouping.py pays
+    # only under pruning), and every row's tokens equal those it gets alone. The lengths keep
+    # every step in the other test's programs: its reference run's 512- and 64-token buckets
+    # and 8-row bursts, batched; alone, the document's two chunks (512 and 288 tokens) in the
+    # 512-token bucket and each 46-token prompt in the 64-token one. (A 1.6K-token document
+    # proved no more in 29.0 CPU s against 20.7: AMD EPYC (Zen 4), 2 cores, loaded, 2026-12-07.)
     prompts = [smollm2.tokenizer.encode(lee[20 + i])[:46] for i in range(4)]
-    prompts.append(smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:1597])
-    assert [len(p) for p in prompts] == [46] * 4 + [1597]
+    prompts.append(smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:800])
+    assert [len(p) for p in prompts] == [46] * 4 + [800]
     options = RuntimeOptions(max_batch_size=8)
     # The pool decode() would size for them (all five at once).
     new = NEW_BESIDE_DOCUMENT
