@@ -14,12 +14,14 @@ from etjax.loaders import hub
 from tests.subprocess_env import subprocess_env
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-# Each model named on the command line: its name and source, then its tokens for one prompt.
+# Each model named on the command line: its name and source, then its greedy token and that
+# token's log-probability for one prompt (the prefill's programs alone, no decode burst's).
 # One process for all (a second load's decode reuses the first's compiled programs).
 LOAD = (
     "import sys, etjax\nfor name in sys.argv[1:]:\n    m = etjax.load_model(name)\n"
     "    print(m.name, m.source)\n"
-    "    print(etjax.decode('Hi', model=m, max_new_tokens=2)[0].token_ids)"
+    "    (r,) = etjax.decode('Hi', model=m, max_new_tokens=1, logprobs=3)\n"
+    "    print(r.token_ids, r.top_logprobs)"
 )
 
 
