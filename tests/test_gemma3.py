@@ -21,6 +21,7 @@ from etjax.loaders.safetensors_weights import load_safetensors_weights
 from etjax.pruning.config import PruningConfig
 from etjax.runtime.options import RequestSettings
 from tests.conftest import TINY_VOCAB, relative_error
+from tests.greedy_reference import greedy_choices
 from tests.model_runner import full_logits
 
 TOLERANCE = 1e-4
@@ -146,21 +147,18 @@ def _greedy(model_dir, prompts, pruning, new_tokens=16):
     return engine.generate(prompts, settings)
 
 
-def _transformers_greedy(model_dir, prompts, new_tokens=16):
+def _reference_model(model_dir):
     from transformers import AutoModelForCausalLM
 
-    reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    continuations = []
-    for prompt in prompts:
-        with torch.no_grad():
-            generated = reference_model.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                min_new_tokens=new_tokens,
-            )
-        continuations.append(generated[0, len(prompt) :].tolist())
-    return continuations
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _assert_transformers_greedy(reference_model, prompts, outputs, new_tokens=16):
+    # transformers' greedy search, in one teacher-forced pass a prompt
+    # (tests/greedy_reference.py).
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert len(out.token_ids) == new_tokens
+        assert out.token_ids == greedy_choices(reference_model, prompt, out.token_ids)
 
 
 def _prompts(vocab_size):
@@ -172,32 +170,28 @@ def _prompts(vocab_size):
 
 
 @pytest.fixture(scope="module")
-def tiny_gemma3_greedy_reference(tiny_gemma3_dir):
-    """transformers' continuations of `_prompts` on the tiny model, for the tests that share
-    them (computed once: the same model, prompts and search each time)."""
-    return _transformers_greedy(tiny_gemma3_dir, _prompts(TINY_VOCAB))
+def hf_tiny_gemma3(tiny_gemma3_dir):
+    """transformers' tiny model, loaded once for the tests that check greedy tokens on it."""
+    return _reference_model(tiny_gemma3_dir)
 
 
-def test_tiny_gemma3_greedy_decode_matches_transformers(
-    tiny_gemma3_dir, tiny_gemma3_greedy_reference
-):
+def test_tiny_gemma3_greedy_decode_matches_transformers(tiny_gemma3_dir, hf_tiny_gemma3):
     # Through the engine (ragged prefill in chunks, decode bursts): the windowed plans of both.
     prompts = _prompts(TINY_VOCAB)
     ours = _greedy(tiny_gemma3_dir, prompts, PruningConfig())
-    assert [out.token_ids for out in ours] == tiny_gemma3_greedy_reference
+    _assert_transformers_greedy(hf_tiny_gemma3, prompts, ours)
 
 
 def test_tiny_gemma3_pruning_that_keeps_everything_matches_transformers(
-    tiny_gemma3_dir, tiny_gemma3_greedy_reference
+    tiny_gemma3_dir, hf_tiny_gemma3
 ):
     # The global layers take the pruned path (bounds, selection, block-sparse kernel) with
     # every block kept, the local layers their windows through the plan: transformers' tokens.
     prompts = _prompts(TINY_VOCAB)
     keep_all = PruningConfig(enabled=True, min_fraction=1.0)
-    reference = tiny_gemma3_greedy_reference
     ours = _greedy(tiny_gemma3_dir, prompts, keep_all)
-    for prompt, out, expected in zip(prompts, ours, reference, strict=True):
-        assert out.token_ids == expected
+    _assert_transformers_greedy(hf_tiny_gemma3, prompts, ours)
+    for prompt, out in zip(prompts, ours, strict=True):
         lengths = len(prompt) + np.arange(len(out.token_ids) - 1)
         assert out.kept_blocks[:-1] == (lengths // 4 + 1).tolist()  # every block, counted
 
@@ -217,7 +211,7 @@ def test_tiny_gemma3_pruning_leaves_sliding_window_layers_whole(tiny_gemma3_dir,
     prompts = _prompts(TINY_VOCAB)
     tight = PruningConfig(enabled=True, min_fraction=0.05, entropy_low=50.0, entropy_high=60.0)
     ours = _greedy(local_dir, prompts, tight)
-    assert [out.token_ids for out in ours] == _transformers_greedy(local_dir, prompts)
+    _assert_transformers_greedy(_reference_model(local_dir), prompts, ours)
 
 
 def test_tiny_gemma3_pruning_keeps_the_budget_in_global_layers(tiny_gemma3_dir):
