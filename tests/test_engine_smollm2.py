@@ -11,10 +11,10 @@ from etjax.runtime.options import RequestSettings, RuntimeOptions
 
 # Preemption needs sequences that outgrow their pool while they decode: 48 tokens (at 24 the
 # policy test's pool holds them all and none is preempted). A row beside a document being
-# prefilled needs fewer: 24 covers the mixed step it decodes in beside the document and then
-# 22 tokens of bursts of all five rows, and halves the six runs' decoding.
+# prefilled needs fewer: 16 covers the mixed step it decodes in beside the document and then
+# two bursts of all five rows, and cuts the six runs' decoding to a third.
 NEW = 48
-NEW_BESIDE_DOCUMENT = 24
+NEW_BESIDE_DOCUMENT = 16
 
 # Both tests compare etjax with itself and compile more than they run (13 and 7 programs of
 # SmolLM2), so they compile cheaply: 24.6 and 25.4 s against 31.5 and 29.2 as users compile
