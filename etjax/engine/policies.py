@@ -26,7 +26,7 @@ A decode burst or a prompt chunk. A round that runs any prompt chunk is one ragg
 which every decoding row gets one token; a round without runs a burst of `steps_per_sync`
 (K) decode steps. So while a 2K-6K-token document prefills in chunks of 512, FCFS holds
 every decoding request to one token a round for as long as that takes: on the `online`
-workload (SmolLM2, a 2-core CPU, docs/PERF.md "Prompt chunks that wait for bursts") 40 of
+workload (SmolLM2, a 2-core CPU, docs/PERF.md "Where an `online` run's time goes") 40 of
 a run's 79 rounds carried a chunk and took 73% of its device time, and the decoding rows got
 133 tokens in them against 1,096 in the 39 bursts. The entropic policy values both uses of
 the round by the paper's rule, expected entropy reduction per unit of cost, with a step of
