@@ -94,6 +94,9 @@ def test_a_verifying_step_alone_pads_to_its_own_bucket_and_checks_what_its_slots
     job = PrefillJob(row=1, tokens=[40], start=0, pages=[20])
     mixed = mixed_inputs(GEOMETRY, [4], [[6]], [1], [1.0], [job], [[9]], speculating=True)
     assert mixed.batch.tokens.shape == (8,) and mixed.max_draft == 3
+    # Chunks alone have no row to verify: no draft slots, even in a speculating engine.
+    alone = mixed_inputs(GEOMETRY, [], [], [], [], [job], [], speculating=True)
+    assert alone.max_draft == 0 and alone.row_tokens == 0
 
 
 @pytest.mark.parametrize(

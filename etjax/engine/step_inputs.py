@@ -176,11 +176,14 @@ def mixed_inputs(
     """Lay out one ragged step: row j's token at its slot, its `drafts[j]` after it, then each
     job's chunk; positions, the pages each token writes, the attention plan and, under
     pruning, the rows' page tables. `speculating`: the engine verifies drafts in every such
-    step (one program per token bucket), else only in the steps that have some. Raises
-    ValueError where the engine broke a limit it was built with."""
+    step with decoding rows (one program per token bucket), else only in the steps that have
+    some. Raises ValueError where the engine broke a limit it was built with."""
     g = geometry
     _check_mixed(g, rows, drafts, jobs)
-    max_draft = g.max_draft if speculating or any(drafts) else 0
+    # A step of prompt chunks alone has no row to verify: its program has no draft slots,
+    # whose logits (padded rows x 1 + max_draft, each over the vocabulary) would cost a
+    # batch-1 request's prefill about a third of a decode step on a 2-core CPU.
+    max_draft = g.max_draft if rows and (speculating or any(drafts)) else 0
     row_tokens = sum(1 + len(d) for d in drafts)
     num_tokens = ragged_token_bucket(row_tokens + sum(len(j.tokens) for j in jobs))
     if any(drafts) and not jobs:
