@@ -22,6 +22,7 @@ import uvicorn
 from etjax.request_fields import RequestSettings
 from etjax.run_config import load_run_config
 from etjax.serve.app import make_app
+from etjax.serve.body import ServeRequest
 from etjax.serve.bridge import EngineBridge
 from etjax.serve.limits import ServeLimits
 from etjax.serve.metrics import Metrics
@@ -250,3 +251,56 @@ def test_the_warm_up_runs_a_step_of_every_token_bucket_and_a_burst_of_every_row_
     assert {ragged_token_bucket(n) for n in steps} == {8, 16, 32, 64}
     assert {batch_bucket(n) for n in bursts} == {1, 2, 4, 8}
     assert backend.prefill_tokens == 8 + 16 + 32 + 64 + (1 + 2 + 4 + 8)  # none from the cache
+
+
+def _request(request_id: int, max_new: int = 4) -> ServeRequest:
+    return ServeRequest(
+        url="/v1/completions",
+        model=None,
+        prompt_ids=[request_id, 5, 6],
+        samples=[RequestSettings(max_new_tokens=max_new, ignore_eos=True)],
+        priority=0.0,
+        stream=False,
+        include_usage=False,
+        logprobs=False,
+        trace=False,
+    )
+
+
+def test_an_idle_engine_takes_requests_sent_together_into_its_first_round(monkeypatch):
+    # With the gap widened to 0.4 s and the limit to 1 s: requests reaching the bridge at
+    # 0, 0.3, 0.6 and 0.9 s (each within the gap of the last) share the first round; the one
+    # at 1.2 s, past the limit, waits for the next round.
+    from etjax.serve import bridge as bridge_module
+
+    monkeypatch.setattr(bridge_module, "ARRIVAL_GAP", 0.4)
+    monkeypatch.setattr(bridge_module, "GATHER_LIMIT", 1.0)
+    engine, _ = mock_engine(batch=8, resident=8)
+    engine.tokenizer = StubTokenizer()
+    rows_per_round: list[int] = []
+    step = engine.step
+
+    def counted_step():
+        rows_per_round.append(len(engine.live))
+        return step()
+
+    engine.step = counted_step
+    bridge = EngineBridge(engine, Metrics(), max_waiting=8, request_timeout=60)
+    bridge.start()
+
+    async def run() -> None:
+        start, tickets = time.monotonic(), []
+        for r, at in enumerate((0.0, 0.3, 0.6, 0.9, 1.2)):
+            await asyncio.sleep(max(at - (time.monotonic() - start), 0.0))
+            tickets.append(bridge.open(_request(r)))
+        for ticket in tickets:  # each to its last delta
+            finished = False
+            while not finished:
+                event = await ticket.events.get()
+                finished = bool(event) and event[-1].finish_reason is not None
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 30))
+    finally:
+        bridge.stop()
+    assert rows_per_round[0] == 4
