@@ -50,6 +50,26 @@ def _matrices_equal(quantized, reference) -> None:
         np.testing.assert_array_equal(np.asarray(ours), np.asarray(r))
 
 
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_hf_dir, smollm2_path, tmp_path_factory):
+    """The tiny llama written as a GGUF with its matrices in a block type, by the type's name:
+    one transformers load and one write a type for the module (Q8_0 serves two tests)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama"))
+    directory = tmp_path_factory.mktemp("tiny-gguf")
+    written = {}
+
+    def make(matrix_type: str):
+        if matrix_type not in written:
+            path = directory / f"tiny-{matrix_type}.gguf"
+            write_llama_gguf(hf, path, smollm2_path, GGMLQuantizationType[matrix_type])
+            written[matrix_type] = path
+        return written[matrix_type]
+
+    return make
+
+
 def test_int8_error_is_at_most_half_a_scale_per_channel():
     # q = round(w / s) is within 1/2 of w / s, so |w - s q| <= s / 2 with s = max|w| / 127 per
     # row, up to the float32 roundings of w / s and of s q (a few ulps of max|w|).
@@ -78,13 +98,9 @@ def test_int8_model_greedy_equals_its_dequantization(tiny_hf_dir):
 @pytest.mark.parametrize(
     "matrix_type, held", [("Q4_1", "q4_1"), ("Q8_0", "q8_0"), ("Q5_0", "q8_0")]
 )
-def test_stored_blocks_are_the_files_values(matrix_type, held, tiny_hf_dir, smollm2_path, tmp_path):
+def test_stored_blocks_are_the_files_values(matrix_type, held, tiny_gguf):
     # The truth: the gguf package's dequantization of the same file (the float32 load).
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path / f"tiny-{matrix_type}.gguf"
-    hf = AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama"))
-    write_llama_gguf(hf, path, smollm2_path, GGMLQuantizationType[matrix_type])
+    path = tiny_gguf(matrix_type)
     stored = etjax.load_model(path, weights="stored")
     dequantized = etjax.load_model(path, weights="float32")
     assert set(weight_formats(stored.weights).values()) == {held}  # Q5_0: in Q8_0's layout
@@ -94,14 +110,8 @@ def test_stored_blocks_are_the_files_values(matrix_type, held, tiny_hf_dir, smol
     assert weights_fingerprint(stored.weights) == weights_fingerprint(dequantized.weights)
 
 
-def test_a_block_type_the_kernels_cannot_read_is_refused_by_name(
-    tiny_hf_dir, smollm2_path, tmp_path
-):
-    from transformers import AutoModelForCausalLM
-
-    path = tmp_path / "tiny-q5.gguf"
-    hf = AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama"))
-    write_llama_gguf(hf, path, smollm2_path, GGMLQuantizationType.Q5_1)
+def test_a_block_type_the_kernels_cannot_read_is_refused_by_name(tiny_gguf):
+    path = tiny_gguf("Q5_1")
     with pytest.raises(ModelLoadError) as refused:
         etjax.load_model(path, weights="stored")
     for named in (str(path), "'blk.0.attn_q.weight'", "type Q5_1", "Q4_1", "Q5_0", "int8"):
@@ -130,15 +140,11 @@ def test_auto_keeps_blocks_only_on_one_cpu_device_in_float32():
 
 @pytest.mark.parametrize("matrix_type, held", [("Q8_0", {"q8_0"}), ("F32", set())])
 def test_auto_loads_a_quantized_gguf_as_blocks_on_this_cpu(
-    matrix_type, held, tiny_hf_dir, smollm2_path, tmp_path
+    matrix_type, held, tiny_gguf, tiny_hf_dir
 ):
-    from transformers import AutoModelForCausalLM
-
     from cpp_kernels import cpu_kernels_available
 
-    path = tmp_path / f"tiny-{matrix_type}.gguf"
-    hf = AutoModelForCausalLM.from_pretrained(tiny_hf_dir("llama"))
-    write_llama_gguf(hf, path, smollm2_path, GGMLQuantizationType[matrix_type])
+    path = tiny_gguf(matrix_type)
     expected = held if cpu_kernels_available() else set()  # without kernels: floats
     assert set(weight_formats(etjax.load_model(path).weights).values()) == expected
     assert weight_formats(etjax.load_model(tiny_hf_dir("llama")).weights) == {}
