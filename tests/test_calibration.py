@@ -223,11 +223,12 @@ RAMP = PruningConfig(enabled=True, min_fraction=0.2, entropy_low=0.0, entropy_hi
 
 
 def _run(model, prompts, calibration=None, pruning=None, temperature=0.0):
+    # The options of test_pruning_decode.py's runs on the same model, 12 tokens as there.
     from etjax.sampling import SamplerSettings
 
     settings = [
         RequestSettings(
-            max_new_tokens=10,
+            max_new_tokens=12,
             ignore_eos=True,
             sampler=SamplerSettings(temperature=temperature, seed=7 + i),
         )
@@ -238,13 +239,15 @@ def _run(model, prompts, calibration=None, pruning=None, temperature=0.0):
         steps_per_sync=4,
         pruning=pruning or PruningConfig(),
         calibration=calibration,
+        attention_backend="xla",
     )
     return generate_ids(model.weights, model.config, model.tokenizer, prompts, settings, options)
 
 
 def test_calibration_changes_the_signal_not_the_samples_and_compiles_nothing(tiny):
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (30, 11)]
+    # Three rows of test_pruning_decode.py's lengths: its dense run takes these programs.
+    prompts = [rng.integers(3, tiny.config.vocab_size, size=n).tolist() for n in (37, 9, 22)]
     cal = Calibration(T, "tiny", tiny.config.vocab_size)
     for temperature in (0.0, 0.8):  # greedy, and sampled with per-request seeds
         plain = _run(tiny, prompts, temperature=temperature)
