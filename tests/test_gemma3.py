@@ -162,11 +162,12 @@ def _assert_transformers_greedy(reference_model, prompts, outputs, new_tokens=16
 
 
 def _prompts(vocab_size):
-    # In chunks of 16 (`_greedy`) their ragged steps fill the 64- and 32-token buckets only:
-    # a 70-token prompt's tail of 6 ran a step of the 8-token bucket, one more program for
-    # each of the file's three engines.
+    # In chunks of 16 (`_greedy`) every ragged step holds 33-53 tokens, the 64-token bucket:
+    # the two 80-token rows prefill side by side to the last step, so no step falls to the
+    # 32-token bucket (with one of them, the last three steps did: one more program for each
+    # of the file's three engines), and the cost test's prompt takes the same program.
     rng = np.random.default_rng(1)
-    return [rng.integers(3, vocab_size, size=n).tolist() for n in (5, 40, 80)]
+    return [rng.integers(3, vocab_size, size=n).tolist() for n in (5, 40, 80, 80)]
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +228,9 @@ def test_tiny_gemma3_pruning_keeps_the_budget_in_global_layers(tiny_gemma3_dir):
 
 def test_tiny_gemma3_cost_counts_only_the_window_in_local_layers(tiny_gemma3_dir):
     # Two global layers read whole pages of the context; two local layers at most the 3 pages
-    # of 4 a window of 8 can span (it starts mid-page). Hand-computed bytes of a 20-token
-    # prompt and 4 decode steps, as in test_entropy_clock.py.
+    # of 4 a window of 8 can span (it starts mid-page). Hand-computed bytes of a 36-token
+    # prompt and 4 decode steps, as in test_entropy_clock.py. The prompt's step is one of the
+    # greedy tests' 64-token bucket, so it runs their program.
     import math
 
     import etjax
@@ -244,7 +246,7 @@ def test_tiny_gemma3_cost_counts_only_the_window_in_local_layers(tiny_gemma3_dir
         whole = math.ceil(positions / 4) * 4
         return (2 * whole + 2 * min(whole, 12)) / 4
 
-    prompt = list(range(3, 23))
+    prompt = list(range(3, 39))
     (out,) = generate_ids(
         model.weights,
         model.config,
@@ -253,8 +255,8 @@ def test_tiny_gemma3_cost_counts_only_the_window_in_local_layers(tiny_gemma3_dir
         [RequestSettings(max_new_tokens=4, ignore_eos=True)],
         RuntimeOptions(page_size=4),
     )
-    prefill = w + kv * sum(keys(i) for i in range(1, 21))
-    forwards = [w + kv * keys(n) for n in (21, 22, 23)]
+    prefill = w + kv * sum(keys(i) for i in range(1, 37))
+    forwards = [w + kv * keys(n) for n in (37, 38, 39)]
     expected = [prefill + sum(forwards[:k]) for k in (1, 2, 3)] + [prefill + sum(forwards)]
     np.testing.assert_allclose(out.cost_bytes, expected, rtol=1e-6)
 
@@ -317,12 +319,19 @@ def test_gemma3_270m_logits_match_transformers_past_the_window(gemma3_270m, hf_g
     np.testing.assert_array_equal(ours.argmax(-1), reference.argmax(-1))
 
 
+# Its programs compile cheaply (tests/compile_level.py): the decode burst and the ragged step
+# of a 262K vocabulary cost more to compile well than they gain over 872 prompt tokens and 16
+# steps (test CPU 51.7 and 66.0 s against 72.4 and 78.3 as users compile, fixtures included,
+# two paired runs; AMD EPYC (Zen 4), 2 cores, loaded, 2026-12-07). The past-the-window logits
+# test's single forward pass gains as much as it costs, so it compiles as users do.
+@pytest.mark.compile_bound
 def test_gemma3_270m_greedy_continuations_match_transformers(gemma3_270m, hf_gemma3_270m, lee):
-    # Six prompts of mixed lengths, two longer than the 512-position window (by 64 tokens and
+    # Five prompts of mixed lengths, one longer than the 512-position window (by 64 tokens and
     # more: every token generated reads past it), 16 tokens each, through `decode()` (the
-    # engine, its ragged prefill and decode bursts). Their 1,472 tokens fill three ragged
-    # steps of the 512-token bucket, the last over half full: a fourth step would compile a
-    # program of a smaller bucket (15 s) for its tail.
+    # engine, its ragged prefill and decode bursts). Their 872 tokens fill two ragged steps of
+    # the 512-token bucket, the second (the long row's last 360 tokens beside the four short
+    # rows' first decode tokens) over half full: a smaller bucket would compile a program of
+    # its own (15 s). A second long row proved no more and cost a 616-token transformers pass.
     import etjax
 
     tokenizer = gemma3_270m.tokenizer
@@ -331,12 +340,11 @@ def test_gemma3_270m_greedy_continuations_match_transformers(gemma3_270m, hf_gem
         "def fibonacci(n):",
         lee[5][:300],
         lee[6][:600],
-        " ".join(lee[7:10])[:3000],
         " ".join(lee[10:14])[:3300],
     ]
     lengths = [len(tokenizer.encode(t)) for t in texts]
-    assert sum(n > 512 + 64 for n in lengths) >= 2, lengths
-    assert 2 * 512 + 256 < sum(lengths) <= 3 * 512 - 2 * len(texts), lengths
+    assert max(lengths) > 512 + 64, lengths
+    assert 512 + 256 < sum(lengths) <= 2 * 512 - len(texts), lengths
     results = etjax.decode(texts, model=gemma3_270m, max_new_tokens=NEW, temperature=0.0)
     stops = set(tokenizer.eos_token_ids)
     assert stops == {1, 106}  # <eos>, <end_of_turn>
