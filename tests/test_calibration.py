@@ -223,7 +223,9 @@ RAMP = PruningConfig(enabled=True, min_fraction=0.2, entropy_low=0.0, entropy_hi
 
 
 def _run(model, prompts, calibration=None, pruning=None, temperature=0.0):
-    # The options of test_pruning_decode.py's runs on the same model, 12 tokens as there.
+    # The options of test_pruning_decode.py's runs on the same model, 12 tokens as there, so
+    # that a run of both files compiles their programs once: without pruning, its dense XLA
+    # runs'; with it, the options of its `etjax.decode` test (decode's own, pages of 4).
     from etjax.sampling import SamplerSettings
 
     settings = [
@@ -234,13 +236,12 @@ def _run(model, prompts, calibration=None, pruning=None, temperature=0.0):
         )
         for i in range(len(prompts))
     ]
-    options = RuntimeOptions(
-        page_size=4,
-        steps_per_sync=4,
-        pruning=pruning or PruningConfig(),
-        calibration=calibration,
-        attention_backend="xla",
-    )
+    if pruning is None:
+        options = RuntimeOptions(
+            page_size=4, steps_per_sync=4, calibration=calibration, attention_backend="xla"
+        )
+    else:
+        options = RuntimeOptions(page_size=4, pruning=pruning, calibration=calibration)
     return generate_ids(model.weights, model.config, model.tokenizer, prompts, settings, options)
 
 
