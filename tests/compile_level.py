@@ -24,9 +24,11 @@ validity) over short prompts, whose many programs cost more to compile well than
 
 Neither switch changes what a program computes beyond float rounding: the HLO and XLA's
 passes over it are the same, and no emitter or LLVM level enables fast math (XLA does not).
-Subprocesses follow through the environment: `JAX_DISABLE_MOST_OPTIMIZATIONS`, and
-`XLA_FLAGS` from `tests/subprocess_env.py` (never this process's own `XLA_FLAGS`: XLA reads
-them once, and they would hold for every later test).
+Subprocesses follow through the environment (`tests/subprocess_env.py`):
+`JAX_DISABLE_MOST_OPTIMIZATIONS`, and the emitter choice made as here (`compile_cheaply`,
+through tests/child_site), not by `XLA_FLAGS`: XLA reads those once per process (they would
+hold for every later test here), and a child compiling under other flags would not share the
+run's cache with this process.
 Compile options are part of the persistent cache's key; in memory, a program a test compiled
 one way could serve a later test that wanted the other, which costs time, never a result.
 `ETJAX_TEST_OPTIMIZE=all` compiles every test as users do.
@@ -38,8 +40,10 @@ import contextlib
 import functools
 import inspect
 import os
+from typing import TYPE_CHECKING
 
-import pytest
+if TYPE_CHECKING:  # a test's child imports this module too (compile_cheaply), without pytest
+    import pytest
 
 REAL_MODEL_FIXTURES = frozenset({"smollm2", "gemma3_270m"})
 MARKER = "real_model"
@@ -70,6 +74,13 @@ def apply(item: pytest.Item) -> None:
     _cheap[0] = cheap
     jax.config.update("jax_disable_most_optimizations", cheap)
     os.environ[ENV] = "1" if cheap else "0"  # for subprocesses (tests/subprocess_env.py)
+
+
+def compile_cheaply() -> None:
+    """Compile every program of this process as a cheaply compiled test does: for a test's
+    child process (tests/child_site), which turns -O0 on through the environment."""
+    _install_emitter_choice()
+    _cheap[0] = True
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import compile_level
 from tests.subprocess_env import ROOT, subprocess_env
 
 BUILD = (
@@ -65,6 +66,8 @@ def test_a_wheel_runs_batch_with_the_shipped_config_and_preset(tmp_path):
     (Path(site) / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = subprocess_env()
     env.pop("PYTHONPATH")  # not the checkout
+    if env.get(compile_level.ENV) == "1":  # nor tests/child_site, which imports it: by XLA_FLAGS
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {compile_level.LOOP_EMITTERS}"
     work = tmp_path / "elsewhere"
     work.mkdir()
     # Where `import etjax` finds it, without importing it (and JAX with it) for that.
