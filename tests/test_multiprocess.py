@@ -87,21 +87,24 @@ def test_a_process_that_dies_is_reported_within_the_timeout(tiny_hf_dir, tmp_pat
     source = tmp_path / "in.jsonl"
     _write_input(source)
     port = _free_port()
-    # Process 1 joins the job, then dies before doing its shard. It starts first and imports
-    # less, so it is waiting for the coordinator before process 0 opens it, and the job's
-    # short timeout (which bounds joining as well as the barrier) is spent only at the barrier.
+    # Process 1 joins the job, then dies before doing its shard. Process 0 starts once process
+    # 1 has imported JAX and is about to join, so joining takes no time whatever the machine's
+    # load, and the job's timeout, which bounds joining as well as the barrier (and the
+    # runtime's heartbeat check, at twice that), can be short: it is spent waiting.
     doomed = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import os, jax; "
+            "import os, jax; print('joining', flush=True); "
             f"jax.distributed.initialize('localhost:{port}', 2, 1, heartbeat_timeout_seconds=40); "
             "os._exit(1)",
         ],
         env=subprocess_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        text=True,
     )
+    assert doomed.stdout.readline() == "joining\n", doomed.communicate()[1]
     survivor = _batch_process(
         tiny_hf_dir("llama"),
         source,
@@ -113,7 +116,7 @@ def test_a_process_that_dies_is_reported_within_the_timeout(tiny_hf_dir, tmp_pat
         "--process-index",
         "0",
         "--timeout",
-        "5",
+        "2",
     )
     doomed.communicate(timeout=120)
     assert doomed.returncode == 1
