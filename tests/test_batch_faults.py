@@ -4,7 +4,8 @@ and a second process on the same output (a lock left by a killed job: tests/test
 SIGKILL). In each, what was written stays valid and a rerun of the same command completes the
 job with every id exactly once. The faults hit job processes; the reruns run in this process
 (`_rerun`): a process each would pay for its imports, model load and trace again, and this
-one compiles the job's programs once for all of them."""
+one reads the job's programs once for all of them from the run's cache, where the first job
+compiled them (tests/subprocess_env.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from etjax.jobs.output_lock import lock_path
+from etjax.errors import JobError
+from etjax.jobs.output_lock import lock_path, output_lock
 from tests.subprocess_env import subprocess_env
 from tests.test_batch_job import CONFIG as SMALL_JOB
 
@@ -136,6 +138,10 @@ def test_a_second_process_on_the_same_output_is_refused(tiny_hf_dir, tmp_path):
     assert first.poll() is None, "the first job ended too soon to test the lock"
     assert second.returncode == 2
     assert f"{out} is being written by another etjax process (pid {first.pid}" in second.stderr
+    # The lock itself, taken here, in a process apart from its holder: refused alike.
+    refused = f"another etjax process \\(pid {first.pid}"
+    with pytest.raises(JobError, match=refused), output_lock(out):
+        pass
     _wait_for_lines(first, out, 1)  # the first job writes on
     first.send_signal(signal.SIGTERM)
     first.wait(timeout=120)
@@ -143,24 +149,13 @@ def test_a_second_process_on_the_same_output_is_refused(tiny_hf_dir, tmp_path):
     assert len(ids) == len(set(ids))  # the refused process wrote nothing
 
 
-def test_the_lock_is_reentrant_within_a_process_and_exclusive_across(tmp_path):
-    from etjax.errors import JobError
-    from etjax.jobs.output_lock import output_lock
-
+def test_the_lock_is_reentrant_within_a_process(tmp_path):
+    # Exclusive across processes: the refused second process above, and the lock taken in
+    # this process while that job holds it.
     out = tmp_path / "out.jsonl"
-    with output_lock(out), output_lock(out):
-        assert lock_path(out).read_text().strip() == str(os.getpid())
-        probe = (
-            "import sys; from pathlib import Path; from etjax.jobs.output_lock import "
-            "output_lock\nwith output_lock(Path(sys.argv[1])): pass"
-        )
-        other = subprocess.run(
-            [sys.executable, "-c", probe, str(out)],
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-        )
-        assert other.returncode != 0 and "JobError" in other.stderr
+    with output_lock(out):
+        with output_lock(out):
+            assert lock_path(out).read_text().strip() == str(os.getpid())
         assert lock_path(out).exists()  # the inner block did not release it
     assert not lock_path(out).exists()
     with output_lock(out):  # free again
