@@ -1,7 +1,12 @@
-"""Restore an etjax checkpoint onto a 2x4 mesh of forced CPU devices and report its layout.
+"""Convert a model to an etjax checkpoint (`etjax convert`), restore it onto a 2x4 mesh of
+forced CPU devices and report its layout.
 
-Run by tests/test_distributed.py with 8 forced devices. Prints on its last line, per weight
-kind, the shard shape each device holds and whether the values equal a one-device restore.
+Run by tests/test_distributed.py with 8 forced devices, beside its other workers:
+
+    python -m tests.restore_worker MODEL_DIR CHECKPOINT_DIR
+
+Prints on its last line, per weight kind, the shard shape each device holds and whether the
+values equal a one-device restore.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import numpy as np
 
 def main() -> None:
     import etjax
+    from etjax.cli import main as cli
 
-    path = sys.argv[1]
+    source, path = sys.argv[1:]
+    assert cli(["convert", source, path]) == 0
     sharded = etjax.load_model(path, mesh="2x4")
     plain = etjax.load_model(path)
     layer, ref = sharded.weights.layers[0], plain.weights.layers[0]

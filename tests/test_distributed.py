@@ -114,6 +114,11 @@ def workers(tiny_hf_dir, family_dirs, tmp_path_factory, hf_smollm2_tokenizer) ->
         "qwen3_moe": _moe_command("qwen3_moe", tmp_path_factory, hf_smollm2_tokenizer),
         "families": ("tests.family_mesh_worker", "2x4", *map(str, family_dirs.values())),
         "vocabulary": ("tests.vocab_shard_worker",),
+        "restore": (
+            "tests.restore_worker",
+            str(tiny_hf_dir("llama")),
+            str(tmp_path_factory.mktemp("checkpoint") / "ckpt"),
+        ),
     }
     with contextlib.ExitStack() as stack:
         yield _Workers(stack, commands)
@@ -261,12 +266,9 @@ def test_vocabulary_sharded_entropy_is_never_gathered(workers):
     assert result["max_abs_error"] < 1e-5
 
 
-def test_checkpoint_restores_straight_into_the_sharded_layout(tiny_hf_dir, tmp_path):
-    from etjax.cli import main
-
-    checkpoint = tmp_path / "ckpt"
-    assert main(["convert", str(tiny_hf_dir("llama")), str(checkpoint)]) == 0
-    weights = _run_worker("tests.restore_worker", str(checkpoint))["weights"]
+def test_checkpoint_restores_straight_into_the_sharded_layout(workers):
+    # The tiny Llama converted by `etjax convert`, restored onto a 2x4 mesh.
+    weights = workers.result("restore")["weights"]
     # Tiny llama: vocab 49152, hidden 64, q|k|v 128 rows, MLP 128; model axis of 4.
     assert weights["embed"]["shards"] == [[49152 // 4, 64]]
     assert weights["wqkv"]["shards"] == [[128 // 4, 64]]
