@@ -36,10 +36,12 @@ def test_the_directory_follows_the_documented_rules(enabled, environ, configured
 
 def test_a_first_decode_fills_the_per_user_cache_unless_switched_off(tiny_hf_dir, tmp_path):
     # One token: the prefill's programs, not a decode burst's too (2 s of CPU each process).
+    # The two processes share nothing (each its own XDG_CACHE_HOME): they run side by side.
     script = (
         "import sys, etjax; etjax.decode('Hi', model=sys.argv[1], max_new_tokens=1, "
         "ignore_eos=True)"
     )
+    processes = {}
     for switch in ("", "off"):
         env = subprocess_env()
         del env["JAX_COMPILATION_CACHE_DIR"]
@@ -49,7 +51,12 @@ def test_a_first_decode_fills_the_per_user_cache_unless_switched_off(tiny_hf_dir
         env.setdefault("ETJAX_KERNEL_CACHE", str(kernel_cache_dir()))
         env["ETJAX_COMPILATION_CACHE"] = switch
         command = [sys.executable, "-c", script, str(tiny_hf_dir("llama"))]
-        subprocess.run(command, env=env, check=True, capture_output=True)
+        processes[switch] = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+    for switch, process in processes.items():
+        _, stderr = process.communicate(timeout=600)
+        assert process.returncode == 0, stderr[-3000:]
         cache = tmp_path / f"xdg{switch}" / "etjax" / "xla"
         if switch == "off":
             assert not cache.exists()
