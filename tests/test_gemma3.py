@@ -279,6 +279,25 @@ def hf_gemma3_270m(gemma3_270m_reference):
     return gemma3_270m_reference.model
 
 
+@pytest.fixture(scope="module")
+def long_text(lee) -> str:
+    """A prompt of 646 tokens, past the 512-position window by more than 64."""
+    return " ".join(lee[10:14])[:3300]
+
+
+@pytest.fixture(scope="module")
+def hf_long_prompt(gemma3_270m, hf_gemma3_270m, long_text):
+    """transformers' one pass over `long_text`, read by both past-the-window tests: its ids,
+    the logits [1, last, V] of the positions whose local layers see only part of the context
+    and 8 before them (the LM head only there: 262,144 logits a position), and its KV cache,
+    from which the greedy test continues (a 646-token pass less)."""
+    ids = gemma3_270m.tokenizer.encode(long_text)
+    last = len(ids) - 512 + 8
+    with torch.no_grad():
+        out = hf_gemma3_270m(torch.tensor([ids]), logits_to_keep=last, use_cache=True)
+    return ids, out.logits.numpy(), out.cache
+
+
 def test_gemma3_270m_config_is_read_from_the_gguf(gemma3_270m):
     cfg = gemma3_270m.config
     assert (cfg.architecture, cfg.vocab_size, cfg.num_layers) == ("gemma3", 262144, 18)
@@ -303,16 +322,13 @@ def test_gemma3_270m_config_is_read_from_the_gguf(gemma3_270m):
     assert cfg.tie_word_embeddings
 
 
-def test_gemma3_270m_logits_match_transformers_past_the_window(gemma3_270m, hf_gemma3_270m, lee):
-    # 600 tokens: the last 88 positions of every local layer see only part of the context.
-    # Those and 8 before them get the LM head (262,144 logits a position: over all 600 it
-    # would cost more than the model).
-    ids = gemma3_270m.tokenizer.encode(" ".join(lee[:4]))[:600]
-    assert len(ids) == 600
+def test_gemma3_270m_logits_match_transformers_past_the_window(gemma3_270m, hf_long_prompt):
+    # 646 tokens: the last 134 positions of every local layer see only part of the context.
+    # Those and 8 before them get the LM head (over all 646 it would cost more than the model).
+    ids, reference, _ = hf_long_prompt
+    assert len(ids) == 646
+    last = len(ids) - 512 + 8
     ids = np.array([ids], dtype=np.int32)
-    last = 600 - 512 + 8
-    with torch.no_grad():
-        reference = hf_gemma3_270m(torch.tensor(ids), logits_to_keep=last).logits.numpy()
     ours = full_logits(gemma3_270m.weights, gemma3_270m.config, ids, last=last)
     assert ours.shape == reference.shape == (1, last, 262144)
     assert relative_error(ours, reference) < TOLERANCE
@@ -325,7 +341,9 @@ def test_gemma3_270m_logits_match_transformers_past_the_window(gemma3_270m, hf_g
 # two paired runs; AMD EPYC (Zen 4), 2 cores, loaded, 2026-12-07). The past-the-window logits
 # test's single forward pass gains as much as it costs, so it compiles as users do.
 @pytest.mark.compile_bound
-def test_gemma3_270m_greedy_continuations_match_transformers(gemma3_270m, hf_gemma3_270m, lee):
+def test_gemma3_270m_greedy_continuations_match_transformers(
+    gemma3_270m, hf_gemma3_270m, lee, long_text, hf_long_prompt
+):
     # Five prompts of mixed lengths, one longer than the 512-position window (by 64 tokens and
     # more: every token generated reads past it), 16 tokens each, through `decode()` (the
     # engine, its ragged prefill and decode bursts). Their 872 tokens fill two ragged steps of
@@ -340,7 +358,7 @@ def test_gemma3_270m_greedy_continuations_match_transformers(gemma3_270m, hf_gem
         "def fibonacci(n):",
         lee[5][:300],
         lee[6][:600],
-        " ".join(lee[10:14])[:3300],
+        long_text,
     ]
     lengths = [len(tokenizer.encode(t)) for t in texts]
     assert max(lengths) > 512 + 64, lengths
@@ -357,7 +375,13 @@ def test_gemma3_270m_greedy_continuations_match_transformers(gemma3_270m, hf_gem
         # the rest of a 1K-token prompt's [S, 262144] logits would be gigabytes, unread.
         ids, n = prompt + result.token_ids, len(result.token_ids)
         with torch.no_grad():
-            logits = hf_gemma3_270m(torch.tensor([ids]), logits_to_keep=n + 1).logits[0, :-1]
+            if text == long_text:  # the pass over the prompt is done: on from its cache
+                _, prompt_logits, cache = hf_long_prompt
+                rest = torch.tensor([result.token_ids[:-1]])
+                logits = hf_gemma3_270m(rest, cache=cache).logits[0]
+                logits = torch.cat([torch.from_numpy(prompt_logits[0, -1:]), logits])
+            else:
+                logits = hf_gemma3_270m(torch.tensor([ids]), logits_to_keep=n + 1).logits[0, :-1]
         assert logits.shape[0] == n
         assert result.token_ids == logits.argmax(-1).tolist(), text[:40]
         ends = [i for i, token in enumerate(result.token_ids) if token in stops]
