@@ -48,6 +48,10 @@ def test_two_processes_merge_to_the_one_process_output(tiny_hf_dir, tmp_path):
     model = tiny_hf_dir("llama")
     source = tmp_path / "in.jsonl"
     _write_input(source)
+    single = tmp_path / "single.jsonl"
+    args = ["batch", "--input", str(source), "--output", str(single)]
+    assert main([*args, "--model", str(model), "--no-progress"]) == 0
+
     merged = tmp_path / "multi.jsonl"
     port = _free_port()
     procs = [
@@ -66,10 +70,6 @@ def test_two_processes_merge_to_the_one_process_output(tiny_hf_dir, tmp_path):
         )
         for i in range(2)
     ]
-    # The one-process run, here, while the two processes run (each compiles on one core).
-    single = tmp_path / "single.jsonl"
-    args = ["batch", "--input", str(source), "--output", str(single)]
-    assert main([*args, "--model", str(model), "--no-progress"]) == 0
     for p in procs:
         _, err = p.communicate(timeout=600)
         assert p.returncode == 0, err[-3000:]
