@@ -295,3 +295,22 @@ def mock_engine(
         clock=lambda: float(next(tick)),
     )
     return engine, backend
+
+
+def serve_request(request_id: int, max_new: int = 4):
+    """The server's request for the mock's request `request_id` ([request_id, 5, 6]): one
+    greedy sample of `max_new` tokens, end of sequence ignored, not streamed."""
+    from etjax.request_fields import RequestSettings
+    from etjax.serve.body import ServeRequest
+
+    return ServeRequest(
+        url="/v1/completions",
+        model=None,
+        prompt_ids=[request_id, 5, 6],
+        samples=[RequestSettings(max_new_tokens=max_new, ignore_eos=True)],
+        priority=0.0,
+        stream=False,
+        include_usage=False,
+        logprobs=False,
+        trace=False,
+    )

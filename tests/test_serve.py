@@ -27,12 +27,10 @@ import openai
 import pytest
 
 import etjax
-from etjax.request_fields import RequestSettings
-from etjax.serve.body import ServeRequest
 from etjax.serve.bridge import EngineBridge, Failure
 from etjax.serve.errors import ApiError
 from etjax.serve.metrics import Metrics
-from tests.engine_mock import mock_engine
+from tests.engine_mock import mock_engine, serve_request
 from tests.subprocess_env import subprocess_env
 
 # etjax against itself (the server against decode()) over short prompts and a few tokens: both
@@ -409,29 +407,15 @@ def test_sigterm_lets_streams_in_flight_finish_and_exits_0(server):
 # The engine bridge on the mock engine: back-pressure, cancellation, timeouts. -------------
 
 
-def _mock_request(request_id: int, max_new: int) -> ServeRequest:
-    return ServeRequest(
-        url="/v1/completions",
-        model=None,
-        prompt_ids=[request_id, 5, 6],
-        samples=[RequestSettings(max_new_tokens=max_new, ignore_eos=True)],
-        priority=0.0,
-        stream=False,
-        include_usage=False,
-        logprobs=False,
-        trace=False,
-    )
-
-
 def test_a_full_queue_is_refused_with_retry_after():
     engine, _ = mock_engine(batch=2, resident=2)
     bridge = EngineBridge(engine, Metrics(), max_waiting=1, request_timeout=60)
 
     async def open_four() -> ApiError:
         for r in range(3):  # 2 resident rows + 1 waiting
-            bridge.open(_mock_request(r, 4))
+            bridge.open(serve_request(r, 4))
         with pytest.raises(ApiError) as refused:
-            bridge.open(_mock_request(3, 4))
+            bridge.open(serve_request(3, 4))
         return refused.value
 
     refused = asyncio.run(open_four())
@@ -445,7 +429,7 @@ def test_bridge_cancellation_frees_pages_and_a_late_request_times_out():
     bridge.start()
 
     async def run() -> None:
-        long = bridge.open(_mock_request(1, 200))
+        long = bridge.open(serve_request(1, 200))
         assert await long.events.get() == []  # accepted
         first = await long.events.get()
         assert first[0].token_ids  # generating
@@ -456,7 +440,7 @@ def test_bridge_cancellation_frees_pages_and_a_late_request_times_out():
                 break
         assert engine.stats().kv_pages_used == 0 and bridge.in_flight == 0
         bridge.request_timeout = 0.0
-        late = bridge.open(_mock_request(2, 200))
+        late = bridge.open(serve_request(2, 200))
         events = [await late.events.get() for _ in range(2)]
         assert isinstance(events[-1], Failure) and events[-1].error.status == 504
 
@@ -493,13 +477,13 @@ def test_a_failing_engine_thread_fails_its_requests_and_refuses_new_ones():
     bridge.start()
 
     async def run() -> None:
-        ticket = bridge.open(_mock_request(1, 40))
+        ticket = bridge.open(serve_request(1, 40))
         event = None
         while not isinstance(event, Failure):
             event = await asyncio.wait_for(ticket.events.get(), 10)
         assert event.error.status == 500
         with pytest.raises(ApiError) as refused:
-            bridge.open(_mock_request(2, 4))
+            bridge.open(serve_request(2, 4))
         assert refused.value.status == 503
 
     asyncio.run(run())
@@ -511,7 +495,7 @@ def test_a_sample_the_engine_ended_with_an_error_is_no_success():
     from etjax.runtime.options import SequenceOutput
     from etjax.serve.responses import Shape
 
-    shape = Shape(_mock_request(1, 4), "m", str)
+    shape = Shape(serve_request(1, 4), "m", str)
     fine = SequenceOutput(token_ids=[5], logprob=[-0.1], text="a", finish_reason="eos")
     failed = SequenceOutput(finish_reason="error", error="the grammar engine failed")
     assert shape.whole([fine])["choices"][0]["finish_reason"] == "stop"

@@ -22,12 +22,11 @@ import uvicorn
 from etjax.request_fields import RequestSettings
 from etjax.run_config import load_run_config
 from etjax.serve.app import make_app
-from etjax.serve.body import ServeRequest
 from etjax.serve.bridge import EngineBridge
 from etjax.serve.limits import ServeLimits
 from etjax.serve.metrics import Metrics
 from etjax.serve.state import READY, ServerState
-from tests.engine_mock import K, mock_engine, token_of
+from tests.engine_mock import K, mock_engine, serve_request, token_of
 
 REQUESTS, DISCONNECTS = 200, 50
 MAX_TOKENS = 6  # a complete request's tokens
@@ -253,20 +252,6 @@ def test_the_warm_up_runs_a_step_of_every_token_bucket_and_a_burst_of_every_row_
     assert backend.prefill_tokens == 8 + 16 + 32 + 64 + (1 + 2 + 4 + 8)  # none from the cache
 
 
-def _request(request_id: int, max_new: int = 4) -> ServeRequest:
-    return ServeRequest(
-        url="/v1/completions",
-        model=None,
-        prompt_ids=[request_id, 5, 6],
-        samples=[RequestSettings(max_new_tokens=max_new, ignore_eos=True)],
-        priority=0.0,
-        stream=False,
-        include_usage=False,
-        logprobs=False,
-        trace=False,
-    )
-
-
 def test_an_idle_engine_takes_requests_sent_together_into_its_first_round(monkeypatch):
     # With the gap widened to 0.4 s and the limit to 1 s: requests reaching the bridge at
     # 0, 0.3, 0.6 and 0.9 s (each within the gap of the last) share the first round; the one
@@ -292,7 +277,7 @@ def test_an_idle_engine_takes_requests_sent_together_into_its_first_round(monkey
         start, tickets = time.monotonic(), []
         for r, at in enumerate((0.0, 0.3, 0.6, 0.9, 1.2)):
             await asyncio.sleep(max(at - (time.monotonic() - start), 0.0))
-            tickets.append(bridge.open(_request(r)))
+            tickets.append(bridge.open(serve_request(r)))
         for ticket in tickets:  # each to its last delta
             finished = False
             while not finished:
