@@ -27,6 +27,7 @@ GROUPED_PRODUCTS = Target(
     "etjax_grouped_products_cpu", "EtjaxGroupedProductsCpu", "grouped_products.cc"
 )
 BLOCK_PRODUCTS = Target("etjax_block_products_cpu", "EtjaxBlockProductsCpu", "block_products.cc")
+INT8_ROWS = Target("etjax_int8_rows_cpu", "EtjaxInt8RowsCpu", "int8_rows.cc")
 
 # Every target, in the order their sources are compiled (part of the cache key).
 TARGETS = (
@@ -37,4 +38,5 @@ TARGETS = (
     ROW_PRODUCTS,
     GROUPED_PRODUCTS,
     BLOCK_PRODUCTS,
+    INT8_ROWS,
 )

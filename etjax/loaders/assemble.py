@@ -37,10 +37,15 @@ from etjax.model.leaves import STORED, Leaf, Part
 from etjax.model.quantized import (
     GGUF_BLOCK_TYPES,
     GGUF_FORMATS,
+    INTERLEAVED,
+    STORED_CHOICES,
     QuantizedWeight,
     concatenate_rows,
     from_block_arrays,
     int8_weight,
+    interleavable,
+    interleave,
+    interleaved_weight,
 )
 from etjax.model.weights import Weights, model_leaves
 
@@ -89,7 +94,8 @@ def assemble_weights(
     """The `Weights` of a model with config `cfg`, leaf by leaf as the tables describe them
     (etjax/model/weights.py `MODEL_LEAVES`, the family's layer table), in their final dtypes.
 
-    `weights`: how the matrices are held ("stored", "int8", "float32", "bfloat16"; None: in
+    `weights`: how the matrices are held ("stored", "stored-int8-rows", "int8", "float32",
+    "bfloat16"; None: in
     `cfg.dtype`, as every other leaf). Layers come first, then the embedding and LM head,
     whose chunks are the largest. Raises ModelLoadError naming `origin`, the leaf and its
     tensors when the tensors' shapes do not give the leaf's shape from the config, and with
@@ -117,9 +123,10 @@ def assemble_weights(
             pass
         elif weights == "int8":
             return int8_weight(_host(leaf, parts, np.float32, want))
-        elif weights == "stored":
+        elif weights in STORED_CHOICES:
             where = name if layer is None else f"layer {layer} {name}"
-            kept = _stored_blocks(parts, origin, where, want, strict)
+            int8_rows = weights == "stored-int8-rows"
+            kept = _stored_blocks(parts, origin, where, want, strict, int8_rows)
             if kept is not None:
                 return kept
         elif leaf.is_matrix:  # "float32" or "bfloat16"
@@ -136,7 +143,8 @@ def assemble_weights(
 
 def reform_weights(weights: Weights, cfg: ModelConfig, storage: str) -> Weights:
     """`weights` with its matrices (`Leaf.is_matrix`) held as `storage` says ("int8",
-    "float32", "bfloat16"; "stored": as they are): what a checkpoint saved one way becomes when
+    "float32", "bfloat16"; "stored": as they are; "stored-int8-rows": blocks of 32 interleaved
+    for int8 rows): what a checkpoint saved one way becomes when
     loaded another. int8 is quantized from the float32 values (a quantized matrix's own).
     Stacked experts (`Leaf.is_quantizable`) follow "int8"; with a float `storage` they are
     floats of the model's dtype, as a load with that option builds them."""
@@ -147,6 +155,8 @@ def reform_weights(weights: Weights, cfg: ModelConfig, storage: str) -> Weights:
     def reform(value, leaf: Leaf):
         if value is None:
             return None
+        if storage == "stored-int8-rows":
+            return interleaved_weight(value) if isinstance(value, QuantizedWeight) else value
         if storage == "int8":
             if isinstance(value, QuantizedWeight) and value.format.name == "int8":
                 return value
@@ -176,11 +186,16 @@ def _host(leaf: Leaf, parts: Sequence[SourceTensor], dtype, shape: tuple[int, ..
 
 
 def _stored_blocks(
-    parts: Sequence[SourceTensor], origin: str, where: str, shape, strict: bool = True
+    parts: Sequence[SourceTensor],
+    origin: str,
+    where: str,
+    shape,
+    strict: bool = True,
+    int8_rows: bool = False,
 ):
-    # The leaf's blocks as the file holds them (None: float tensors, built as floats). Every
-    # part quantized in one type the kernels read, else a ModelLoadError naming it (not
-    # `strict`: None, floats).
+    # The leaf's blocks as the file holds them (None: float tensors, built as floats); with
+    # `int8_rows`, interleaved where the format has that layout. Every part quantized in one
+    # type the kernels read, else a ModelLoadError naming it (not `strict`: None, floats).
     quantized = [p for p in parts if p.block_type is not None]
     if not quantized:
         return None
@@ -207,7 +222,10 @@ def _stored_blocks(
             "'float32' or 'bfloat16'"
         )
     arrays = concatenate_rows([a for _, a in read]) if len(read) > 1 else read[0][1]
-    return from_block_arrays(arrays, read[0][0], shape)
+    fmt = read[0][0]
+    if int8_rows and interleavable(fmt, tuple(shape)):
+        arrays, fmt = interleave(arrays, fmt), INTERLEAVED[fmt.name]
+    return from_block_arrays(arrays, fmt, shape)
 
 
 def _built_shape(leaf: Leaf, parts: Sequence[SourceTensor]) -> tuple[int, ...] | None:

@@ -29,7 +29,7 @@ from etjax.loaders.hf_config import read_hf_config
 from etjax.loaders.loaded_model import Model
 from etjax.loaders.safetensors_weights import load_safetensors_weights
 from etjax.model.config import DTYPE_CHOICES, resolve_dtype
-from etjax.model.quantized import WEIGHTS_CHOICES, resolve_weights
+from etjax.model.quantized import STORED_CHOICES, WEIGHTS_CHOICES, resolve_weights
 from etjax.tokenizer import Tokenizer
 
 _EMBEDDED_ALIASES = {EMBEDDED_MODEL_NAME, "smollm2", "smollm2-135m"}
@@ -181,6 +181,6 @@ def _load_hf_dir(
 ) -> Model:
     cfg = read_hf_config(path / "config.json", dtype)
     # A Hugging Face folder holds floats: "stored" keeps them as floats in `dtype`.
-    weights = load_safetensors_weights(path, cfg, None if storage == "stored" else storage)
+    weights = load_safetensors_weights(path, cfg, None if storage in STORED_CHOICES else storage)
     tokenizer = Tokenizer.from_hf_dir(path)
     return Model(cfg, weights, tokenizer, name=name or path.name, source=path)

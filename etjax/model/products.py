@@ -17,7 +17,9 @@ kernels do not take.
 
 A quantized weight (etjax/model/quantized.py `QuantizedWeight`) goes the same way to the
 block-products kernels (pallas_kernels/block_products): the C++ kernel under the same switch
-where it takes the shape, else XLA's product of the weight dequantized in the program. Experts
+where it takes the shape, else XLA's product of the weight dequantized in the program. An
+interleaved one (weights="stored-int8-rows") is multiplied by rows rounded to int8 per block
+of 32, on the int8-rows kernel under the switch, else by the same arithmetic in XLA. Experts
 kept in blocks (a stacked `QuantizedWeight`) go to the grouped-products kernel, which reads
 their blocks, or to XLA's ragged dot of them dequantized (pallas_kernels/grouped_products).
 """
@@ -30,7 +32,7 @@ import contextvars
 import jax
 
 from etjax.model.quantized import QuantizedWeight
-from pallas_kernels.block_products.xla import block_products_xla
+from pallas_kernels.block_products.xla import block_products_xla, deinterleave_xla, int8_rows_xla
 from pallas_kernels.grouped_products import grouped_blocks_xla, grouped_products_xla
 from pallas_kernels.row_products import row_products_xla
 
@@ -65,6 +67,8 @@ def project(x: jax.Array, w: jax.Array | QuantizedWeight, out_dtype=None) -> jax
 
 def _quantized_product(x: jax.Array, w: QuantizedWeight, out_dtype) -> jax.Array:
     arrays = (w.quants, w.scales, w.offsets, w.block, w.format.bits)
+    if w.format.interleaved:
+        return _int8_rows_product(x, w, out_dtype)
     if _ENABLED.get():
         from pallas_kernels.block_products.cpu import (
             block_products_cpu,
@@ -74,6 +78,19 @@ def _quantized_product(x: jax.Array, w: QuantizedWeight, out_dtype) -> jax.Array
         if block_products_cpu_takes(x, *arrays, out_dtype):
             return block_products_cpu(x, *arrays)
     return block_products_xla(x, *arrays, out_dtype)
+
+
+def _int8_rows_product(x: jax.Array, w: QuantizedWeight, out_dtype) -> jax.Array:
+    # An interleaved weight is multiplied by rows rounded to int8 wherever it runs: on the
+    # int8-rows kernel, else the same arithmetic in XLA on the weight deinterleaved.
+    arrays = (w.quants, w.scales, w.offsets, w.block, w.format.bits)
+    if _ENABLED.get():
+        from pallas_kernels.block_products.cpu import int8_rows_cpu, int8_rows_cpu_takes
+
+        if int8_rows_cpu_takes(x, *arrays, out_dtype):
+            return int8_rows_cpu(x, *arrays)
+    plain = deinterleave_xla(w.quants, w.scales, w.offsets, w.format.bits)
+    return int8_rows_xla(x, *plain, w.format.bits, out_dtype)
 
 
 def grouped_product(

@@ -17,6 +17,13 @@ gathers the rows of its tokens and dequantizes only those (`embedding_rows`).
                 converted at load without loss, formats.py); a block type the kernels cannot
                 read is refused by name. Float tensors (and a Hugging Face folder's) load in the
                 model's dtype, as the file holds floats.
+    "stored-int8-rows"  the same blocks, multiplied by rows rounded to int8 per block of 32
+                (llama.cpp's arithmetic): a matrix in blocks of 32 (Q8_0, Q4_0, Q4_1, Q4_K) is
+                reordered at load into its format's interleaved layout (formats.py), which the
+                int8-rows kernel (cpp_kernels/int8_rows.cc) reads with AVX-512 VNNI dot
+                products; other matrices, and stacked experts, as "stored". Faster than
+                "stored" at every step size measured, for the rounding of the rows (at most
+                half a step of each block's int8 grid; docs/PERF.md, "Int8 rows").
     "int8"      symmetric int8 per output channel, quantized at load from the float32 values
                 of any source (a Hugging Face folder, a float or quantized GGUF, a checkpoint).
     "float32", "bfloat16"   float matrices of that dtype; activations stay in `dtype`.
@@ -47,24 +54,31 @@ from etjax.errors import FieldError
 from pallas_kernels.block_products.formats import (
     GGUF_FORMATS,
     INT8,
+    INTERLEAVED,
+    PLAIN,
     Q4_0,
     Q4_1,
     Q4_K,
     Q6_K,
     Q8_0,
+    ROWS,
     BlockArrays,
     BlockFormat,
     from_gguf,
+    interleavable,
+    interleave,
     quantize_int8,
 )
-from pallas_kernels.block_products.xla import dequantize_xla
+from pallas_kernels.block_products.xla import deinterleave_xla, dequantize_xla
 
-WEIGHTS_CHOICES = ("auto", "stored", "int8", "float32", "bfloat16")
+WEIGHTS_CHOICES = ("auto", "stored", "stored-int8-rows", "int8", "float32", "bfloat16")
+# The choices that keep a GGUF file's own blocks.
+STORED_CHOICES = ("stored", "stored-int8-rows")
 
 # The GGUF tensor types weights="stored" keeps as blocks.
 GGUF_BLOCK_TYPES = tuple(GGUF_FORMATS)
 # Every block format by its name (a checkpoint's manifest records formats by name).
-FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, INT8)}
+FORMATS = {f.name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, INT8, *INTERLEAVED.values())}
 
 
 def check_weights(weights: object, field: str = "weights") -> str:
@@ -142,12 +156,17 @@ class QuantizedWeight:
         rows = math.prod(self.shape[:-1])
         flat = lambda a: None if a is None else a.reshape(rows, a.shape[-1])  # noqa: E731
         arrays = (flat(self.quants), flat(self.scales), flat(self.offsets))
+        if self.format.interleaved:
+            arrays = deinterleave_xla(*arrays, self.format.bits)
         w = dequantize_xla(*arrays, self.block, self.format.bits, dtype)
         return w.reshape(self.shape)
 
     def take_rows(self, rows: jax.Array) -> QuantizedWeight:
         """The weight of rows `rows` [N] int32 only (their blocks, not dequantized; of stacked
-        experts, the experts `rows`)."""
+        experts, the experts `rows`). Of an interleaved weight, the rows' 16-row groups are
+        gathered and deinterleaved: the result is in the layout of the format it reorders."""
+        if self.format.interleaved:
+            return self._take_interleaved_rows(rows)
         offsets = None if self.offsets is None else self.offsets[rows]
         return self.replace(
             quants=self.quants[rows],
@@ -155,6 +174,36 @@ class QuantizedWeight:
             offsets=offsets,
             shape=(rows.shape[0], *self.shape[1:]),
         )
+
+    def _take_interleaved_rows(self, rows: jax.Array) -> QuantizedWeight:
+        groups, lane = rows // ROWS, rows % ROWS
+
+        def gathered(a):  # [N, 16 rows of the group, last]
+            return a.reshape(-1, ROWS, a.shape[-1])[groups]
+
+        arrays = (gathered(self.quants), gathered(self.scales))
+        arrays += (None if self.offsets is None else gathered(self.offsets),)
+        count = rows.shape[0]
+        flat = lambda a: None if a is None else a.reshape(count * ROWS, a.shape[-1])  # noqa: E731
+        plain = deinterleave_xla(*map(flat, arrays), self.format.bits)
+        pick = jnp.arange(count) * ROWS + lane
+        return QuantizedWeight(
+            quants=plain[0][pick],
+            scales=plain[1][pick],
+            offsets=None if plain[2] is None else plain[2][pick],
+            format=PLAIN[self.format.name],
+            shape=(count, *self.shape[1:]),
+        )
+
+
+def interleaved_weight(w: QuantizedWeight) -> QuantizedWeight:
+    """`w` in its format's interleaved layout (formats.py, "Interleaved": the layout of the
+    int8-rows products), or `w` itself where it has none (`interleavable`)."""
+    if w.format.interleaved or not interleavable(w.format, w.shape):
+        return w
+    host = (None if a is None else np.asarray(a) for a in (w.quants, w.scales, w.offsets))
+    arrays = BlockArrays(*host)
+    return from_block_arrays(interleave(arrays, w.format), INTERLEAVED[w.format.name], w.shape)
 
 
 def _nbytes(a) -> int:

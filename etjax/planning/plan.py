@@ -32,7 +32,7 @@ from etjax.engine.row_store import empty_store
 from etjax.entropy.cost import CostModel
 from etjax.errors import ConfigError, ModelLoadError
 from etjax.model.config import ModelConfig
-from etjax.model.quantized import check_weights, resolve_weights, weight_formats
+from etjax.model.quantized import STORED_CHOICES, check_weights, resolve_weights, weight_formats
 from etjax.model.weights import Weights, abstract_weights, routed_expert_bytes
 from etjax.planning.isolation import ChildError, CompilerCrash, run_isolated
 from etjax.planning.programs import PROGRAMS, ProgramReport, compile_planned
@@ -271,9 +271,9 @@ def planned_weights(weights: str, dtype: str) -> str | None:
     """The `abstract_weights` option a plan counts for the load option `weights` of a model
     of `dtype`: None where the matrices stay in `dtype`."""
     held = resolve_weights(check_weights(weights), dtype)
-    if held == "stored":
+    if held in STORED_CHOICES:
         raise ConfigError(
-            "weights='stored' keeps a file's own blocks, which a plan does not read; plan "
+            f"weights={held!r} keeps a file's own blocks, which a plan does not read; plan "
             "--weights int8, bfloat16 or float32"
         )
     return None if held == dtype else held

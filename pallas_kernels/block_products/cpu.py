@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from cpp_kernels import cpu_kernels_available
-from cpp_kernels.targets import BLOCK_PRODUCTS
+from cpp_kernels.targets import BLOCK_PRODUCTS, INT8_ROWS
 
 # The most rows the kernel is asked to take: every step of the engine (prompt chunks of 512
 # and the decode rows beside them). Its cost grows with the rows as XLA's float32 product's
@@ -76,6 +76,53 @@ def block_products_cpu(
     # jax.ffi directly, not call_cpu_kernel, which would widen the 8-bit quants to int32.
     out = jax.ffi.ffi_call(
         BLOCK_PRODUCTS.name,
+        jax.ShapeDtypeStruct((rows.shape[0], quants.shape[0]), jnp.float32),
+    )(
+        rows,
+        quants,
+        scales,
+        jnp.zeros((0,), scales.dtype) if offsets is None else offsets,
+    )
+    return out.reshape(*x.shape[:-1], quants.shape[0])
+
+
+def int8_rows_cpu_takes(
+    x: jax.Array,
+    quants: jax.Array,
+    scales: jax.Array,
+    offsets: jax.Array | None,
+    block: int,
+    bits: int,
+    out_dtype,
+) -> bool:
+    """Whether the int8-rows kernel (cpp_kernels/int8_rows.cc) takes x [..., in] times these
+    weights: what `block_products_cpu_takes` accepts, with blocks of 32 and `out` a multiple
+    of 16."""
+    return (
+        block == 32
+        and quants.ndim == 2
+        and quants.shape[0] % 16 == 0
+        and block_products_cpu_takes(x, quants, scales, offsets, block, bits, out_dtype)
+    )
+
+
+def int8_rows_cpu(
+    x: jax.Array,
+    quants: jax.Array,
+    scales: jax.Array,
+    offsets: jax.Array | None,
+    block: int,
+    bits: int,
+) -> jax.Array:
+    """x [..., in] float32, rounded to int8 per block of 32, times the quantized weight
+    [out, in] -> [..., out] float32 on the CPU kernel, for the shapes `int8_rows_cpu_takes`
+    accepts."""
+    del block, bits
+    if not cpu_kernels_available():
+        raise RuntimeError("the CPU kernels are not built (see the log's warning)")
+    rows = x.reshape(-1, x.shape[-1])
+    out = jax.ffi.ffi_call(
+        INT8_ROWS.name,
         jax.ShapeDtypeStruct((rows.shape[0], quants.shape[0]), jnp.float32),
     )(
         rows,

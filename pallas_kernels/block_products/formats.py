@@ -20,6 +20,16 @@ blocks of 16 (q in -32..31) with float32 scales d * sc (float16 times int8: 19 b
 Only Q4_K's nibbles are reordered (its own order pairs value j with j + 32 of a 64).
 Q5_0 reads into Q8_0's layout: its 5-bit values q - 16 as int8 beside the same float16
 scale, exact (8 bits a value where the file has 5.5).
+
+Interleaved (`BlockFormat.interleaved`, the formats named "...x16"): the same values and
+arrays of the same shapes, reordered within each 16 consecutive output rows for products of
+rows rounded to int8 (cpp_kernels/int8_rows.cc), which read 16 outputs' values in the lanes of
+one register. The 16 rows' bytes, contiguous in a row-major array, hold their blocks one after
+another; block b is chunks of 4 values, chunk c holding each of the 16 rows' bytes 4c..4c+3 of
+that block (row after row: 64 bytes); 4 bits: the GGUF byte order above, so chunk c's low
+nibbles are values 4c..4c+3 and its high ones 16 + 4c..; 8 bits: values 4c..4c+3. The 16
+rows' scales (and offsets) hold block after block, the 16 rows' scales of a block together.
+`interleave` and `deinterleave` convert, exactly; blocks of 32 only.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ class BlockFormat:
     block: int | None
     offsets: bool
     scale_dtype: str
+    interleaved: bool = False
 
     def block_size(self, in_features: int) -> int:
         """Values per scale for a weight of `in_features` columns."""
@@ -53,6 +64,15 @@ Q4_1 = BlockFormat("q4_1", 4, 32, True, "float16")
 Q4_K = BlockFormat("q4_k", 4, 32, True, "float32")  # converted from GGUF's Q4_K, losslessly
 Q6_K = BlockFormat("q6_k", 8, 16, False, "float32")  # converted from GGUF's Q6_K, losslessly
 INT8 = BlockFormat("int8", 8, None, False, "float32")  # symmetric, per output channel
+
+# The formats interleaved for int8 rows (module docstring), by the format they reorder.
+ROWS = 16  # output rows interleaved together: a register's 32-bit lanes
+INTERLEAVED = {
+    f.name: dataclasses.replace(f, name=f"{f.name}x16", interleaved=True)
+    for f in (Q8_0, Q4_0, Q4_1, Q4_K)
+}
+# The format an interleaved one reorders, by the interleaved one's name.
+PLAIN = {INTERLEAVED[f.name].name: f for f in (Q8_0, Q4_0, Q4_1, Q4_K)}
 
 # GGUF tensor types (gguf.GGMLQuantizationType names) read into a block format.
 GGUF_FORMATS = {"Q8_0": Q8_0, "Q4_0": Q4_0, "Q4_1": Q4_1, "Q4_K": Q4_K, "Q6_K": Q6_K,
@@ -169,3 +189,55 @@ def quantize_int8(w: np.ndarray) -> BlockArrays:
     with np.errstate(divide="ignore", invalid="ignore"):
         q = np.where(scales > 0, np.rint(w / scales), 0)
     return BlockArrays(np.clip(q, -127, 127).astype(np.int8), scales.astype(np.float32), None)
+
+
+def interleavable(fmt: BlockFormat, shape: tuple[int, ...]) -> bool:
+    """Whether a weight of `fmt` and `shape` ([out, in]) has an interleaved layout: a format of
+    INTERLEAVED, `out` a multiple of 16, `in` of 32."""
+    return len(shape) == 2 and fmt.name in INTERLEAVED and shape[0] % ROWS == 0
+
+
+def _tile_bytes(bits: int) -> int:
+    return 16 if bits == 4 else 32  # bytes of a row's block of 32 values
+
+
+def interleave(arrays: BlockArrays, fmt: BlockFormat) -> BlockArrays:
+    """The arrays of a weight of `fmt` (not interleaved; `interleavable`) reordered into
+    INTERLEAVED[fmt.name]'s layout (module docstring), the same shapes and dtypes."""
+    quants = np.asarray(arrays.quants)
+    out, row_bytes = quants.shape
+    tile = _tile_bytes(fmt.bits)
+    blocks = row_bytes // tile
+    # [group, row, block, chunk, byte] -> [group, block, chunk, row, byte]
+    q = quants.reshape(out // ROWS, ROWS, blocks, tile // 4, 4).transpose(0, 2, 3, 1, 4)
+    return BlockArrays(
+        np.ascontiguousarray(q).reshape(out, row_bytes),
+        _scales_by_block(arrays.scales),
+        None if arrays.offsets is None else _scales_by_block(arrays.offsets),
+    )
+
+
+def deinterleave(arrays: BlockArrays, fmt: BlockFormat) -> BlockArrays:
+    """`interleave`'s inverse: the arrays of a weight of an interleaved `fmt` in the layout
+    of the format it reorders."""
+    quants = np.asarray(arrays.quants)
+    out, row_bytes = quants.shape
+    tile = _tile_bytes(fmt.bits)
+    q = quants.reshape(out // ROWS, row_bytes // tile, tile // 4, ROWS, 4).transpose(0, 3, 1, 2, 4)
+    return BlockArrays(
+        np.ascontiguousarray(q).reshape(out, row_bytes),
+        _scales_by_row(arrays.scales),
+        None if arrays.offsets is None else _scales_by_row(arrays.offsets),
+    )
+
+
+def _scales_by_block(scales: np.ndarray) -> np.ndarray:
+    out, blocks = scales.shape  # [group, row, block] -> [group, block, row]
+    grouped = np.asarray(scales).reshape(out // ROWS, ROWS, blocks).transpose(0, 2, 1)
+    return np.ascontiguousarray(grouped).reshape(out, blocks)
+
+
+def _scales_by_row(scales: np.ndarray) -> np.ndarray:
+    out, blocks = scales.shape
+    grouped = np.asarray(scales).reshape(out // ROWS, blocks, ROWS).transpose(0, 2, 1)
+    return np.ascontiguousarray(grouped).reshape(out, blocks)

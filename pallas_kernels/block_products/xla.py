@@ -57,3 +57,58 @@ def block_products_xla(
         return (y * scales[:, 0].astype(jnp.float32)).astype(out_dtype)
     w = dequantize_xla(quants, scales, offsets, block, bits, x.dtype)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=out_dtype)
+
+
+def deinterleave_xla(
+    quants: jax.Array, scales: jax.Array, offsets: jax.Array | None, bits: int
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The arrays of an interleaved weight (formats.py, "Interleaved") in the layout of the
+    format it reorders, in the program: formats.deinterleave's reshapes."""
+    out, row_bytes = quants.shape
+    tile = 16 if bits == 4 else 32
+    q = quants.reshape(out // 16, row_bytes // tile, tile // 4, 16, 4).transpose(0, 3, 1, 2, 4)
+
+    def by_row(s):
+        return s.reshape(out // 16, s.shape[1], 16).transpose(0, 2, 1).reshape(s.shape)
+
+    return q.reshape(out, row_bytes), by_row(scales), None if offsets is None else by_row(offsets)
+
+
+def quantize_rows_xla(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rows x [M, in] float32 rounded to int8 per block of 32 as cpp_kernels/int8_rows.cc
+    rounds them -> (q [M, in / 32, 32] float32 holding the integers, dx [M, in / 32], and
+    dx x the sum of each block's q [M, in / 32])."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = jnp.abs(blocks).max(axis=-1, keepdims=True)
+    inverse = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    q = jnp.clip(jnp.round(blocks * inverse), -127, 127)  # jnp.round: half to even
+    dx = amax[..., 0] / 127.0
+    return q, dx, dx * q.sum(axis=-1)
+
+
+def int8_rows_xla(
+    x: jax.Array,
+    quants: jax.Array,
+    scales: jax.Array,
+    offsets: jax.Array | None,
+    bits: int,
+    out_dtype=None,
+) -> jax.Array:
+    """x [..., in] rounded to int8 per block of 32 times the weight [out, in] in blocks of 32
+    (not interleaved) -> [..., out] in `out_dtype`: the int8-rows kernel's arithmetic in XLA,
+    for what the kernel does not take. Each block's dot product of integers is exact in
+    float32 (at most 32 x 255 x 127 < 2**24)."""
+    out_dtype = out_dtype or x.dtype
+    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    q, dx, xsum = quantize_rows_xla(rows)
+    if bits == 4:
+        pairs = quants.reshape(quants.shape[0], -1, 16)
+        w = jnp.concatenate([pairs & 0x0F, pairs >> 4], axis=-1).astype(jnp.float32)
+        w = w - (8.0 if offsets is None else 0.0)
+    else:
+        w = quants.reshape(quants.shape[0], -1, 32).astype(jnp.float32)
+    dots = jnp.einsum("rbi,obi->rob", q, w, precision=jax.lax.Precision.HIGHEST)
+    y = jnp.einsum("rob,ob,rb->ro", dots, scales.astype(jnp.float32), dx)
+    if offsets is not None:
+        y = y + xsum @ offsets.astype(jnp.float32).T
+    return y.reshape(*x.shape[:-1], quants.shape[0]).astype(out_dtype)
