@@ -109,6 +109,8 @@ def test_the_xla_fallback_is_the_same_arithmetic(fmt):
     got = np.asarray(_xla(jnp.asarray(x), *_device(plain), fmt.bits))
     expected = int8_rows_reference(x, *plain, fmt.bits)
     assert np.abs(got - expected).max() <= 1e-6 * np.abs(expected).max()
+    # No rows (a step's head with nothing to read): no rows out.
+    assert _xla(jnp.zeros((0, 64)), *_device(plain), fmt.bits).shape == (0, 32)
 
 
 def test_the_kernel_takes_blocks_of_32_and_outputs_in_sixteens():

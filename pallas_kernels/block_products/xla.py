@@ -78,7 +78,7 @@ def quantize_rows_xla(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Rows x [M, in] float32 rounded to int8 per block of 32 as cpp_kernels/int8_rows.cc
     rounds them -> (q [M, in / 32, 32] float32 holding the integers, dx [M, in / 32], and
     dx x the sum of each block's q [M, in / 32])."""
-    blocks = x.reshape(x.shape[0], -1, 32)
+    blocks = x.reshape(x.shape[0], x.shape[1] // 32, 32)
     amax = jnp.abs(blocks).max(axis=-1, keepdims=True)
     inverse = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
     q = jnp.clip(jnp.round(blocks * inverse), -127, 127)  # jnp.round: half to even
