@@ -40,7 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.perf_report import machine_line, median_spread, write_section
 from cpp_kernels import cpu_kernels_available
 from pallas_kernels.block_products import formats
-from pallas_kernels.block_products.cpu import block_products_cpu, block_products_cpu_takes
+from pallas_kernels.block_products.cpu import (
+    block_products_cpu,
+    block_products_cpu_takes,
+    int8_rows_cpu,
+    int8_rows_cpu_takes,
+)
 from pallas_kernels.block_products.xla import block_products_xla, dequantize_xla
 from pallas_kernels.row_products.cpu import row_products_cpu, row_products_cpu_takes
 from pallas_kernels.row_products.xla import row_products_xla
@@ -55,7 +60,13 @@ SHAPES = (
     ("down: 576x1536", (HIDDEN, MLP), LAYERS, formats.Q4_1),
     ("LM head: 49152x576", (VOCAB, HIDDEN), 1, formats.Q8_0),
 )
-METHODS = ("block kernel", "XLA dequantizing", "float32 row kernel", "XLA float32")
+METHODS = (
+    "block kernel",
+    "int8 rows kernel",
+    "XLA dequantizing",
+    "float32 row kernel",
+    "XLA float32",
+)
 
 
 def main() -> None:
@@ -102,7 +113,7 @@ def _weights(shape, copies, fmt):
     out, width = shape
     rng = np.random.default_rng(out + width)
     block = fmt.block_size(width)
-    quantized, dense = [], []
+    quantized, interleaved, dense = [], [], []
     for _ in range(copies):
         if fmt.bits == 4:
             quants = rng.integers(0, 256, (out, width // 2), dtype=np.uint8)
@@ -112,8 +123,17 @@ def _weights(shape, copies, fmt):
         offsets = -8 * scales if fmt.offsets else None
         arrays = tuple(None if a is None else jnp.asarray(a) for a in (quants, scales, offsets))
         quantized.append(arrays)
+        mixed = formats.interleave(formats.BlockArrays(quants, scales, offsets), fmt)
+        interleaved.append(tuple(None if a is None else jnp.asarray(a) for a in mixed))
         dense.append(dequantize_xla(*arrays, block, fmt.bits))
-    return {"shape": shape, "format": fmt, "block": block, "q": quantized, "f32": dense}
+    return {
+        "shape": shape,
+        "format": fmt,
+        "block": block,
+        "q": quantized,
+        "interleaved": interleaved,
+        "f32": dense,
+    }
 
 
 def _programs(parts, rows):
@@ -130,6 +150,15 @@ def _programs(parts, rows):
                 fmt = p["format"]
                 assert block_products_cpu_takes(x, *arrays, p["block"], fmt.bits, jnp.float32)
                 outs.append(block_products_cpu(x, *arrays, p["block"], fmt.bits))
+        return outs
+
+    def int8_rows_kernel(xs, interleaved):
+        outs = []
+        for p, weights in zip(parts, interleaved, strict=True):
+            x = xs[p["shape"][1]]
+            for arrays in weights:
+                assert int8_rows_cpu_takes(x, *arrays, p["block"], p["format"].bits, jnp.float32)
+                outs.append(int8_rows_cpu(x, *arrays, p["block"], p["format"].bits))
         return outs
 
     def xla_dequantizing(xs, quantized):
@@ -151,6 +180,7 @@ def _programs(parts, rows):
     dense = [p["f32"] for p in parts]
     programs = {
         "block kernel": (jax.jit(block_kernel), quantized),
+        "int8 rows kernel": (jax.jit(int8_rows_kernel), [p["interleaved"] for p in parts]),
         "XLA dequantizing": (jax.jit(xla_dequantizing), quantized),
     }
     if all(row_products_cpu_takes(xs[w], parts[0]["f32"][0][:, :w], jnp.float32) for w in widths):
@@ -163,10 +193,13 @@ def _case(name, parts, rows, rounds):
     xs, programs = _programs(parts, rows)
     outputs = {m: f(xs, w) for m, (f, w) in programs.items()}  # compiles; untimed
     jax.block_until_ready(outputs)
-    difference = max(
-        float(jnp.abs(a - b).max() / jnp.abs(b).max())
-        for a, b in zip(outputs["block kernel"], outputs["XLA float32"], strict=True)
-    )
+    differences = {
+        method: max(
+            float(jnp.abs(a - b).max() / jnp.abs(b).max())
+            for a, b in zip(outputs[method], outputs["XLA float32"], strict=True)
+        )
+        for method in ("block kernel", "int8 rows kernel")
+    }
     del outputs
     ms = {m: [] for m in programs}
     cpu_ms = {m: [] for m in programs}
@@ -185,7 +218,8 @@ def _case(name, parts, rows, rounds):
         "products": sum(len(p["q"]) for p in parts),
         "quantized_bytes": weight_bytes,
         "float32_bytes": sum(sum(w.nbytes for w in p["f32"]) for p in parts),
-        "max_relative_difference": difference,
+        "max_relative_difference": differences["block kernel"],
+        "int8_rows_difference": differences["int8 rows kernel"],
         "ms": ms,
         "cpu_ms": cpu_ms,
     }
@@ -217,6 +251,17 @@ def _markdown(raw) -> str:
         "| weight MB, blocks / float32 | max difference / max |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    int8_lines = [
+        "",
+        'Int8 rows (`weights="stored-int8-rows"`): the same weights interleaved, the rows '
+        "rounded to int8 per block of 32 (cpp_kernels/int8_rows.cc), against the block "
+        "kernel's float32 rows in the same rounds. Difference: the largest against XLA's "
+        "float32 product over its largest output: the rows' rounding.",
+        "",
+        "| products | rows | block kernel CPU ms | int8 rows kernel CPU ms / wall ms | "
+        "int8 rows speed-up | max difference / max |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in raw["results"]:
         cell, ratio = _cell(r), _ratio(r)
         lines.append(
@@ -227,7 +272,14 @@ def _markdown(raw) -> str:
             f"{r['quantized_bytes'] / 1e6:.1f} / {r['float32_bytes'] / 1e6:.0f} | "
             f"{r['max_relative_difference']:.1e} |"
         )
-    return "\n".join(lines) + "\n"
+        if "int8 rows kernel" in r["cpu_ms"]:
+            block, rows = (statistics.median(r["cpu_ms"][m]) for m in METHODS[:2])
+            int8_lines.append(
+                f"| {r['name']} ({r['products']}) | {r['rows']} | "
+                f"{median_spread(r['cpu_ms']['block kernel'])} | {cell('int8 rows kernel')} | "
+                f"**{block / rows:.2f}x** | {r['int8_rows_difference']:.1e} |"
+            )
+    return "\n".join(lines + int8_lines) + "\n"
 
 
 def _cell(result):

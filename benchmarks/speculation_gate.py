@@ -135,12 +135,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--no-write", action="store_true", help="print, do not write PERF.md")
+    parser.add_argument(
+        "--weights", default="auto", help="load_model's weights option (default: auto)"
+    )
     args = parser.parse_args()
     import etjax
     from etjax.bench.corpus import lee_articles
 
     load_start = os.getloadavg()[0]
-    model = etjax.load_model()
+    model = etjax.load_model(weights=args.weights)
     kinds = prompts(model.tokenizer, lee_articles(), min(args.prompts, len(ARTICLES)))
     cases = [(kind, i, text) for kind, texts in kinds.items() for i, text in enumerate(texts)]
 
@@ -190,7 +193,7 @@ def main() -> None:
     for row in raw["rows"]:
         off = first[(row["kind"], row["prompt"], "off")]
         row["bound"] = best_ratio(off.prompt_token_ids, off.token_ids, row["off_s"])
-    raw["weights"] = model.weights_format  # what load_model's default ("auto") held
+    raw["weights"] = model.weights_format  # what load_model's `weights` held
     markdown = _markdown(raw)
     print(markdown)
     if not args.no_write:
