@@ -96,19 +96,22 @@ def int8_rows_xla(
 ) -> jax.Array:
     """x [..., in] rounded to int8 per block of 32 times the weight [out, in] in blocks of 32
     (not interleaved) -> [..., out] in `out_dtype`: the int8-rows kernel's arithmetic in XLA,
-    for what the kernel does not take. Each block's dot product of integers is exact in
-    float32 (at most 32 x 255 x 127 < 2**24)."""
+    for what the kernel does not take, up to float32 rounding. As two products: the rounded
+    rows (q x dx) by the weights without their offsets (scale x q, exact in float32), and each
+    block's dx x sum(q) by the offsets, so nothing larger than the weight is materialised."""
     out_dtype = out_dtype or x.dtype
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     q, dx, xsum = quantize_rows_xla(rows)
+    rounded = (q * dx[..., None]).reshape(rows.shape)
+    outs = quants.shape[0]
     if bits == 4:
-        pairs = quants.reshape(quants.shape[0], -1, 16)
+        pairs = quants.reshape(outs, -1, 16)
         w = jnp.concatenate([pairs & 0x0F, pairs >> 4], axis=-1).astype(jnp.float32)
         w = w - (8.0 if offsets is None else 0.0)
     else:
-        w = quants.reshape(quants.shape[0], -1, 32).astype(jnp.float32)
-    dots = jnp.einsum("rbi,obi->rob", q, w, precision=jax.lax.Precision.HIGHEST)
-    y = jnp.einsum("rob,ob,rb->ro", dots, scales.astype(jnp.float32), dx)
+        w = quants.reshape(outs, -1, 32).astype(jnp.float32)
+    w = (w * scales.astype(jnp.float32)[..., None]).reshape(outs, -1)
+    y = jnp.einsum("ri,oi->ro", rounded, w, preferred_element_type=jnp.float32)
     if offsets is not None:
         y = y + xsum @ offsets.astype(jnp.float32).T
-    return y.reshape(*x.shape[:-1], quants.shape[0]).astype(out_dtype)
+    return y.reshape(*x.shape[:-1], outs).astype(out_dtype)
