@@ -9,12 +9,13 @@ from etjax.cache.page_allocator import pages_needed
 from etjax.engine_build import MIN_POOL_PAGES, build_engine, pool_pages
 from etjax.runtime.options import RequestSettings, RuntimeOptions
 
-# Preemption needs sequences that outgrow their pool while they decode: 48 tokens (at 24 the
-# policy test's pool holds them all and none is preempted). A row beside a document being
-# prefilled needs fewer: 16 covers the mixed step it decodes in beside the document and then
-# two bursts of all five rows, and cuts the six runs' decoding to a third.
+# Preemption needs sequences that outgrow their pool while they decode: 48 tokens (at 24 to
+# 40 the policy test's pool holds them all and none is preempted). A row beside a document
+# being prefilled needs fewer: 9 covers the mixed step it decodes in beside the document's
+# second chunk and then a burst of all five rows (8 steps; the short rows cross a page
+# boundary in it).
 NEW = 48
-NEW_BESIDE_DOCUMENT = 16
+NEW_BESIDE_DOCUMENT = 9
 
 # Both tests compare etjax with itself and compile more than they run (13 and 7 programs of
 # SmolLM2), so they compile cheaply: 24.6 and 25.4 s against 31.5 and 29.2 as users compile
@@ -55,18 +56,19 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
 
 
 def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
-    # Four short prompts, then an 800-token document: the short rows decode while the
+    # Four short prompts, then a 388-token document: the short rows decode while the
     # document is prefilled in the same ragged steps (328 of its tokens beside the prompts,
-    # then 472 beside four decode tokens), then all five decode together, each reading only
+    # then 60 beside four decode tokens), then all five decode together, each reading only
     # its own pages. So the dense engine never splits the batch by width (grouping.py pays
     # only under pruning), and every row's tokens equal those it gets alone. The lengths keep
     # every step in the other test's programs: its reference run's 512- and 64-token buckets
-    # and 8-row bursts, batched; alone, the document's two chunks (512 and 288 tokens) in the
-    # 512-token bucket and each 46-token prompt in the 64-token one. (A 1.6K-token document
-    # proved no more in 29.0 CPU s against 20.7: AMD EPYC (Zen 4), 2 cores, loaded, 2026-12-07.)
+    # and 8-row bursts, batched; alone, the document's one chunk in the 512-token bucket and
+    # each 46-token prompt in the 64-token one. (An 800-token document, its last 472 tokens
+    # beside the rows, proved no more in two more 512-token steps; a 1.6K-token one in 29.0
+    # CPU s against 20.7: AMD EPYC (Zen 4), 2 cores, loaded, 2026-12-07.)
     prompts = [smollm2.tokenizer.encode(lee[20 + i])[:46] for i in range(4)]
-    prompts.append(smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:800])
-    assert [len(p) for p in prompts] == [46] * 4 + [800]
+    prompts.append(smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:388])
+    assert [len(p) for p in prompts] == [46] * 4 + [388]
     options = RuntimeOptions(max_batch_size=8)
     # The pool decode() would size for them (all five at once).
     new = NEW_BESIDE_DOCUMENT
