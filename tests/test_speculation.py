@@ -116,7 +116,7 @@ def test_sampling_with_speculation_draws_the_same_tokens(smollm2, lee, sampler):
     # every seeded draw is the one the plain engine makes: its distribution is the plain one.
     prompts = _repetitive(smollm2.tokenizer, lee)[:2]
     pair = sampler if isinstance(sampler, tuple) else (sampler, sampler)
-    settings = [RequestSettings(max_new_tokens=16, ignore_eos=True, sampler=s) for s in pair]
+    settings = [RequestSettings(max_new_tokens=9, ignore_eos=True, sampler=s) for s in pair]
     loose = SpeculationConfig(enabled=True, entropy_max=20.0, acceptance_prior=0.9, **EAGER)
     plain = _generate(smollm2, prompts, settings, SpeculationConfig())
     spec = _generate(smollm2, prompts, settings, loose)
