@@ -67,7 +67,7 @@ def _repetitive(tokenizer, lee) -> list[list[int]]:
     return [tokenizer.encode(text) for text in _repetitive_texts(lee)]
 
 
-GREEDY_NEW = 24  # the copied paragraph drafts from its first round: 20 of 24 accepted
+GREEDY_NEW = 16  # the copied paragraph drafts from its first round: 13 of 16 accepted
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,7 @@ def test_greedy_with_speculation_equals_greedy_without(smollm2, plain_greedy):
         assert b.token_ids == a.token_ids
         np.testing.assert_allclose(b.entropy, a.entropy, rtol=1e-3, atol=1e-4)
     # The copied paragraph really was drafted and mostly accepted, in fewer passes than
-    # tokens (measured: 24 drafted, 83% accepted, 0.17 passes per token).
+    # tokens (measured: 17 drafted, 76% accepted, 0.19 passes per token).
     copy = spec[0].metrics
     assert copy["drafted_tokens"] > 0 and copy["acceptance_rate"] > 0.5
     assert copy["passes_per_token"] < 0.6
