@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from etjax.model.config import ModelConfig
 from etjax.model.families.family import Family
-from etjax.model.layers import linear
+from etjax.model.layers import linear, mean_square
 from etjax.model.leaves import (
     ATTENTION,
     FFN,
@@ -85,7 +85,7 @@ MODEL: Table = {
 def gemma_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis, normalised and scaled in float32, then cast to x's dtype."""
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    normed = x32 * jax.lax.rsqrt(mean_square(x32) + eps)
     return (normed * scale).astype(x.dtype)
 
 
