@@ -174,11 +174,18 @@ def test_an_interleaved_embedding_gathers_the_rows_it_held():
     )
 
 
-def test_smollm2_loads_its_blocks_interleaved_value_for_value(smollm2_path):
+@pytest.fixture(scope="module")
+def int8_rows_smollm2(smollm2_path):
+    import etjax
+
+    return etjax.load_model(smollm2_path, weights="stored-int8-rows")
+
+
+def test_smollm2_loads_its_blocks_interleaved_value_for_value(smollm2_path, int8_rows_smollm2):
     import etjax
 
     stored = etjax.load_model(smollm2_path, weights="stored")
-    rows = etjax.load_model(smollm2_path, weights="stored-int8-rows")
+    rows = int8_rows_smollm2
     assert rows.weights_format == "q4_1x16+q8_0x16"
     leaves = jax.tree.leaves(rows.weights, is_leaf=lambda w: isinstance(w, QuantizedWeight))
     plain = jax.tree.leaves(stored.weights, is_leaf=lambda w: isinstance(w, QuantizedWeight))
@@ -192,3 +199,23 @@ def test_smollm2_loads_its_blocks_interleaved_value_for_value(smollm2_path):
             )  # fmt: skip
             assert np.array_equal(back.quants, np.asarray(kept.quants))
             assert np.array_equal(back.scales, np.asarray(kept.scales))
+
+
+def test_speculation_on_int8_rows_gives_the_plain_tokens_and_logprobs_bit_for_bit(
+    int8_rows_smollm2,
+):
+    # The verifying steps (up to 8 rows) and the bursts (1 row) must round every row alike,
+    # the norms included (tests/test_norms.py): a last-bit difference upstream of a rounding
+    # to int8 can move a value by a whole int8 step and change a token.
+    import etjax
+
+    text = "Copy this list exactly:\n- red apple\n- green pear\n- yellow banana\n- purple grape"
+    runs = [
+        etjax.decode(text, model=int8_rows_smollm2, chat=True, max_new_tokens=24,
+                     ignore_eos=True, max_batch_size=1, speculation=speculation)[0]
+        for speculation in (False, True)
+    ]  # fmt: skip
+    plain, speculating = runs
+    assert speculating.accepted_tokens > 0 and speculating.verify_steps > 0
+    assert speculating.token_ids == plain.token_ids
+    assert speculating.logprob == plain.logprob
