@@ -22,6 +22,11 @@ NEW_BESIDE_DOCUMENT = 9
 # (2-core Xeon, 2026-12-05; tests/compile_level.py).
 pytestmark = pytest.mark.compile_bound
 
+# The reference and the long-row runs batch as decode() does (32 rows, 256 pages for these
+# workloads): other cheaply compiled SmolLM2 tests of the run (the prefix cache's,
+# speculation's, the server's) decode through the same programs.
+DECODE_OPTIONS = RuntimeOptions()
+
 
 def _run(model, prompts, options: RuntimeOptions, num_pages: int, new: int = NEW):
     engine = build_engine(model.weights, model.config, model.tokenizer, options, num_pages)
@@ -32,7 +37,7 @@ def _run(model, prompts, options: RuntimeOptions, num_pages: int, new: int = NEW
 def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, lee):
     prompts = [smollm2.tokenizer.encode(lee[i])[: 40 + 50 * i] for i in range(5)]
     needs = sorted(pages_needed(len(p) + NEW + 8, 16) for p in prompts)
-    reference, _ = _run(smollm2, prompts, RuntimeOptions(max_batch_size=8), MIN_POOL_PAGES)
+    reference, _ = _run(smollm2, prompts, DECODE_OPTIONS, MIN_POOL_PAGES)
     assert sum(needs) < MIN_POOL_PAGES  # every request resident at once
     reference = [o.token_ids for o in reference]
     # Two batch slots rotating over four resident sequences, in a pool that holds the largest
@@ -69,7 +74,7 @@ def test_a_long_row_beside_short_ones_decodes_as_it_does_alone(smollm2, lee):
     prompts = [smollm2.tokenizer.encode(lee[20 + i])[:46] for i in range(4)]
     prompts.append(smollm2.tokenizer.encode("\n\n".join(lee[:12]))[:388])
     assert [len(p) for p in prompts] == [46] * 4 + [388]
-    options = RuntimeOptions(max_batch_size=8)
+    options = DECODE_OPTIONS
     # The pool decode() would size for them (all five at once).
     new = NEW_BESIDE_DOCUMENT
     pages = pool_pages([pages_needed(len(p) + new + 8, 16) for p in prompts], options)
