@@ -70,12 +70,17 @@ def block_products_cpu(
     CPU kernel, for the shapes `block_products_cpu_takes` accepts (`block` and `bits` are
     implied by the arrays' shapes and types, and taken for the package's one signature)."""
     del block, bits
+    return _product(BLOCK_PRODUCTS, x, quants, scales, offsets)
+
+
+def _product(target, x, quants, scales, offsets) -> jax.Array:
+    # x [..., in] times the weight on `target`'s kernel, whose arguments both kernels share.
     if not cpu_kernels_available():
         raise RuntimeError("the CPU kernels are not built (see the log's warning)")
     rows = x.reshape(-1, x.shape[-1])
     # jax.ffi directly, not call_cpu_kernel, which would widen the 8-bit quants to int32.
     out = jax.ffi.ffi_call(
-        BLOCK_PRODUCTS.name,
+        target.name,
         jax.ShapeDtypeStruct((rows.shape[0], quants.shape[0]), jnp.float32),
     )(
         rows,
@@ -118,16 +123,4 @@ def int8_rows_cpu(
     [out, in] -> [..., out] float32 on the CPU kernel, for the shapes `int8_rows_cpu_takes`
     accepts."""
     del block, bits
-    if not cpu_kernels_available():
-        raise RuntimeError("the CPU kernels are not built (see the log's warning)")
-    rows = x.reshape(-1, x.shape[-1])
-    out = jax.ffi.ffi_call(
-        INT8_ROWS.name,
-        jax.ShapeDtypeStruct((rows.shape[0], quants.shape[0]), jnp.float32),
-    )(
-        rows,
-        quants,
-        scales,
-        jnp.zeros((0,), scales.dtype) if offsets is None else offsets,
-    )
-    return out.reshape(*x.shape[:-1], quants.shape[0])
+    return _product(INT8_ROWS, x, quants, scales, offsets)
