@@ -1,6 +1,7 @@
-"""Block products on the C++ kernel (cpp_kernels/block_products.cc): groups of 4 weight rows
-read once in their blocks and dequantized in registers, every block of input rows multiplied
-against them while they sit in L1."""
+"""Block products on the C++ kernels: cpp_kernels/block_products.cc (float32 rows: groups of 4
+weight rows read once in their blocks and dequantized in registers, every block of input rows
+multiplied against them while they sit in L1) and cpp_kernels/int8_rows.cc (rows rounded to
+int8 per block of 32, on weights interleaved 16 outputs at a time)."""
 
 from __future__ import annotations
 
