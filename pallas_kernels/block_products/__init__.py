@@ -22,9 +22,9 @@ weights; past 32 rows it multiplies dequantized panels in register tiles. Its ro
 float32; rounded to int8 they cost 1.8-2.6x less CPU time but only on the interleaved layout,
 where one register's lanes are 16 outputs (on the plain one, every output paid its own
 conversion and scaling a block, and int8 rows gained nothing). On a CPU the float32-rows
-kernel beats XLA's float32 product on the same weights dequantized ahead at every row count measured, and
-XLA dequantizing in the program, this package's fallback, by far more (docs/PERF.md, "Block
-products").
+kernel beats XLA's float32 product on the same weights dequantized ahead at every row count
+measured, and XLA dequantizing in the program, this package's fallback, by far more
+(docs/PERF.md, "Block products").
 """
 
 from pallas_kernels.block_products.formats import BlockArrays, BlockFormat
