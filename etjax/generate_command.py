@@ -39,9 +39,10 @@ def add_generate(commands) -> None:
         "--weights",
         default=None,
         choices=WEIGHTS_CHOICES,
-        help="how the matrices are held: a GGUF's blocks as stored, int8 per channel, a float "
-        "dtype (default: the config's, else auto: a quantized GGUF's blocks in float32 on "
-        "one CPU, else floats in --dtype)",
+        help="how the matrices are held: a GGUF's blocks as stored, the same blocks multiplied "
+        "by rows rounded to int8 (stored-int8-rows), int8 per channel, a float dtype "
+        "(default: the config's, else auto: a quantized GGUF's blocks in float32 on one CPU, "
+        "else floats in --dtype)",
     )
     gen.add_argument(
         "--calibration",

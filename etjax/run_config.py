@@ -4,7 +4,8 @@ dataclasses that steer a run.
 A file has up to seven tables, each optional:
 
     [model]    name (a model name or path), dtype ("auto" | "float32" | "bfloat16"), weights
-               ("auto" | "stored" | "int8" | "float32" | "bfloat16": etjax/model/quantized.py)
+               ("auto" | "stored" | "stored-int8-rows" | "int8" | "float32" | "bfloat16":
+               etjax/model/quantized.py)
     [engine]   any `RuntimeOptions` field except pruning, speculation and experts (page_size,
                max_batch_size, policy, ...)
     [pruning]  any `PruningConfig` field (enabled, min_fraction, entropy_low, ...)
@@ -57,7 +58,8 @@ class ModelChoice:
     # to that file, so a preset and its calibration travel together.
     calibration: str | None = None
     # How the matrices are held (etjax/model/quantized.py): "auto" keeps float matrices in
-    # `dtype`; "stored" a GGUF's blocks; "int8" per output channel; "float32" | "bfloat16".
+    # `dtype`; "stored" a GGUF's blocks; "stored-int8-rows" the same blocks multiplied by rows
+    # rounded to int8; "int8" per output channel; "float32" | "bfloat16".
     weights: str = "auto"
 
     def __post_init__(self) -> None:
