@@ -41,17 +41,19 @@ def test_greedy_outputs_are_the_same_under_every_policy_and_batching(smollm2, le
     assert sum(needs) < MIN_POOL_PAGES  # every request resident at once
     reference = [o.token_ids for o in reference]
     # Two batch slots rotating over four resident sequences, in a pool that holds the largest
-    # request with 4 pages to spare: sequences change batch partners every round, and the
+    # request with 6 pages to spare: sequences change batch partners every round, and the
     # short ones admitted together outgrow the pool, so some are preempted and recomputed.
-    # The pool is the default one with the rest of its pages taken before the run (a pool of
-    # that size would compile every program again for it).
+    # (With 6, every prefill step, the recompute's too, is in the 256-token bucket; with 4,
+    # one is in the 128-token one: a program more.) The pool is the default one with the rest
+    # of its pages taken before the run (a pool of that size would compile every program
+    # again for it).
     options = RuntimeOptions(
         max_batch_size=2, max_resident=4, min_advance_rounds=2, policy="entropic"
     )
     engine = build_engine(
         smollm2.weights, smollm2.config, smollm2.tokenizer, options, MIN_POOL_PAGES
     )
-    aside = engine.page_cache.allocate(engine.page_cache.num_free - (needs[-1] + 4))
+    aside = engine.page_cache.allocate(engine.page_cache.num_free - (needs[-1] + 6))
     outputs = engine.generate(prompts, [RequestSettings(NEW, ignore_eos=True)] * len(prompts))
     engine.page_cache.free(aside)
     rotated = [o.token_ids for o in outputs]
