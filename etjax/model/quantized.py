@@ -103,7 +103,7 @@ def auto_weights(
     one CPU device and the kernels are built, else `dtype` (float matrices).
 
     Why only there: the block-products C++ kernels are what was measured faster than float32
-    end to end (SmolLM2 Q4_1: 1.88x llama.cpp at batch 1 where float32 is 0.90x, docs/PERF.md);
+    end to end (SmolLM2 Q4_1: 2.06x llama.cpp at batch 1 where float32 is 0.94x, docs/PERF.md);
     they take float32 activations on one device (the engine's "cpu" backend). A mesh, a GPU or
     a TPU would run XLA's product of the blocks dequantized in the program (slower than float
     matrices on a CPU, unmeasured elsewhere), and there int8 is the format to ask for."""
