@@ -319,10 +319,21 @@ def test_questions_and_samples_on_one_document_match_full_passes_on_smollm2(smol
     assert len(sampled[0].prompt_token_ids) % 16  # the copy was needed
 
 
-def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_dir):
+def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_dir, monkeypatch):
     # Pruning reads shared pages' key bounds (the page's own) and remembers the mass each
     # block drew per row, so the default settings, mass ranking included, keep the outputs;
-    # speculation writes and rolls back only unshared pages.
+    # speculation writes and rolls back only unshared pages. The tiny random model copies
+    # nothing, so prompt lookup would draft nothing: every round drafts its last token twice
+    # instead (a stand-in for the lookup), which the model mostly rejects, so rows write
+    # drafts' keys and roll them back beside shared pages.
+    import etjax.engine.engine as engine_module
+
+    monkeypatch.setattr(
+        engine_module, "draft_lengths", lambda entropies, *a, **k: [2] * len(entropies)
+    )
+    monkeypatch.setattr(
+        engine_module, "lookup_draft", lambda context, length, *a: [int(context[-1])] * length
+    )
     tiny = etjax.load_model(tiny_hf_dir("llama"))
     doc = list(range(300, 400))
     prompts = [tiny.tokenizer.decode([*doc, 500 + i]) for i in range(3)]
@@ -345,3 +356,5 @@ def test_the_cache_keeps_outputs_with_speculation_pruning_and_sampling(tiny_hf_d
     }
     assert [r.token_ids for r in outputs[True]] == [r.token_ids for r in outputs[False]]
     assert sum(r.cached_tokens > 0 for r in outputs[True]) >= 4
+    for results in outputs.values():  # drafted, and rejected: rolled back
+        assert all(r.drafted_tokens > r.accepted_tokens for r in results)
