@@ -37,14 +37,12 @@ from etjax.model.leaves import STORED, Leaf, Part
 from etjax.model.quantized import (
     GGUF_BLOCK_TYPES,
     GGUF_FORMATS,
-    INTERLEAVED,
     STORED_CHOICES,
     QuantizedWeight,
     concatenate_rows,
     from_block_arrays,
     int8_weight,
-    interleavable,
-    interleave,
+    interleaved_blocks,
     interleaved_weight,
 )
 from etjax.model.weights import Weights, model_leaves
@@ -223,8 +221,8 @@ def _stored_blocks(
         )
     arrays = concatenate_rows([a for _, a in read]) if len(read) > 1 else read[0][1]
     fmt = read[0][0]
-    if int8_rows and interleavable(fmt, tuple(shape)):
-        arrays, fmt = interleave(arrays, fmt), INTERLEAVED[fmt.name]
+    if int8_rows:
+        arrays, fmt = interleaved_blocks(arrays, fmt, shape)
     return from_block_arrays(arrays, fmt, shape)
 
 

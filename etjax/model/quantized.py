@@ -196,14 +196,22 @@ class QuantizedWeight:
         )
 
 
+def interleaved_blocks(
+    arrays: BlockArrays, fmt: BlockFormat, shape: tuple[int, ...]
+) -> tuple[BlockArrays, BlockFormat]:
+    """A weight's numpy `arrays` and `fmt` in the interleaved layout of the int8-rows products
+    (formats.py, "Interleaved"), or as they are where `fmt` and `shape` have none."""
+    if fmt.interleaved or not interleavable(fmt, tuple(shape)):
+        return arrays, fmt
+    return interleave(arrays, fmt), INTERLEAVED[fmt.name]
+
+
 def interleaved_weight(w: QuantizedWeight) -> QuantizedWeight:
-    """`w` in its format's interleaved layout (formats.py, "Interleaved": the layout of the
-    int8-rows products), or `w` itself where it has none (`interleavable`)."""
+    """`w` in its format's interleaved layout (`interleaved_blocks`), or `w` itself."""
     if w.format.interleaved or not interleavable(w.format, w.shape):
         return w
     host = (None if a is None else np.asarray(a) for a in (w.quants, w.scales, w.offsets))
-    arrays = BlockArrays(*host)
-    return from_block_arrays(interleave(arrays, w.format), INTERLEAVED[w.format.name], w.shape)
+    return from_block_arrays(*interleaved_blocks(BlockArrays(*host), w.format, w.shape), w.shape)
 
 
 def _nbytes(a) -> int:

@@ -219,25 +219,26 @@ def interleave(arrays: BlockArrays, fmt: BlockFormat) -> BlockArrays:
 
 def deinterleave(arrays: BlockArrays, fmt: BlockFormat) -> BlockArrays:
     """`interleave`'s inverse: the arrays of a weight of an interleaved `fmt` in the layout
-    of the format it reorders."""
-    quants = np.asarray(arrays.quants)
+    of the format it reorders (NumPy)."""
+    host = (None if a is None else np.asarray(a) for a in arrays)
+    return BlockArrays(*deinterleaved(*host, fmt.bits))
+
+
+def deinterleaved(quants, scales, offsets, bits: int) -> tuple:
+    """`deinterleave` of NumPy or JAX arrays (reshapes and transposes only, so XLA runs it in
+    a program: pallas_kernels/block_products/xla.py `deinterleave_xla`)."""
     out, row_bytes = quants.shape
-    tile = _tile_bytes(fmt.bits)
+    tile = _tile_bytes(bits)
+    # [group, block, chunk, row, byte] -> [group, row, block, chunk, byte]
     q = quants.reshape(out // ROWS, row_bytes // tile, tile // 4, ROWS, 4).transpose(0, 3, 1, 2, 4)
-    return BlockArrays(
-        np.ascontiguousarray(q).reshape(out, row_bytes),
-        _scales_by_row(arrays.scales),
-        None if arrays.offsets is None else _scales_by_row(arrays.offsets),
-    )
+
+    def by_row(s):  # [group, block, row] -> [group, row, block]
+        return s.reshape(out // ROWS, s.shape[1], ROWS).transpose(0, 2, 1).reshape(s.shape)
+
+    return q.reshape(out, row_bytes), by_row(scales), None if offsets is None else by_row(offsets)
 
 
 def _scales_by_block(scales: np.ndarray) -> np.ndarray:
     out, blocks = scales.shape  # [group, row, block] -> [group, block, row]
     grouped = np.asarray(scales).reshape(out // ROWS, ROWS, blocks).transpose(0, 2, 1)
-    return np.ascontiguousarray(grouped).reshape(out, blocks)
-
-
-def _scales_by_row(scales: np.ndarray) -> np.ndarray:
-    out, blocks = scales.shape
-    grouped = np.asarray(scales).reshape(out // ROWS, blocks, ROWS).transpose(0, 2, 1)
     return np.ascontiguousarray(grouped).reshape(out, blocks)

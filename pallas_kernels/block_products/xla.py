@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.block_products.formats import deinterleaved
+
 
 def dequantize_xla(
     quants: jax.Array,
@@ -63,15 +65,8 @@ def deinterleave_xla(
     quants: jax.Array, scales: jax.Array, offsets: jax.Array | None, bits: int
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """The arrays of an interleaved weight (formats.py, "Interleaved") in the layout of the
-    format it reorders, in the program: formats.deinterleave's reshapes."""
-    out, row_bytes = quants.shape
-    tile = 16 if bits == 4 else 32
-    q = quants.reshape(out // 16, row_bytes // tile, tile // 4, 16, 4).transpose(0, 3, 1, 2, 4)
-
-    def by_row(s):
-        return s.reshape(out // 16, s.shape[1], 16).transpose(0, 2, 1).reshape(s.shape)
-
-    return q.reshape(out, row_bytes), by_row(scales), None if offsets is None else by_row(offsets)
+    format it reorders, in the program."""
+    return deinterleaved(quants, scales, offsets, bits)
 
 
 def quantize_rows_xla(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
